@@ -1,0 +1,22 @@
+"""attnres-probe: see how Attention Residuals transformers route information across depth.
+
+Public surface (DESIGN.md): ModelConfig, AttnResTransformer, ByteTokenizer, kernels.depth_attn,
+Probe, DepthTrace, metrics, load_demo, dashboards.create_app, reports.build_report.
+"""
+
+from __future__ import annotations
+
+from attnres_probe._version import __version__
+from attnres_probe.config import ConfigError, ModelConfig
+from attnres_probe.model import AttnResTransformer
+from attnres_probe.tokenizer import ByteTokenizer
+from attnres_probe.checkpoint import CheckpointError
+
+__all__ = [
+    "AttnResTransformer",
+    "ByteTokenizer",
+    "CheckpointError",
+    "ConfigError",
+    "ModelConfig",
+    "__version__",
+]

@@ -1,0 +1,182 @@
+"""ModelConfig: one dataclass for the PreNorm baseline, Full AttnRes and Block AttnRes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Residual = Literal["prenorm", "full", "block"]
+RESIDUALS = ("prenorm", "full", "block")
+POSITIONALS = ("learned", "sinusoidal")
+DEFAULT_BLOCK_SIZE = 4
+
+
+class ConfigError(ValueError):
+    """A ModelConfig field has a value the model cannot be built with."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape and residual mode of an :class:`~attnres_probe.AttnResTransformer`.
+
+    A model of ``n_layers`` transformer blocks has ``L = 2 * n_layers`` sublayers
+    (attention, MLP, attention, ...), so L AttnRes reads plus one final read.
+    """
+
+    d_model: int = 128  # width of the residual stream / every depth source
+    n_layers: int = 4  # transformer blocks (each = one attention + one MLP sublayer)
+    n_heads: int = 4
+    d_head: int | None = None  # None: d_model // n_heads (d_model must then divide evenly)
+    d_mlp: int | None = None  # None: 4 * d_model
+    n_ctx: int = 256  # longest sequence the model accepts
+    d_vocab: int = 256  # 256 = the byte tokenizer
+    residual: Residual = "full"  # "prenorm" | "full" | "block"
+    block_size: int | None = None  # block mode: sublayers per block (None and no boundaries: 4)
+    block_boundaries: list[int] | None = None  # block mode: sublayer indices where blocks 2..N start
+    norm_eps: float = 1e-6  # shared by every RMSNorm, the depth keys' included
+    positional: str = "learned"  # "learned" | "sinusoidal"
+    seed: int = 0  # parameter initialisation seed
+    init_std: float = 0.02
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form metadata (kept in JSON)
+
+    def __post_init__(self) -> None:
+        if self.block_boundaries is not None and not isinstance(self.block_boundaries, list):
+            try:
+                self.block_boundaries = list(self.block_boundaries)
+            except TypeError:
+                raise ConfigError(
+                    f"block_boundaries must be a list of sublayer indices; got {self.block_boundaries!r}"
+                ) from None
+        if self.d_head is None and _is_pos_int(self.d_model) and _is_pos_int(self.n_heads):
+            if self.d_model % self.n_heads:
+                raise ConfigError(
+                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                    "choose n_heads dividing d_model, or set d_head explicitly"
+                )
+            self.d_head = self.d_model // self.n_heads
+        if self.d_mlp is None and _is_pos_int(self.d_model):
+            self.d_mlp = 4 * self.d_model
+        self.validate()
+
+    # -- derived -------------------------------------------------------------------------
+    @property
+    def n_sublayers(self) -> int:
+        """L = 2 * n_layers."""
+        return 2 * self.n_layers
+
+    @property
+    def n_reads(self) -> int:
+        """L + 1: one read before every sublayer and the final read."""
+        return self.n_sublayers + 1
+
+    @property
+    def block_starts(self) -> list[int]:
+        """Sublayer index where each block starts, [0, b_1, ..., b_{N-1}] (block mode only)."""
+        if self.residual != "block":
+            return []
+        if self.block_boundaries is not None:
+            return [0, *self.block_boundaries]
+        size = self.block_size or DEFAULT_BLOCK_SIZE
+        return list(range(0, self.n_sublayers, size))
+
+    @property
+    def n_blocks(self) -> int:
+        """N, the number of blocks (block mode), else 0."""
+        return len(self.block_starts)
+
+    @property
+    def n_sources(self) -> int:
+        """Columns of the common source axis: N+1 for block, L+1 otherwise."""
+        return self.n_blocks + 1 if self.residual == "block" else self.n_sublayers + 1
+
+    # -- validation ----------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field and the accepted values."""
+        for name in ("d_model", "n_layers", "n_heads", "d_head", "d_mlp", "n_ctx", "d_vocab"):
+            value = getattr(self, name)
+            if not _is_pos_int(value):
+                raise ConfigError(f"{name} must be a positive integer; got {value!r}")
+        if self.residual not in RESIDUALS:
+            raise ConfigError(f"residual is {self.residual!r}; accepted values are {', '.join(RESIDUALS)}")
+        if self.positional not in POSITIONALS:
+            raise ConfigError(f"positional is {self.positional!r}; accepted values are {', '.join(POSITIONALS)}")
+        if self.positional == "sinusoidal" and self.d_model % 2:
+            raise ConfigError(f"positional='sinusoidal' needs an even d_model; got d_model={self.d_model}")
+        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not (
+            0 < self.norm_eps < 1
+        ):
+            raise ConfigError(f"norm_eps must be a number in (0, 1); got {self.norm_eps!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed must be a non-negative integer; got {self.seed!r}")
+        if isinstance(self.init_std, bool) or not isinstance(self.init_std, (int, float)) or self.init_std <= 0:
+            raise ConfigError(f"init_std must be a positive number; got {self.init_std!r}")
+        if not isinstance(self.extra, dict):
+            raise ConfigError(f"extra must be a dict; got {type(self.extra).__name__}")
+        L = self.n_sublayers
+        if self.block_size is not None and not _is_pos_int(self.block_size):
+            raise ConfigError(f"block_size must be a positive integer (sublayers per block); got {self.block_size!r}")
+        if self.residual != "block":
+            if self.block_size is not None or self.block_boundaries is not None:
+                raise ConfigError(
+                    f"block_size/block_boundaries apply only to residual='block'; this config has residual={self.residual!r}"
+                )
+            return
+        if self.block_size is not None and self.block_boundaries is not None:
+            raise ConfigError("give either block_size or block_boundaries, not both")
+        if self.block_size is not None and self.block_size > L:
+            raise ConfigError(
+                f"block_size={self.block_size} is larger than the model's {L} sublayers (2 * n_layers); "
+                f"accepted: 1..{L}"
+            )
+        if self.block_boundaries is not None:
+            b = self.block_boundaries
+            for x in b:
+                if not _is_pos_int(x) or x >= L:
+                    raise ConfigError(
+                        f"block_boundaries entry {x!r} is out of range; each must be an integer in 1..{L - 1} "
+                        f"(a sublayer index where a new block starts; the model has {L} sublayers)"
+                    )
+            if any(b2 <= b1 for b1, b2 in zip(b, b[1:])):
+                raise ConfigError(f"block_boundaries must be strictly increasing; got {b}")
+
+    # -- (de)serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict of every field."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Inverse of :meth:`to_dict`; unknown keys raise a ConfigError listing the known ones."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a model config must be a JSON object; got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {unknown}; known fields are {sorted(known)}")
+        return cls(**data)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """JSON text of the config; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> ModelConfig:
+        """Config from JSON text or from a file path."""
+        p = Path(text_or_path) if not str(text_or_path).lstrip().startswith("{") else None
+        text = p.read_text() if p is not None else str(text_or_path)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            where = f"{p}" if p is not None else "config text"
+            raise ConfigError(f"{where} is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+
+def _is_pos_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0

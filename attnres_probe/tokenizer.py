@@ -1,0 +1,99 @@
+"""ByteTokenizer: 256 ids, one per UTF-8 byte; nothing to download."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["ByteTokenizer"]
+
+_ESCAPES = {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
+CONTINUATION = "\u00b7"  # shown for the 2nd..nth byte of a multi-byte character
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer: token id = UTF-8 byte value (vocabulary of 256)."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str; got {type(text).__name__}")
+        return list(text.encode("utf-8"))
+
+    def to_tokens(self, text: str, max_len: int | None = None, truncate: bool = False) -> torch.Tensor:
+        """LongTensor [1, pos] of byte ids.
+
+        Args:
+            text: non-empty text.
+            max_len: the longest allowed sequence (a model's n_ctx); None for no limit.
+            truncate: keep the first ``max_len`` tokens instead of raising.
+
+        Raises:
+            ValueError: empty text, or more than ``max_len`` tokens without ``truncate``.
+        """
+        ids = self.encode(text)
+        if not ids:
+            raise ValueError("text is empty: need at least one character")
+        if max_len is not None and len(ids) > max_len:
+            if not truncate:
+                raise ValueError(
+                    f"text has {len(ids)} tokens; this model's context is {max_len} "
+                    f"(pass truncate=True to keep the first {max_len})"
+                )
+            ids = ids[:max_len]
+        return torch.tensor([ids], dtype=torch.long)
+
+    def decode(self, tokens: Any) -> str:
+        """Text of token ids (a tensor [pos] / [1, pos] or a list); invalid UTF-8 becomes U+FFFD."""
+        return bytes(self._ids(tokens)).decode("utf-8", errors="replace")
+
+    def to_str_tokens(self, text_or_tokens: Any) -> list[str]:
+        """One printable label per token.
+
+        Printable ASCII shows as itself; tab, newline and carriage return as ``\\t``, ``\\n``,
+        ``\\r``; other control bytes and bytes that are not valid UTF-8 as ``\\xNN``; a valid
+        multi-byte character shows on its first byte, its other bytes as ``·``.
+        """
+        ids = self.encode(text_or_tokens) if isinstance(text_or_tokens, str) else self._ids(text_or_tokens)
+        out: list[str] = []
+        i = 0
+        while i < len(ids):
+            b = ids[i]
+            if b < 0x80:
+                out.append(_ESCAPES.get(b, chr(b) if 0x20 <= b < 0x7F else f"\\x{b:02x}"))
+                i += 1
+                continue
+            n = 2 if 0xC2 <= b <= 0xDF else 3 if 0xE0 <= b <= 0xEF else 4 if 0xF0 <= b <= 0xF4 else 0
+            if n and i + n <= len(ids):
+                try:
+                    ch = bytes(ids[i : i + n]).decode("utf-8")
+                except UnicodeDecodeError:
+                    ch = None
+                if ch is not None and ch.isprintable():
+                    out.append(ch)
+                    out.extend([CONTINUATION] * (n - 1))
+                    i += n
+                    continue
+            out.append(f"\\x{b:02x}")
+            i += 1
+        return out
+
+    @staticmethod
+    def _ids(tokens: Any) -> list[int]:
+        if isinstance(tokens, torch.Tensor):
+            if tokens.dim() == 2 and tokens.shape[0] == 1:
+                tokens = tokens[0]
+            if tokens.dim() != 1:
+                raise ValueError(f"tokens must be [pos] or [1, pos]; got shape {tuple(tokens.shape)}")
+            tokens = tokens.tolist()
+        if not isinstance(tokens, Iterable):
+            raise TypeError(f"tokens must be a tensor or a list of ids; got {type(tokens).__name__}")
+        ids = [int(t) for t in tokens]
+        bad = [t for t in ids if not 0 <= t < 256]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is not a byte; ByteTokenizer ids are 0..255")
+        return ids

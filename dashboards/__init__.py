@@ -1,0 +1,1 @@
+"""attnres_probe.dashboards (see DESIGN.md)."""

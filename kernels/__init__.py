@@ -1,0 +1,214 @@
+"""Depth-attention ops and their backend dispatch.
+
+One public op, :func:`depth_attn`, plus the two-phase pair :func:`phase1` / :func:`phase2`
+used by Block AttnRes. Each runs on one of two backends:
+
+- ``"triton"``: the fused kernels in :mod:`attnres_probe.kernels.triton_depth_attn`
+  (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
+- ``"torch"``: the plain-PyTorch reference in :mod:`attnres_probe.kernels.reference`
+  (every device; the test oracle).
+
+Choice, first match wins: the ``backend=`` argument; the ``ATTNRES_BACKEND`` environment
+variable (``torch`` | ``triton`` | ``auto``); otherwise ``auto``: Triton for CUDA tensors,
+the reference for everything else. Forcing ``triton`` on CPU tensors works only under
+``TRITON_INTERPRET=1`` (Triton's interpreter; this is how CI tests the kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Literal
+
+import torch
+
+from .reference import (
+    Sources,
+    depth_attn_reference,
+    inv_rms,
+    phase1_reference,
+    phase2_reference,
+    validate_depth_attn_args,
+)
+
+Backend = Literal["auto", "torch", "triton"]
+BACKENDS = ("auto", "torch", "triton")
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "depth_attn",
+    "depth_attn_reference",
+    "inv_rms",
+    "phase1",
+    "phase2",
+    "resolve_backend",
+    "triton_available",
+]
+
+
+def _interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_import_error() -> str | None:
+    try:
+        from . import triton_depth_attn  # noqa: F401
+    except Exception as exc:  # triton missing, or not importable on this platform
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can be imported here."""
+    return _triton_import_error() is None
+
+
+def resolve_backend(device: torch.device | str, backend: str | None = None) -> Literal["torch", "triton"]:
+    """Pick the backend for tensors on ``device``.
+
+    Args:
+        device: where the op's tensors live.
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or None (read ``ATTNRES_BACKEND``).
+
+    Raises:
+        ValueError: for an unknown backend name, or when Triton is asked for where it cannot
+            run (CPU tensors without ``TRITON_INTERPRET=1``, or triton not importable).
+    """
+    device = torch.device(device)
+    source = "backend argument"
+    if backend is None:
+        backend = os.environ.get("ATTNRES_BACKEND", "auto").strip().lower() or "auto"
+        source = "ATTNRES_BACKEND"
+    if backend not in BACKENDS:
+        raise ValueError(f"{source} is {backend!r}; accepted values are {', '.join(BACKENDS)}")
+    on_gpu_or_interp = device.type == "cuda" or (device.type == "cpu" and _interpret_mode())
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "triton":
+        if not on_gpu_or_interp:
+            raise ValueError(
+                f"{source} asks for the Triton backend, but the tensors are on {device}; "
+                "Triton runs on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 is set"
+            )
+        err = _triton_import_error()
+        if err is not None:
+            raise ValueError(f"{source} asks for the Triton backend, but it cannot be imported ({err})")
+    return backend  # type: ignore[return-value]
+
+
+def _device_of(sources: Sources) -> torch.device:
+    return sources.device if isinstance(sources, torch.Tensor) else sources[0].device
+
+
+def depth_attn(
+    sources: Sources,
+    query: torch.Tensor,
+    gain: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    return_weights: bool = False,
+    *,
+    inv_rms_cache=None,
+    backend: str | None = None,
+):
+    """Depth attention: a softmax over depth sources scored by one pseudo-query.
+
+    ``z_i = (query * gain) . v_i / rms(v_i)``, ``alpha = softmax(z)``,
+    ``mixture = sum_i alpha_i v_i``, ``lse = logsumexp(z)``.
+
+    Args:
+        sources: [S, *batch, d], or a sequence of S tensors [*batch, d] (the Triton
+            backend stacks a sequence into one buffer first).
+        query: [d] pseudo-query.
+        gain: [d] key-norm gain, or None for ones.
+        eps: RMS epsilon, ``rms(v) = sqrt(mean(v^2) + eps)``.
+        return_weights: also return the softmax weights the op used.
+        inv_rms_cache: reference backend only: per-source cached ``1/rms`` (ignored by Triton,
+            which normalises inside the kernel at no extra memory traffic).
+        backend: ``"auto"`` | ``"torch"`` | ``"triton"``; None reads ``ATTNRES_BACKEND``.
+
+    Returns:
+        (mixture [*batch, d] in the sources' dtype, lse [*batch] float32) or, with
+        ``return_weights``, (mixture, lse, weights [*batch, S] float32). float64 inputs
+        compute and return in float64.
+
+    Raises:
+        ValueError: for a bad argument (named in the message) or an unusable backend.
+    """
+    validate_depth_attn_args(sources, query, gain, eps)
+    chosen = resolve_backend(_device_of(sources), backend)
+    if chosen == "triton":
+        from .triton_depth_attn import depth_attn_triton
+
+        stacked = sources if isinstance(sources, torch.Tensor) else torch.stack(list(sources))
+        return depth_attn_triton(stacked, query, gain, eps, return_weights)
+    return depth_attn_reference(
+        sources, query, gain, eps, return_weights, inv_rms_cache=inv_rms_cache, validate=False
+    )
+
+
+def phase1(
+    sources: Sources,
+    queries: torch.Tensor,
+    eps: float = 1e-6,
+    return_weights: bool = False,
+    *,
+    inv_rms_cache=None,
+    backend: str | None = None,
+):
+    """Phase 1 of the two-phase Block AttnRes schedule (one launch for a whole block).
+
+    Args:
+        sources: completed block summaries [S, *batch, d] or a sequence of S [*batch, d].
+        queries: [Q, d] gain-folded pseudo-queries of the Q reads of the block.
+        eps: RMS epsilon.
+        return_weights: also return weights [Q, *batch, S].
+        inv_rms_cache: reference backend only, as in :func:`depth_attn`.
+        backend: as in :func:`depth_attn`.
+
+    Returns:
+        (o_bar [Q, *batch, d], lse [Q, *batch]) and, on request, weights [Q, *batch, S].
+    """
+    if not isinstance(queries, torch.Tensor) or queries.dim() != 2:
+        raise ValueError(f"queries must be a [Q, d] tensor; got {getattr(queries, 'shape', type(queries))}")
+    validate_depth_attn_args(sources, queries[0], None, eps)
+    chosen = resolve_backend(_device_of(sources), backend)
+    if chosen == "triton":
+        from .triton_depth_attn import phase1_triton
+
+        stacked = sources if isinstance(sources, torch.Tensor) else torch.stack(list(sources))
+        return phase1_triton(stacked, queries, eps, return_weights)
+    return phase1_reference(sources, queries, eps, return_weights, inv_rms_cache=inv_rms_cache)
+
+
+def phase2(
+    o_bar: torch.Tensor,
+    lse: torch.Tensor,
+    partial: torch.Tensor,
+    query: torch.Tensor,
+    gain: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    partial_inv_rms: torch.Tensor | None = None,
+    backend: str | None = None,
+):
+    """Phase 2: merge a read's phase-1 result with the current partial block.
+
+    ``h = o_bar + sigmoid(z_p - lse) * (partial - o_bar)``, fused with the partial's key
+    norm and logit ``z_p``.
+
+    Returns:
+        (h [*batch, d], lse_total [*batch], s [*batch]); ``s`` is the partial's weight.
+    """
+    validate_depth_attn_args([partial], query, gain, eps)
+    if o_bar.shape != partial.shape:
+        raise ValueError(f"o_bar has shape {tuple(o_bar.shape)}; it must match partial {tuple(partial.shape)}")
+    if lse.shape != partial.shape[:-1]:
+        raise ValueError(f"lse has shape {tuple(lse.shape)}; it must be {tuple(partial.shape[:-1])}")
+    chosen = resolve_backend(partial.device, backend)
+    if chosen == "triton":
+        from .triton_depth_attn import phase2_triton
+
+        return phase2_triton(o_bar, lse, partial, query, gain, eps)
+    return phase2_reference(o_bar, lse, partial, query, gain, eps, partial_inv_rms=partial_inv_rms)

@@ -1,0 +1,1 @@
+"""attnres_probe.reports (see DESIGN.md)."""
