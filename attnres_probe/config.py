@@ -39,7 +39,8 @@ class ModelConfig:
     norm_eps: float = 1e-6  # shared by every RMSNorm, the depth keys' included
     positional: str = "learned"  # "learned" | "sinusoidal"
     seed: int = 0  # parameter initialisation seed
-    init_std: float = 0.02
+    init_std: float = 0.02  # std of the attention, MLP and unembedding weights
+    embed_std: float = 1.0  # std of the token and learned position embeddings (unit-scale source 0)
     extra: dict[str, Any] = field(default_factory=dict)  # free-form metadata (kept in JSON)
 
     def __post_init__(self) -> None:
@@ -111,8 +112,10 @@ class ModelConfig:
             raise ConfigError(f"norm_eps must be a number in (0, 1); got {self.norm_eps!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"seed must be a non-negative integer; got {self.seed!r}")
-        if isinstance(self.init_std, bool) or not isinstance(self.init_std, (int, float)) or self.init_std <= 0:
-            raise ConfigError(f"init_std must be a positive number; got {self.init_std!r}")
+        for name in ("init_std", "embed_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{name} must be a positive number; got {value!r}")
         if not isinstance(self.extra, dict):
             raise ConfigError(f"extra must be a dict; got {type(self.extra).__name__}")
         L = self.n_sublayers

@@ -249,9 +249,9 @@ class AttnResTransformer(HookedRootModule):
         g = torch.Generator().manual_seed(cfg.seed)
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         with torch.no_grad():
-            nn.init.normal_(self.W_E, 0.0, std, generator=g)
+            nn.init.normal_(self.W_E, 0.0, cfg.embed_std, generator=g)
             if cfg.positional == "learned":
-                nn.init.normal_(self.W_pos, 0.0, std, generator=g)
+                nn.init.normal_(self.W_pos, 0.0, cfg.embed_std, generator=g)
             for block in self.blocks:
                 nn.init.normal_(block.attn.W_QKV.weight, 0.0, std, generator=g)
                 nn.init.normal_(block.attn.W_O.weight, 0.0, out_std, generator=g)

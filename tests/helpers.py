@@ -1,0 +1,57 @@
+"""Small builders shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+from attnres_probe import AttnResTransformer, ModelConfig
+
+
+def tiny_config(residual: str = "full", **kw) -> ModelConfig:
+    base = dict(d_model=32, n_layers=2, n_heads=2, n_ctx=24, residual=residual, seed=1)
+    if residual == "block" and "block_boundaries" not in kw:
+        kw.setdefault("block_size", 2)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def tiny_model(residual: str = "full", randomize_queries: bool = True, **kw) -> AttnResTransformer:
+    """A small model; AttnRes queries and gains randomised so routing is not uniform."""
+    model = AttnResTransformer(tiny_config(residual, **kw))
+    if randomize_queries:
+        g = torch.Generator().manual_seed(123)
+        with torch.no_grad():
+            for m in model.mixers:
+                m.query.copy_(torch.randn(m.query.shape, generator=g) * 0.5)
+                m.norm.weight.copy_(1 + 0.3 * torch.randn(m.query.shape, generator=g))
+    return model.eval()
+
+
+def sample_tokens(n: int = 12, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (batch, n), generator=g)
+
+
+def sources_of_reads(model: AttnResTransformer, cache) -> list[list[torch.Tensor]]:
+    """For every read, the list of source tensors it sees, rebuilt from the cache's sublayer outputs."""
+    outs = {"embed": cache["hook_embed"] + cache["hook_pos_embed"]}
+    for i in range(model.cfg.n_layers):
+        outs[f"L{i}.attn"] = cache[f"blocks.{i}.hook_attn_out"]
+        outs[f"L{i}.mlp"] = cache[f"blocks.{i}.hook_mlp_out"]
+    return [
+        [sum(outs[m] for m in members) for members in model.source_members(r)] for r in range(model.cfg.n_reads)
+    ]
+
+
+def mixed_input_names(model: AttnResTransformer) -> list[str]:
+    names = []
+    for i in range(model.cfg.n_layers):
+        names += [f"blocks.{i}.hook_resid_pre", f"blocks.{i}.hook_resid_mid"]
+    return [*names, "hook_resid_final"]
+
+
+def weight_hook_names(model: AttnResTransformer) -> list[str]:
+    names = []
+    for i in range(model.cfg.n_layers):
+        names += [f"blocks.{i}.attn_res.hook_weights", f"blocks.{i}.mlp_res.hook_weights"]
+    return [*names, "out_res.hook_weights"]
