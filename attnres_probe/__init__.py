@@ -11,12 +11,17 @@ from attnres_probe.config import ConfigError, ModelConfig
 from attnres_probe.model import AttnResTransformer
 from attnres_probe.tokenizer import ByteTokenizer
 from attnres_probe.checkpoint import CheckpointError
+from attnres_probe.trace import DepthTrace, TraceError
+from attnres_probe.probe import Probe
 
 __all__ = [
     "AttnResTransformer",
     "ByteTokenizer",
     "CheckpointError",
     "ConfigError",
+    "DepthTrace",
+    "Probe",
+    "TraceError",
     "ModelConfig",
     "__version__",
 ]

@@ -1,0 +1,210 @@
+"""Routing ablation: edit depth weights through the weight hooks and measure the change in loss.
+
+For a read r with weights alpha over its k available sources, ablating a set A of sources sets
+
+    alpha'_i = t_i                                         for i in A
+    alpha'_j = alpha_j * (1 - sum_{i in A} t_i) / sum_{j not in A} alpha_j   otherwise
+
+so the weights still sum to one, with the target t_i given by the mode:
+
+- ``"zero"``: t_i = 0, the source is removed and the rest renormalised;
+- ``"uniform"``: t_i = 1/k, the source loses its learned preference;
+- ``"mean"``: t_i = the source's mean weight over the text's tokens at that read, the source
+  loses its token dependence.
+
+The result sits beside each source's routing mass (mean weight) and contribution share, so mass
+and causal importance can be compared.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from attnres_probe.hooks.recorder import visible_counts
+
+__all__ = ["FAMILIES", "MODES", "ablate"]
+
+MODES = ("zero", "uniform", "mean")
+FAMILIES = ("embed", "completed", "partial", "recent")
+
+
+def _family(name: str, read: int, k: int, residual: str, partial: bool) -> list[int]:
+    """Columns of a source family at a read with k available sources."""
+    if name == "embed":
+        return [0]
+    if name == "recent":
+        return [k - 1]
+    if name == "partial":
+        return [k - 1] if partial else []
+    # completed: every earlier source but the embedding and the current partial / most recent source
+    last = k - 1 if (partial or residual == "full") else k
+    return list(range(1, last))
+
+
+def ablate(
+    probe: Any,
+    text_or_tokens: Any,
+    sources: Any = "all",
+    reads: Any = None,
+    mode: str = "zero",
+    joint: bool = False,
+    truncate: bool = False,
+) -> pd.DataFrame:
+    """Ablate sources from reads and report the loss change per (read, source).
+
+    Args:
+        probe: a :class:`~attnres_probe.Probe` on a Full or Block AttnRes model.
+        text_or_tokens: the text (or tokens) to evaluate the loss on (>= 2 tokens).
+        sources: ``"all"`` (each available source on its own); a family, ``"embed"``,
+            ``"completed"`` (earlier blocks or sublayers but the embedding and the most
+            recent), ``"partial"`` (the current partial block, Block AttnRes), ``"recent"``
+            (the most recent source), ablated as one set per read; or a source label/index or
+            a list of them (each on its own, or together with ``joint=True``).
+        reads: read labels/indices (default: every read with more than one source).
+        mode: ``"zero"`` | ``"uniform"`` | ``"mean"`` (see the module docstring).
+        joint: ablate a list of sources together instead of one at a time.
+        truncate: keep the first n_ctx tokens of a longer text.
+
+    Returns:
+        DataFrame with columns read, source, mode, mass, contrib, base_loss, loss, delta_loss
+        (one row per read and ablated source or set; mass and contrib are the mean weight and
+        contribution share of the ablated sources, summed over a set).
+
+    Raises:
+        ValueError: a PreNorm model (no softmax weights to edit), an unknown mode, source or
+            read, or a text shorter than two tokens.
+    """
+    spec = probe.spec
+    if spec.residual == "prenorm" or not spec.weight_hooks:
+        raise ValueError(
+            f"routing ablation edits softmax depth weights; {probe.name!r} is a PreNorm model whose sources "
+            "all enter with coefficient 1 (use a Full or Block AttnRes model)"
+        )
+    if mode not in MODES:
+        raise ValueError(f"mode is {mode!r}; accepted values are {', '.join(MODES)}")
+    tokens, str_tokens = probe.tokenize(text_or_tokens, truncate=truncate)
+    if tokens.shape[1] < 2:
+        raise ValueError("ablation measures the next-token loss, which needs at least two tokens")
+    base = probe.run(tokens, backward=False)
+    base_loss = base.meta["mean_loss"]
+    counts = visible_counts(spec)
+    read_ids = _resolve_reads(reads, spec, counts)
+    src_labels = spec.source_labels
+    mass = base.weights().to_numpy()  # (R, S) mean weight over tokens
+    share = base.weights(kind="contrib").to_numpy()
+
+    rows = []
+    for r in read_ids:
+        k = counts[r]
+        has_partial = spec.residual == "block" and _has_partial(spec, r)
+        for label, cols in _ablation_sets(sources, r, k, spec, has_partial, joint):
+            if not cols:
+                continue
+            if mode == "zero" and len(cols) == k:
+                raise ValueError(
+                    f"read {spec.read_labels[r]!r}: mode 'zero' cannot remove all {k} of its sources; "
+                    "keep at least one"
+                )
+            targets = {c: 0.0 if mode == "zero" else 1.0 / k if mode == "uniform" else float(mass[r, c]) for c in cols}
+            loss = _loss_with(probe, tokens, spec.weight_hooks[r], k, targets)
+            rows.append(
+                {
+                    "read": spec.read_labels[r],
+                    "source": label,
+                    "mode": mode,
+                    "mass": float(np.nansum(mass[r, cols])),
+                    "contrib": float(np.nansum(share[r, cols])),
+                    "base_loss": base_loss,
+                    "loss": loss,
+                    "delta_loss": loss - base_loss,
+                }
+            )
+    return pd.DataFrame(rows, columns=["read", "source", "mode", "mass", "contrib", "base_loss", "loss", "delta_loss"])
+
+
+def _has_partial(spec, r: int) -> bool:
+    starts = spec.block_starts
+    ends = [*starts[1:], spec.n_sublayers]
+    return any(s < r < e for s, e in zip(starts, ends))
+
+
+def _resolve_reads(reads: Any, spec, counts: list[int]) -> list[int]:
+    labels = spec.read_labels
+    if reads is None:
+        return [r for r in range(len(labels)) if counts[r] > 1]
+    items = [reads] if isinstance(reads, (str, int)) else list(reads)
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            if item not in labels:
+                raise ValueError(f"read {item!r} is not one of {labels}")
+            out.append(labels.index(item))
+        elif isinstance(item, (int, np.integer)) and -len(labels) <= item < len(labels):
+            out.append(int(item) % len(labels))
+        else:
+            raise ValueError(f"read {item!r} is out of range; reads are 0..{len(labels) - 1} or labels {labels}")
+    return out
+
+
+def _ablation_sets(sources: Any, r: int, k: int, spec, has_partial: bool, joint: bool) -> list[tuple[str, list[int]]]:
+    labels = spec.source_labels
+    if isinstance(sources, str) and sources == "all":
+        return [(labels[c], [c]) for c in range(k)]
+    if isinstance(sources, str) and sources in FAMILIES:
+        return [(sources, _family(sources, r, k, spec.residual, has_partial))]
+    items = [sources] if isinstance(sources, (str, int)) else list(sources)
+    cols = []
+    for item in items:
+        if isinstance(item, str):
+            if item not in labels:
+                raise ValueError(
+                    f"source {item!r} is not one of {labels} or the families {', '.join(FAMILIES)} or 'all'"
+                )
+            c = labels.index(item)
+        elif isinstance(item, (int, np.integer)) and 0 <= item < len(labels):
+            c = int(item)
+        else:
+            raise ValueError(f"source {item!r} is out of range; sources are 0..{len(labels) - 1} or labels {labels}")
+        if c < k:  # a source this read cannot see is skipped
+            cols.append(c)
+    if joint:
+        return [("+".join(labels[c] for c in cols), cols)] if cols else []
+    return [(labels[c], [c]) for c in cols]
+
+
+def _loss_with(probe, tokens: torch.Tensor, hook_name: str, k: int, targets: dict[int, float]) -> float:
+    cols = sorted(targets)
+
+    def edit(w: torch.Tensor, hook: Any = None) -> torch.Tensor:
+        w = w.clone()
+        avail = w[..., :k]
+        keep = torch.ones(k, dtype=torch.bool, device=w.device)
+        keep[cols] = False
+        fixed = sum(targets.values())
+        rest = torch.where(keep, avail, torch.zeros_like(avail))
+        total = rest.sum(-1, keepdim=True)
+        # rescale the kept sources to fill 1 - sum(targets); uniform among them if they had no mass
+        uniform = keep.to(avail.dtype) / max(int(keep.sum()), 1)
+        scaled = torch.where(total > 0, rest / total.clamp_min(1e-30), uniform) * (1.0 - fixed)
+        for c in cols:
+            scaled[..., c] = targets[c]
+        w[..., :k] = scaled
+        return w
+
+    hp = probe.model.hook_dict[hook_name]
+    handle = hp.add_hook(edit, dir="fwd")
+    try:
+        with torch.no_grad():
+            logits = probe._logits(tokens)
+            ce = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="mean"
+            )
+    finally:
+        handle.hook.remove()
+        if handle in hp.fwd_hooks:
+            hp.fwd_hooks.remove(handle)
+    return float(ce)

@@ -1,0 +1,23 @@
+"""Hook-point names, the recorder that attaches to them, and adapters for other models."""
+
+from attnres_probe.hooks.names import (
+    logit_hook_names,
+    mixed_input_hook_names,
+    output_hook_names,
+    weight_hook_names,
+)
+from attnres_probe.hooks.recorder import Recorder, RecorderError, visible_counts
+from attnres_probe.hooks.spec import MissingHooksError, ModelSpec, spec_for
+
+__all__ = [
+    "MissingHooksError",
+    "ModelSpec",
+    "Recorder",
+    "RecorderError",
+    "logit_hook_names",
+    "mixed_input_hook_names",
+    "output_hook_names",
+    "spec_for",
+    "visible_counts",
+    "weight_hook_names",
+]

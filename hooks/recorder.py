@@ -1,0 +1,239 @@
+"""Recorder: attaches to a model's hook points and keeps reductions only, never activations.
+
+Per token and read it keeps the depth weights and logits (on the common source axis), the
+contribution share of every source, the RMS of the mixed input and, when a backward pass runs,
+the norm of the gradient at the mixed input; per source it keeps the RMS of every sublayer
+output. Sources are held only as long as the model itself holds them during the forward
+(for PreNorm, until the forward ends: the contribution share of a source at a later read needs
+the source itself).
+
+Hooks are removed on exit, also when the forward raises; a hook never raises on NaN/Inf
+(those are recorded and flagged on the trace). Any other failure inside a hook is kept and
+raised after the forward as :class:`RecorderError` with the hook's name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnres_probe.hooks.spec import ModelSpec
+
+__all__ = ["Recorder", "RecorderError", "visible_counts"]
+
+
+class RecorderError(RuntimeError):
+    """A recorder hook failed (the message names the hook point)."""
+
+
+def visible_counts(spec: ModelSpec) -> list[int]:
+    """Number of sources (columns 0..k-1 of the common axis) each of the L+1 reads sees."""
+    L = spec.n_sublayers
+    if spec.residual != "block":
+        return [r + 1 for r in range(L + 1)]
+    starts = spec.block_starts
+    ends = [*starts[1:], L]
+    counts = []
+    for r in range(L + 1):
+        completed = sum(1 for e in ends if e <= r)
+        partial = any(s < r < e for s, e in zip(starts, ends))
+        counts.append(1 + completed + int(partial))
+    return counts
+
+
+class Recorder:
+    """Context manager that records one forward (and optional backward) of ``model``.
+
+    Args:
+        model: a hooked model (``hook_dict`` with the names in ``spec``).
+        spec: the model's :class:`ModelSpec`.
+        contributions: compute contribution shares (one dot product per visible source
+            and read).
+        gradients: register gradient hooks on the mixed inputs (needs grad enabled).
+
+    After the forward (and backward), :meth:`arrays` returns the recorded tensors.
+    """
+
+    def __init__(self, model: Any, spec: ModelSpec, contributions: bool = True, gradients: bool = False):
+        self.model = model
+        self.spec = spec
+        self.contributions = contributions
+        self.gradients = gradients
+        self.counts = visible_counts(spec)
+        self._handles: list[tuple[Any, Any]] = []
+        self._error: tuple[str, BaseException] | None = None
+        self._arrays: dict[str, torch.Tensor] | None = None
+        self._reset_stream()
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def __enter__(self) -> Recorder:
+        self.attach()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    def attach(self) -> None:
+        hd = self.model.hook_dict
+        spec = self.spec
+        plan: list[tuple[str, Any]] = [("hook_embed", self._on_embed), ("hook_pos_embed", self._on_pos_embed)]
+        for r, name in enumerate(spec.read_hooks):
+            if name is not None:
+                plan.append((name, self._make(self._on_read, r)))
+        for l, name in enumerate(spec.output_hooks):
+            plan.append((name, self._make(self._on_output, l)))
+        if spec.weight_hooks:
+            for r, name in enumerate(spec.weight_hooks):
+                plan.append((name, self._make(self._on_weights, r)))
+        if spec.logit_hooks:
+            for r, name in enumerate(spec.logit_hooks):
+                plan.append((name, self._make(self._on_logits, r)))
+        try:
+            for name, fn in plan:
+                hp = hd[name]
+                self._handles.append((hp, hp.add_hook(self._guard(name, fn), dir="fwd")))
+        except BaseException:
+            self.detach()
+            raise
+
+    def detach(self) -> None:
+        """Remove every hook this recorder added (other hooks stay)."""
+        for hp, handle in self._handles:
+            handle.hook.remove()
+            if handle in hp.fwd_hooks:
+                hp.fwd_hooks.remove(handle)
+        self._handles.clear()
+        self._reset_stream()
+
+    def _reset_stream(self) -> None:
+        self._tok: torch.Tensor | None = None
+        self._sources: list[torch.Tensor] = []  # full/prenorm: every source; block: completed blocks
+        self._partial: torch.Tensor | None = None
+        self._final_sum: torch.Tensor | None = None
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            name, exc = self._error
+            self._error = None
+            raise RecorderError(f"recording at hook {name!r} failed: {type(exc).__name__}: {exc}") from exc
+
+    # -- hook plumbing -------------------------------------------------------------------
+    @staticmethod
+    def _make(fn, index: int):
+        return lambda x: fn(index, x)
+
+    def _guard(self, name: str, fn):
+        def hook(x: torch.Tensor, hook: Any = None) -> None:
+            if self._error is not None:
+                return None
+            try:
+                with torch.no_grad():
+                    fn(x)
+            except Exception as exc:  # kept and raised after the forward, never inside the model
+                self._error = (name, exc)
+            return None
+
+        return hook
+
+    # -- storage -------------------------------------------------------------------------
+    def _alloc(self, x: torch.Tensor) -> None:
+        B, P = x.shape[:2]
+        R, S = self.spec.n_sublayers + 1, len(self.spec.source_labels)
+        L = self.spec.n_sublayers
+        kw = dict(device=x.device, dtype=torch.float32)
+        nan = float("nan")
+        self._arrays = {
+            "depth_weights": torch.full((B, P, R, S), nan, **kw),
+            "logits": torch.full((B, P, R, S), nan, **kw),
+            "contrib": torch.full((B, P, R, S), nan, **kw),
+            "rms_in": torch.full((B, P, R), nan, **kw),
+            "grad_in": torch.full((B, P, R), nan, **kw),
+            "rms_out": torch.full((B, P, L + 1), nan, **kw),
+        }
+
+    def arrays(self) -> dict[str, torch.Tensor]:
+        """The recorded tensors (see :class:`~attnres_probe.DepthTrace` for shapes)."""
+        self.raise_if_failed()
+        if self._arrays is None:
+            raise RecorderError("nothing was recorded: the model never reached hook_embed")
+        return self._arrays
+
+    # -- hooks ---------------------------------------------------------------------------
+    def _on_embed(self, x: torch.Tensor) -> None:
+        self._reset_stream()
+        self._alloc(x)
+        self._tok = x
+
+    def _on_pos_embed(self, x: torch.Tensor) -> None:
+        v0 = self._tok + x if self._tok is not None else x
+        self._tok = None
+        self._sources = [v0]
+        self._final_sum = v0 if self.spec.read_hooks[-1] is None else None
+        self._arrays["rms_out"][:, :, 0] = _rms(v0)
+
+    def _visible(self, r: int) -> list[torch.Tensor]:
+        if self.spec.residual != "block":
+            return self._sources[: self.counts[r]]
+        L = self.spec.n_sublayers
+        if (r in self.spec.block_starts and r > 0) or r == L:
+            if self._partial is not None:
+                self._sources.append(self._partial)
+                self._partial = None
+        return [*self._sources, self._partial] if self._partial is not None else list(self._sources)
+
+    def _on_weights(self, r: int, w: torch.Tensor) -> None:
+        k = self.counts[r]
+        self._arrays["depth_weights"][:, :, r, :k] = w[..., :k].float()
+
+    def _on_logits(self, r: int, z: torch.Tensor) -> None:
+        k = self.counts[r]
+        self._arrays["logits"][:, :, r, :k] = z[..., :k].float()
+
+    def _on_read(self, r: int, h: torch.Tensor) -> None:
+        self._read(r, h)
+        if self.gradients and h.requires_grad:
+            grad_in = self._arrays["grad_in"]
+
+            def store_grad_norm(g: torch.Tensor) -> None:
+                grad_in[:, :, r] = g.detach().float().norm(dim=-1)
+
+            h.register_hook(store_grad_norm)
+
+    def _read(self, r: int, h: torch.Tensor) -> None:
+        a = self._arrays
+        visible = self._visible(r)
+        k = len(visible)
+        hf = h.float()
+        a["rms_in"][:, :, r] = _rms(hf)
+        if self.spec.residual == "prenorm":
+            a["depth_weights"][:, :, r, :k] = 1.0
+        if self.contributions:
+            coef = a["depth_weights"][:, :, r, :k]  # (B, P, k); ones for PreNorm
+            dots = torch.stack([torch.linalg.vecdot(v.float(), hf) for v in visible], dim=-1)  # (B, P, k)
+            norm2 = torch.linalg.vecdot(hf, hf).unsqueeze(-1)
+            a["contrib"][:, :, r, :k] = coef * dots / norm2
+
+    def _on_output(self, l: int, v: torch.Tensor) -> None:
+        self._arrays["rms_out"][:, :, l + 1] = _rms(v)
+        spec = self.spec
+        if spec.residual != "block":
+            self._sources.append(v)
+            if self._final_sum is not None:
+                self._final_sum = self._final_sum + v
+                if l == spec.n_sublayers - 1:  # no final-read hook: the PreNorm final read is the sum
+                    self._read(spec.n_sublayers, self._final_sum)
+                    self._final_sum = None
+            return
+        self._partial = v if self._partial is None else self._partial + v
+
+    def finish(self) -> None:
+        """Drop the references to sources once the forward is over."""
+        self._reset_stream()
+        self.raise_if_failed()
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    """Plain RMS magnitude over the last axis, sqrt(mean(x^2)), in float32."""
+    xf = x.float()
+    return torch.linalg.vecdot(xf, xf).div_(x.shape[-1]).sqrt_()

@@ -1,0 +1,182 @@
+"""ModelSpec: what the recorder needs to know about a model, for ours and for foreign ones.
+
+:func:`spec_for` builds it for an :class:`~attnres_probe.AttnResTransformer` (all three
+residual modes) or for any TransformerLens-style PreNorm model exposing ``hook_embed``,
+``hook_pos_embed``, ``blocks.{i}.hook_resid_pre``/``_mid`` and ``blocks.{i}.hook_attn_out``/
+``_mlp_out`` (a TransformerLens 4.x ``TransformerBridge``, say), which is treated as a PreNorm
+baseline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+from attnres_probe.hooks.names import (
+    REQUIRED_TL_HOOKS,
+    logit_hook_names,
+    mixed_input_hook_names,
+    output_hook_names,
+    weight_hook_names,
+)
+
+__all__ = ["ModelSpec", "MissingHooksError", "spec_for"]
+
+
+class MissingHooksError(ValueError):
+    """The model lacks hook points the recorder needs."""
+
+
+@dataclass
+class ModelSpec:
+    """Structure of a model, as the recorder sees it.
+
+    Attributes:
+        residual: "prenorm" | "full" | "block".
+        n_layers: transformer blocks; L = 2 * n_layers sublayers, L+1 reads.
+        read_hooks: mixed-input hook of each read (L+1; the last may be None: the recorder
+            then sums the sources itself, which is exact for PreNorm).
+        output_hooks: the L sublayer outputs.
+        weight_hooks / logit_hooks: per read (AttnRes only), else None.
+        block_starts: sublayer index where each block starts (block mode).
+        sublayer_params: per sublayer, the parameters of that sublayer (and its pre-norm).
+        mixer_params: per read, the depth mixer's parameters (AttnRes only).
+        n_ctx, d_vocab: input limits.
+        meta: description stored in traces (name, config, labels).
+    """
+
+    residual: str
+    n_layers: int
+    read_hooks: list[str | None]
+    output_hooks: list[str]
+    weight_hooks: list[str] | None
+    logit_hooks: list[str] | None
+    block_starts: list[int]
+    sublayer_params: list[list[nn.Parameter]]
+    mixer_params: list[list[nn.Parameter]] | None
+    n_ctx: int
+    d_vocab: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_sublayers(self) -> int:
+        return 2 * self.n_layers
+
+    @property
+    def sublayer_labels(self) -> list[str]:
+        return [f"L{i}.{k}" for i in range(self.n_layers) for k in ("attn", "mlp")]
+
+    @property
+    def read_labels(self) -> list[str]:
+        return [*self.sublayer_labels, "final"]
+
+    @property
+    def source_labels(self) -> list[str]:
+        if self.residual == "block":
+            return ["embed", *(f"block{n}" for n in range(1, len(self.block_starts) + 1))]
+        return ["embed", *self.sublayer_labels]
+
+
+def spec_for(model: nn.Module, name: str | None = None) -> ModelSpec:
+    """Build the recorder's view of ``model``.
+
+    Raises:
+        MissingHooksError: listing every hook point the model lacks.
+    """
+    from attnres_probe.model import AttnResTransformer
+
+    if isinstance(model, AttnResTransformer):
+        return _spec_attnres(model, name)
+    return _spec_foreign(model, name)
+
+
+def _spec_attnres(model, name: str | None) -> ModelSpec:
+    cfg = model.cfg
+    n = cfg.n_layers
+    attnres = cfg.residual != "prenorm"
+    sub_params = []
+    for block in model.blocks:
+        sub_params.append([*block.ln1.parameters(), *block.attn.parameters()])
+        sub_params.append([*block.ln2.parameters(), *block.mlp.parameters()])
+    spec = ModelSpec(
+        residual=cfg.residual,
+        n_layers=n,
+        read_hooks=mixed_input_hook_names(n),
+        output_hooks=output_hook_names(n),
+        weight_hooks=weight_hook_names(n) if attnres else None,
+        logit_hooks=logit_hook_names(n) if attnres else None,
+        block_starts=list(cfg.block_starts),
+        sublayer_params=sub_params,
+        mixer_params=[list(m.parameters()) for m in model.mixers] if attnres else None,
+        n_ctx=cfg.n_ctx,
+        d_vocab=cfg.d_vocab,
+    )
+    spec.meta = _meta(spec, name or cfg.residual, cfg.to_dict(), model)
+    return spec
+
+
+def _spec_foreign(model: nn.Module, name: str | None) -> ModelSpec:
+    hook_dict = getattr(model, "hook_dict", None)
+    cfg = getattr(model, "cfg", None)
+    n = getattr(cfg, "n_layers", None)
+    if not isinstance(hook_dict, dict) or not isinstance(n, int):
+        raise MissingHooksError(
+            f"{type(model).__name__} is not a TransformerLens-style model: the recorder needs `hook_dict` "
+            "and `cfg.n_layers`, and hook points hook_embed, hook_pos_embed, blocks.{i}.hook_resid_pre, "
+            "blocks.{i}.hook_attn_out, blocks.{i}.hook_resid_mid, blocks.{i}.hook_mlp_out"
+        )
+    missing = [h for h in REQUIRED_TL_HOOKS(n) if h not in hook_dict]
+    if missing:
+        raise MissingHooksError(f"{type(model).__name__} lacks the hook points the recorder needs: {', '.join(missing)}")
+    final = f"blocks.{n - 1}.hook_resid_post"
+    reads = mixed_input_hook_names(n, final=final if final in hook_dict else None)
+    if len(reads) == 2 * n:
+        reads.append(None)
+    blocks = getattr(model, "blocks", None)
+    sub_params: list[list[nn.Parameter]] = []
+    for i in range(n):
+        block = blocks[i] if blocks is not None else None
+        for parts in (("ln1", "attn"), ("ln2", "mlp")):
+            params: list[nn.Parameter] = []
+            for part in parts:
+                mod = getattr(block, part, None) if block is not None else None
+                if isinstance(mod, nn.Module):
+                    params += [p for p in mod.parameters() if p.requires_grad]
+            sub_params.append(params)
+    config: dict[str, Any] = {}
+    for key in ("d_model", "n_layers", "n_heads", "d_head", "d_mlp", "n_ctx", "d_vocab", "normalization_type", "act_fn"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, (int, float, str, bool)) or value is None:
+            config[key] = value
+    spec = ModelSpec(
+        residual="prenorm",
+        n_layers=n,
+        read_hooks=reads,
+        output_hooks=output_hook_names(n),
+        weight_hooks=None,
+        logit_hooks=None,
+        block_starts=[],
+        sublayer_params=sub_params,
+        mixer_params=None,
+        n_ctx=int(getattr(cfg, "n_ctx", 0) or 0) or 10**9,
+        d_vocab=int(getattr(cfg, "d_vocab", 0) or 0) or 10**9,
+    )
+    spec.meta = _meta(spec, name or type(model).__name__, config, model)
+    spec.meta["foreign"] = True
+    return spec
+
+
+def _meta(spec: ModelSpec, name: str, config: dict, model: nn.Module) -> dict[str, Any]:
+    return {
+        "name": name,
+        "residual": spec.residual,
+        "config": config,
+        "read_labels": spec.read_labels,
+        "source_labels": spec.source_labels,
+        "sublayer_labels": spec.sublayer_labels,
+        "block_starts": spec.block_starts,
+        "n_params": int(sum(p.numel() for p in model.parameters())),
+        "model_class": type(model).__name__,
+    }
