@@ -1,0 +1,316 @@
+"""Probe and recorder: recorded numbers equal the forward's, gradients, persistence, ablation, corpus."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from attnres_probe import DepthTrace, Probe, TraceError
+from attnres_probe.hooks import MissingHooksError, RecorderError
+from helpers import mixed_input_names, sample_tokens, sources_of_reads, tiny_model, weight_hook_names
+
+TEXT = "The cat sat on the mat."
+
+
+def _hook_count(model) -> int:
+    return sum(len(hp._forward_hooks) for hp in model.hook_dict.values())
+
+
+@pytest.mark.parametrize("residual, kw", [("full", {}), ("block", {"block_size": 3}), ("block", {"block_size": 2, "schedule": "two_phase"})])
+def test_recorded_weights_are_the_weights_the_forward_used(residual, kw):
+    schedule = kw.pop("schedule", None)
+    model = tiny_model(residual, n_layers=3, **kw)
+    model.schedule = schedule
+    tokens = sample_tokens(10)
+    trace = Probe(model).run(tokens, backward=False)
+    _, cache = model.run_with_cache(tokens)
+    srcs = sources_of_reads(model, cache)
+    for r, (wname, hname) in enumerate(zip(weight_hook_names(model), mixed_input_names(model))):
+        w = torch.from_numpy(trace.depth_weights[:, :, r])
+        torch.testing.assert_close(w, cache[wname], atol=0, rtol=0, equal_nan=True)
+        k = len(srcs[r])
+        mix = sum(w[..., i, None] * s for i, s in enumerate(srcs[r]))
+        torch.testing.assert_close(mix, cache[hname], atol=1e-6, rtol=0)
+        logits = trace.logits[:, :, r]
+        assert np.isnan(logits[..., k:]).all() and np.isfinite(logits[..., :k]).all()
+
+
+def test_recorded_weights_match_on_the_triton_backend():
+    pytest.importorskip("triton")
+    model = tiny_model("block", n_layers=2, block_size=2)
+    tokens = sample_tokens(6, batch=1)
+    ref = Probe(model).run(tokens, backward=False)
+    model.backend = "triton"
+    tri = Probe(model).run(tokens, backward=False)
+    np.testing.assert_allclose(tri.depth_weights, ref.depth_weights, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(tri.contrib, ref.contrib, atol=1e-5, rtol=0)
+    _, cache = model.run_with_cache(tokens)
+    srcs = sources_of_reads(model, cache)
+    for r, (wname, hname) in enumerate(zip(weight_hook_names(model), mixed_input_names(model))):
+        np.testing.assert_array_equal(tri.depth_weights[:, :, r], cache[wname].numpy())
+        w = torch.from_numpy(tri.depth_weights[:, :, r])
+        mix = sum(w[..., i, None] * s for i, s in enumerate(srcs[r]))
+        torch.testing.assert_close(mix, cache[hname], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("residual", ["prenorm", "full", "block"])
+def test_gradient_norms_match_autograd(residual):
+    model = tiny_model(residual, n_layers=2)
+    tokens = sample_tokens(9)
+    trace = Probe(model).run(tokens, backward=True)
+    captured = {}
+
+    def keep(x, hook):
+        captured[hook.name] = x
+
+    names = mixed_input_names(model)
+    logits = model.run_with_hooks(tokens, fwd_hooks=[(n, keep) for n in names])
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    params = [p for blk in model.blocks for p in [*blk.ln1.parameters(), *blk.attn.parameters()]]
+    grads = torch.autograd.grad(loss, [captured[n] for n in names] + params[:3])
+    for r, g in enumerate(grads[: len(names)]):
+        np.testing.assert_allclose(trace.grad_in[:, :, r], g.norm(dim=-1).numpy(), rtol=1e-5, atol=1e-9)
+    block0_attn = [*model.blocks[0].ln1.parameters(), *model.blocks[0].attn.parameters()]
+    g0 = torch.autograd.grad(
+        torch.nn.functional.cross_entropy(model(tokens)[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()), block0_attn
+    )
+    expected = float(torch.sqrt(sum(g.pow(2).sum() for g in g0)))
+    assert trace.param_grad[0] == pytest.approx(expected, rel=1e-5)
+    assert all(p.grad is None for p in model.parameters()), "the probe must not touch .grad"
+    assert trace.meta["mean_loss"] == pytest.approx(float(loss), rel=1e-6)
+
+
+@pytest.mark.parametrize("residual", ["prenorm", "full", "block"])
+def test_contribution_shares_sum_to_one_per_read(residual):
+    trace = Probe(tiny_model(residual, n_layers=3)).run(sample_tokens(11), backward=False)
+    sums = np.nansum(trace.contrib, axis=-1)
+    np.testing.assert_allclose(sums, 1.0, atol=1e-5)
+    assert np.isnan(trace.contrib[:, :, 0, 1:]).all()
+
+
+def test_prenorm_magnitudes_match_the_transformerlens_cache():
+    model = tiny_model("prenorm", n_layers=2)
+    tokens = sample_tokens(7)
+    trace = Probe(model).run(tokens, backward=False)
+    _, cache = model.run_with_cache(tokens)
+
+    def rms(x):
+        return x.pow(2).mean(-1).sqrt().numpy()
+
+    for r, name in enumerate(mixed_input_names(model)):
+        np.testing.assert_allclose(trace.rms_in[:, :, r], rms(cache[name]), rtol=1e-6)
+    np.testing.assert_allclose(trace.rms_out[:, :, 0], rms(cache["hook_embed"] + cache["hook_pos_embed"]), rtol=1e-6)
+    np.testing.assert_allclose(trace.rms_out[:, :, 2], rms(cache["blocks.0.hook_mlp_out"]), rtol=1e-6)
+    assert (trace.depth_weights[:, :, 3, :4] == 1).all() and np.isnan(trace.logits).all()
+
+
+def test_trace_round_trips_exactly(tmp_path):
+    trace = Probe(tiny_model("block")).run("round trip <b>&\"'", backward=True)
+    trace.save(tmp_path / "t")
+    back = DepthTrace.load(tmp_path / "t")
+    for name in ("tokens", "mask", "loss", "depth_weights", "logits", "contrib", "rms_in", "grad_in", "rms_out", "param_grad", "mixer_grad"):
+        a, b = getattr(trace, name), getattr(back, name)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    assert back.meta == trace.meta
+    assert back.str_tokens == trace.str_tokens
+
+
+def test_corrupted_or_future_trace_gives_clear_error(tmp_path):
+    trace = Probe(tiny_model("full")).run(TEXT, backward=False)
+    trace.save(tmp_path / "t")
+    cube = tmp_path / "t" / "cube.parquet"
+    data = bytearray(cube.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    cube.write_bytes(bytes(data))
+    with pytest.raises(TraceError, match="corrupt"):
+        DepthTrace.load(tmp_path / "t")
+    trace.save(tmp_path / "u")
+    meta = tmp_path / "u" / "trace.json"
+    doc = json.loads(meta.read_text())
+    doc["schema_version"] = 99
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(TraceError, match="schema-version 99 trace.*upgrade"):
+        DepthTrace.load(tmp_path / "u")
+    with pytest.raises(TraceError, match="not a saved DepthTrace"):
+        DepthTrace.load(tmp_path / "nothing")
+
+
+def test_weights_frame_is_labelled_and_tidy_frame_drops_unavailable_cells():
+    model = tiny_model("full")
+    trace = Probe(model).run(TEXT, backward=False)
+    df = trace.weights(token=4)
+    assert list(df.index) == model.read_labels and list(df.columns) == model.source_labels
+    one = trace.weights(token=4, read="L1.attn")
+    assert one.shape == (1, 5) and one.index[0] == "L1.attn"
+    np.testing.assert_allclose(one.to_numpy()[0], trace.depth_weights[0, 4, 2])
+    tidy = trace.to_frame()
+    R = len(model.read_labels)
+    assert len(tidy) == len(TEXT) * sum(r + 1 for r in range(R))
+    row = tidy[(tidy.pos == 4) & (tidy.read == "L1.attn") & (tidy.source == "L0.mlp")].iloc[0]
+    assert row.weight == pytest.approx(float(trace.depth_weights[0, 4, 2, 2]))
+    assert row.str_token == TEXT[4]
+    with pytest.raises(IndexError, match="out of range"):
+        trace.weights(token=len(TEXT))
+
+
+def test_recorder_removes_its_hooks_also_when_the_forward_raises():
+    model = tiny_model("full")
+    before = _hook_count(model)
+    Probe(model).run(TEXT)
+    assert _hook_count(model) == before
+
+    def boom(x, hook):
+        raise RuntimeError("user hook failed")
+
+    model.blocks[1].hook_attn_out.add_hook(boom)
+    with pytest.raises(RuntimeError, match="user hook failed"):
+        Probe(model).run(TEXT)
+    assert _hook_count(model) == before + 1  # the user's hook stays, the recorder's are gone
+    model.reset_hooks()
+
+
+def test_nan_activations_are_recorded_and_flagged_not_raised():
+    model = tiny_model("block")
+
+    def poison(x, hook):
+        x = x.clone()
+        x[:, 2] = float("nan")
+        return x
+
+    with model.hooks(fwd_hooks=[("blocks.0.hook_attn_out", poison)]):
+        trace = Probe(model).run(TEXT, backward=True)
+    assert trace.flags, "non-finite values must be flagged"
+    assert np.isnan(trace.rms_out[0, 2, 1])
+    assert "non-finite" in trace._repr_html_()
+
+
+def test_bad_input_errors():
+    probe = Probe(tiny_model("full"))
+    with pytest.raises(ValueError, match="empty"):
+        probe.run("")
+    with pytest.raises(ValueError, match="text has 30 tokens; this model's context is 24"):
+        probe.run("x" * 30)
+    assert probe.run("x" * 30, truncate=True, backward=False).tokens.shape == (1, 24)
+    with pytest.raises(ValueError, match="at least two tokens"):
+        probe.run("x", backward=True)
+    with pytest.raises(MissingHooksError, match="not a TransformerLens-style model"):
+        Probe(torch.nn.Linear(2, 2))
+
+
+def test_missing_hook_points_are_listed():
+    from transformer_lens import HookedRootModule
+    from transformer_lens.hook_points import HookPoint
+
+    class Half(HookedRootModule):
+        def __init__(self):
+            super().__init__()
+            self.cfg = type("C", (), {"n_layers": 1})()
+            self.hook_embed = HookPoint()
+            self.setup()
+
+    with pytest.raises(MissingHooksError) as err:
+        Probe(Half())
+    for name in ("hook_pos_embed", "blocks.0.hook_resid_pre", "blocks.0.hook_mlp_out"):
+        assert name in str(err.value)
+
+
+def test_a_hook_failure_inside_the_recorder_is_reported_after_the_forward(monkeypatch):
+    from attnres_probe.hooks import recorder
+
+    model = tiny_model("full")
+
+    def broken(x):
+        raise ZeroDivisionError("bad reduction")
+
+    monkeypatch.setattr(recorder, "_rms", broken)
+    with pytest.raises(RecorderError, match="hook_pos_embed.*ZeroDivisionError"):
+        Probe(model).run(TEXT, backward=False)
+    assert _hook_count(model) == 0
+
+
+def test_ablating_a_source_with_zero_mass_changes_nothing():
+    model = tiny_model("full", n_layers=2)
+    probe = Probe(model)
+
+    def silence_l0_attn(z, hook):
+        z = z.clone()
+        z[..., 1] = float("-inf")
+        return z
+
+    with model.hooks(fwd_hooks=[("blocks.1.attn_res.hook_logits", silence_l0_attn)]):
+        df = probe.ablate(TEXT, sources="L0.attn", reads="L1.attn")
+    assert len(df) == 1 and df.mass[0] == 0.0
+    assert abs(df.delta_loss[0]) < 1e-6
+
+
+def test_ablating_all_but_one_source_equals_that_source_alone():
+    model = tiny_model("block", n_layers=2, block_size=2)
+    probe = Probe(model)
+    tokens = probe.tokenize(TEXT)[0]
+    df = probe.ablate(tokens, sources=["embed"], reads="final", joint=True)
+    # final read sees [embed, block1, block2]; ablate all but block2
+    df2 = probe.ablate(tokens, sources=["embed", "block1"], reads="final", joint=True)
+    _, cache = model.run_with_cache(tokens)
+    block2 = cache["blocks.1.hook_attn_out"] + cache["blocks.1.hook_mlp_out"]
+    logits = model.run_with_hooks(tokens, fwd_hooks=[("hook_resid_final", lambda x, hook: block2)])
+    expected = torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:])
+    assert df2.loss[0] == pytest.approx(float(expected), abs=1e-5)
+    assert df2.source[0] == "embed+block1"
+    assert df.delta_loss[0] != 0
+
+
+def test_ablation_modes_and_errors():
+    probe = Probe(tiny_model("full", n_layers=2))
+    df = probe.ablate(TEXT, sources="embed", mode="mean")
+    assert list(df.read) == ["L0.mlp", "L1.attn", "L1.mlp", "final"]
+    uni = probe.ablate(TEXT, sources="all", reads=["L1.attn"], mode="uniform")
+    assert list(uni.source) == ["embed", "L0.attn", "L0.mlp"]
+    with pytest.raises(ValueError, match="accepted values are zero, uniform, mean"):
+        probe.ablate(TEXT, mode="drop")
+    with pytest.raises(ValueError, match="cannot remove all"):
+        probe.ablate(TEXT, sources=["embed", "L0.attn"], reads="L0.mlp", joint=True)
+    with pytest.raises(ValueError, match="PreNorm"):
+        Probe(tiny_model("prenorm")).ablate(TEXT)
+
+
+def test_corpus_aggregates_equal_individual_traces():
+    probe = Probe(tiny_model("block", n_layers=2))
+    texts = ["first text, long enough to split into two windows!", "second", "", "third one"]
+    stats, traces = probe.run_corpus(texts, batch_size=2, backward=True, progress=False, keep_traces=True)
+    singles = [probe.run(t, backward=False) for text in texts if text for t in _windows(text, 24)]
+    pooled = np.concatenate([t.depth_weights[t.mask] for t in singles])
+    np.testing.assert_allclose(stats.mean("depth_weights"), np.nanmean(pooled, 0), atol=1e-6, equal_nan=True)
+    np.testing.assert_allclose(stats.var("depth_weights"), np.nanvar(pooled, 0), atol=1e-6, equal_nan=True)
+    rms = np.concatenate([t.rms_in[t.mask] for t in singles])
+    np.testing.assert_allclose(stats.mean("rms_in"), rms.mean(0), rtol=1e-5)
+    assert stats.n_tokens == sum(t.n_tokens for t in singles) == len("".join(texts))
+    grads = np.stack([t.param_grad for t in traces])
+    np.testing.assert_allclose(stats.mean("param_grad"), grads.mean(0), rtol=1e-6)
+    assert stats.to_trace().weights().shape == (5, 3)
+
+
+def _windows(text: str, n: int) -> list[str]:
+    b = text.encode()
+    return [b[i : i + n].decode() for i in range(0, len(b), n)]
+
+
+def test_foreign_transformerlens_model_is_recorded_as_a_prenorm_baseline():
+    import transformer_lens.model_bridge.sources.native  # noqa: F401  (registers boot_native)
+    from transformer_lens.config import TransformerBridgeConfig
+    from transformer_lens.model_bridge import TransformerBridge
+
+    cfg = TransformerBridgeConfig(d_model=32, d_head=8, n_layers=2, n_ctx=16, n_heads=4, d_vocab=256, act_fn="gelu", seed=0)
+    bridge = TransformerBridge.boot_native(cfg)
+    probe = Probe(bridge, name="tl-native")
+    tokens = sample_tokens(8, batch=1)
+    trace = probe.run(tokens, backward=True)
+    assert trace.residual == "prenorm" and trace.meta["foreign"]
+    np.testing.assert_allclose(np.nansum(trace.contrib, -1), 1.0, atol=1e-4)
+    _, cache = bridge.run_with_cache(tokens)
+    rms = cache["blocks.1.hook_resid_mid"].pow(2).mean(-1).sqrt().numpy()
+    np.testing.assert_allclose(trace.rms_in[:, :, 3], rms, rtol=1e-5)
+    assert np.isfinite(trace.grad_in[:, :, :4]).all() and np.isfinite(trace.param_grad).all()
