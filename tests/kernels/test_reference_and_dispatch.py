@@ -145,3 +145,10 @@ def test_triton_rejects_rows_wider_than_its_limit():
     d = tda.MAX_D + 1
     with pytest.raises(ValueError, match=f"d <= {tda.MAX_D}; got d = {d}"):
         depth_attn(torch.randn(2, 1, d, device=DEVICE), torch.randn(d, device=DEVICE), backend="triton")
+
+
+def test_auto_on_cuda_sends_what_triton_cannot_take_to_the_reference(monkeypatch):
+    monkeypatch.delenv("ATTNRES_BACKEND", raising=False)
+    assert resolve_backend("cuda", "auto", dtypes=(torch.bfloat16, torch.float32), d=2048) == "triton"
+    assert resolve_backend("cuda", "auto", dtypes=(torch.float32, torch.float64), d=64) == "torch"
+    assert resolve_backend("cuda", "auto", dtypes=(torch.float32,), d=tda.MAX_D + 1) == "torch"

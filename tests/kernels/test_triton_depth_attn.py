@@ -134,6 +134,15 @@ def test_depth_attn_accepts_a_sequence_of_sources():
     assert_close(lse_t, lse_r, "lse")
 
 
+def test_depth_attn_non_contiguous_sources():
+    sources = torch.randn(48, M, 5, device=DEVICE).permute(2, 1, 0)  # [5, M, 48], strided
+    query, gain = torch.randn(48, device=DEVICE) / 4, 1 + 0.2 * torch.randn(48, device=DEVICE)
+    assert not sources.is_contiguous()
+    (outs_t, grads_t), (outs_r, grads_r) = _depth_attn_both(sources, query, gain)
+    for name, a, b in zip(("mix", "lse", "weights", "d sources", "d query", "d gain"), [*outs_t, *grads_t], [*outs_r, *grads_r]):
+        assert_close(a, b, name)
+
+
 def test_depth_attn_weights_are_the_ones_the_mixture_used():
     sources, query, gain = _inputs(9, 48)
     mix, lse, weights = depth_attn(sources, query, gain, return_weights=True, backend="triton")

