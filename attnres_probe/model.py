@@ -377,8 +377,8 @@ class AttnResTransformer(HookedRootModule):
         return tokens.to(self.device, torch.long)
 
     # -- forward -------------------------------------------------------------------------
-    def _resolve(self, device: torch.device) -> tuple[str, str]:
-        backend = kernels.resolve_backend(device, self.backend)
+    def _resolve(self, v0: torch.Tensor) -> tuple[str, str]:
+        backend = kernels.resolve_backend(v0.device, self.backend, dtypes=(v0.dtype,), d=self.cfg.d_model)
         schedule = self.schedule
         if schedule is None:
             schedule = "two_phase" if backend == "triton" else "sequential"
@@ -418,7 +418,7 @@ class AttnResTransformer(HookedRootModule):
         return resid
 
     def _forward_full(self, v0: torch.Tensor) -> torch.Tensor:
-        backend, _ = self._resolve(v0.device)
+        backend, _ = self._resolve(v0)
         eps = self.cfg.norm_eps
         cache = backend == "torch"  # the reference reuses each source's 1/rms across reads
         cdt = kernels.reference.compute_dtype(v0)
@@ -433,7 +433,7 @@ class AttnResTransformer(HookedRootModule):
         return self.out_res(sources, inv, backend)
 
     def _forward_block(self, v0: torch.Tensor) -> torch.Tensor:
-        backend, schedule = self._resolve(v0.device)
+        backend, schedule = self._resolve(v0)
         eps = self.cfg.norm_eps
         cache = backend == "torch"
         cdt = kernels.reference.compute_dtype(v0)

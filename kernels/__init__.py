@@ -65,12 +65,26 @@ def triton_available() -> bool:
     return _triton_import_error() is None
 
 
-def resolve_backend(device: torch.device | str, backend: str | None = None) -> Literal["torch", "triton"]:
+def _triton_takes(dtypes: tuple[torch.dtype | None, ...], d: int | None) -> bool:
+    from .triton_depth_attn import MAX_D, SUPPORTED_DTYPES
+
+    return (d is None or d <= MAX_D) and all(dt is None or dt in SUPPORTED_DTYPES for dt in dtypes)
+
+
+def resolve_backend(
+    device: torch.device | str,
+    backend: str | None = None,
+    *,
+    dtypes: tuple[torch.dtype | None, ...] = (),
+    d: int | None = None,
+) -> Literal["torch", "triton"]:
     """Pick the backend for tensors on ``device``.
 
     Args:
         device: where the op's tensors live.
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or None (read ``ATTNRES_BACKEND``).
+        dtypes, d: optionally, the op's input dtypes and width; ``auto`` then sends inputs the
+            Triton kernels do not take (float64, d above their limit) to the reference.
 
     Raises:
         ValueError: for an unknown backend name, or when Triton is asked for where it cannot
@@ -85,7 +99,9 @@ def resolve_backend(device: torch.device | str, backend: str | None = None) -> L
         raise ValueError(f"{source} is {backend!r}; accepted values are {', '.join(BACKENDS)}")
     on_gpu_or_interp = device.type == "cuda" or (device.type == "cpu" and _interpret_mode())
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda" and triton_available() and _triton_takes(tuple(dtypes), d):
+            return "triton"
+        return "torch"
     if backend == "triton":
         if not on_gpu_or_interp:
             raise ValueError(
@@ -130,14 +146,16 @@ def depth_attn(
 
     Returns:
         (mixture [*batch, d] in the sources' dtype, lse [*batch] float32) or, with
-        ``return_weights``, (mixture, lse, weights [*batch, S] float32). float64 inputs
-        compute and return in float64.
+        ``return_weights``, (mixture, lse, weights [*batch, S] float32). On the reference
+        backend float64 inputs compute and return in float64; the Triton backend rejects
+        float64 (``auto`` sends it to the reference).
 
     Raises:
         ValueError: for a bad argument (named in the message) or an unusable backend.
     """
-    validate_depth_attn_args(sources, query, gain, eps)
-    chosen = resolve_backend(_device_of(sources), backend)
+    _, _, d = validate_depth_attn_args(sources, query, gain, eps)
+    dtypes = (sources[0].dtype, query.dtype, None if gain is None else gain.dtype)
+    chosen = resolve_backend(_device_of(sources), backend, dtypes=dtypes, d=d)
     if chosen == "triton":
         from .triton_depth_attn import depth_attn_triton
 
@@ -170,10 +188,10 @@ def phase1(
     Returns:
         (o_bar [Q, *batch, d], lse [Q, *batch]) and, on request, weights [Q, *batch, S].
     """
-    if not isinstance(queries, torch.Tensor) or queries.dim() != 2:
+    if not isinstance(queries, torch.Tensor) or queries.dim() != 2 or queries.shape[0] == 0:
         raise ValueError(f"queries must be a [Q, d] tensor; got {getattr(queries, 'shape', type(queries))}")
-    validate_depth_attn_args(sources, queries[0], None, eps)
-    chosen = resolve_backend(_device_of(sources), backend)
+    _, _, d = validate_depth_attn_args(sources, queries[0], None, eps)
+    chosen = resolve_backend(_device_of(sources), backend, dtypes=(sources[0].dtype, queries.dtype), d=d)
     if chosen == "triton":
         from .triton_depth_attn import phase1_triton
 
@@ -206,7 +224,8 @@ def phase2(
         raise ValueError(f"o_bar has shape {tuple(o_bar.shape)}; it must match partial {tuple(partial.shape)}")
     if lse.shape != partial.shape[:-1]:
         raise ValueError(f"lse has shape {tuple(lse.shape)}; it must be {tuple(partial.shape[:-1])}")
-    chosen = resolve_backend(partial.device, backend)
+    dtypes = (o_bar.dtype, lse.dtype, partial.dtype, query.dtype, None if gain is None else gain.dtype)
+    chosen = resolve_backend(partial.device, backend, dtypes=dtypes, d=partial.shape[-1])
     if chosen == "triton":
         from .triton_depth_attn import phase2_triton
 

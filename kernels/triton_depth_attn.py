@@ -69,6 +69,7 @@ from .reference import (
 
 __all__ = [
     "MAX_D",
+    "SUPPORTED_DTYPES",
     "depth_attn_triton",
     "phase1_triton",
     "phase2_triton",
@@ -78,7 +79,7 @@ MAX_D = 8192
 _ROW_TILE = 4096  # BLOCK_M * BLOCK_D elements per program (depth_attn, phase 2)
 _PHASE1_TILE = 16384  # BLOCK_Q * BLOCK_D elements per program (phase 1)
 _MAX_BLOCK_M = 64
-_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # --------------------------------------------------------------------------------------
@@ -476,7 +477,7 @@ def _interpret_mode() -> bool:
 def _check_supported(what: str, device: torch.device, d: int, *tensors: torch.Tensor | None) -> None:
     """Raise a ValueError for a dtype, width or device the kernels do not handle."""
     for t in tensors:
-        if t is not None and t.dtype not in _SUPPORTED:
+        if t is not None and t.dtype not in SUPPORTED_DTYPES:
             raise ValueError(
                 f"{what}: the Triton backend takes float32, float16 or bfloat16 tensors; got {t.dtype} "
                 "(use backend='torch' for float64, which computes in float64)"

@@ -1,0 +1,173 @@
+"""The bundled demo models: PreNorm, Full AttnRes and Block AttnRes trained identically.
+
+All three share one configuration, seed, corpus (CPython's ``pydoc_data.topics``) and step
+count; only the residual rule differs. They ship as fp16 safetensors inside the package
+(``attnres_probe/demo_models/<name>/``) and are regenerated with::
+
+    attnres-probe demo-models --out attnres_probe/demo_models
+
+which trains each model in fp32 with the settings below, rounds it to fp16, and records the
+validation loss of the shipped (rounded) weights in ``train_log.json``. Training is exact to
+the bit on the same torch build and thread count (``--threads``, default 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnres_probe.checkpoint import atomic_write
+from attnres_probe.config import ModelConfig
+from attnres_probe.model import AttnResTransformer
+from attnres_probe.tokenizer import ByteTokenizer
+
+__all__ = ["DEMO_MODEL", "DEMO_NAMES", "DEMO_TRAIN", "build_demo_models", "demo_dir", "demo_validation_batches", "load_demo"]
+
+DEMO_NAMES = ("prenorm", "full", "block")
+
+# One configuration for all three; only `residual` (and block_size for block) differs.
+DEMO_MODEL = ModelConfig(
+    d_model=64,
+    n_layers=8,  # 16 sublayers, 17 reads
+    n_heads=4,
+    n_ctx=128,
+    residual="full",
+    seed=0,
+)
+DEMO_BLOCK_SIZE = 4  # 4 sublayers = 2 transformer layers per block -> 4 blocks
+
+DEMO_TRAIN = dict(
+    steps=1500,
+    batch_size=16,
+    lr=3e-3,
+    warmup_steps=100,
+    eval_every=250,
+    eval_batches=8,
+    seed=0,
+    corpus="pydoc",
+)
+
+
+def demo_config(name: str) -> ModelConfig:
+    """The ModelConfig of demo model ``name``."""
+    _check_name(name)
+    if name == "block":
+        return replace(DEMO_MODEL, residual="block", block_size=DEMO_BLOCK_SIZE)
+    return replace(DEMO_MODEL, residual=name)
+
+
+def _check_name(name: str) -> None:
+    if name not in DEMO_NAMES:
+        raise ValueError(f"demo model {name!r} does not exist; choose one of {', '.join(DEMO_NAMES)}")
+
+
+def demo_dir(name: str) -> Path:
+    """Folder of the shipped demo model ``name`` inside the installed package."""
+    _check_name(name)
+    return Path(str(resources.files("attnres_probe") / "demo_models" / name))
+
+
+def load_demo(name: str = "block", device: str | torch.device = "cpu") -> tuple[AttnResTransformer, ByteTokenizer]:
+    """Load a bundled demo model: ``"prenorm"`` | ``"full"`` | ``"block"`` -> (model, tokenizer).
+
+    The model is in eval mode, fp32, with its checkpoint validated against its config.
+    """
+    path = demo_dir(name)
+    if not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"demo model {name!r} is not in this installation ({path}); regenerate the demo models with "
+            "`attnres-probe demo-models --out attnres_probe/demo_models`"
+        )
+    model = AttnResTransformer.load(path, device=device).eval()
+    model.demo_name = name
+    return model, ByteTokenizer()
+
+
+def demo_log(name: str) -> dict[str, Any]:
+    """The training log shipped beside demo model ``name``."""
+    return json.loads((demo_dir(name) / "train_log.json").read_text())
+
+
+def demo_validation_batches(log: dict[str, Any]) -> list[torch.Tensor]:
+    """The validation batches a demo model's shipped loss was measured on (rebuilt from its log)."""
+    from attnres_probe.data import load_corpus, split_tokens, validation_batches
+
+    tc = log["train_config"]
+    corpus = load_corpus(tc["corpus"])
+    _, val = split_tokens(corpus.tokens, tc["val_fraction"], tc["seq_len"], name=corpus.name)
+    return validation_batches(val, tc["seq_len"], tc["batch_size"], tc["eval_batches"])
+
+
+def build_demo_models(out: str | Path, names: tuple[str, ...] = DEMO_NAMES, threads: int = 2, progress: bool = True, **overrides: Any) -> dict[str, float]:
+    """Train the demo models and write them, fp16, into ``out/<name>/``.
+
+    Args:
+        out: destination (the package's ``attnres_probe/demo_models`` to regenerate the shipped ones).
+        names: which of the three to build.
+        threads: torch CPU threads (part of what makes a rebuild bit-exact).
+        progress: show progress bars.
+        **overrides: change DEMO_TRAIN fields (e.g. ``steps=50`` for a quick smoke run).
+
+    Returns:
+        name -> validation loss of the shipped fp16 weights.
+    """
+    from attnres_probe.train import TrainConfig, evaluate, train
+
+    torch.set_num_threads(threads)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    losses = {}
+    for name in names:
+        tcfg = TrainConfig(**{**DEMO_TRAIN, **overrides})
+        with tempfile.TemporaryDirectory(prefix=f"attnres-demo-{name}-") as tmp:
+            t0 = time.perf_counter()
+            result = train(demo_config(name), tcfg, tmp, progress=progress)
+            log = json.loads((Path(tmp) / "train_log.json").read_text())
+            dest = out / name
+            staging = out / f".{name}.staging"
+            shutil.rmtree(staging, ignore_errors=True)
+            result.model.save(staging, dtype=torch.float16)
+            shipped = AttnResTransformer.load(staging).eval()
+            val_loss = evaluate(shipped, demo_validation_batches(log))
+            log["shipped"] = {
+                "dtype": "float16",
+                "val_loss": val_loss,
+                "threads": threads,
+                "build_seconds": round(time.perf_counter() - t0, 1),
+            }
+            atomic_write(staging / "train_log.json", lambda p: p.write_text(json.dumps(log, indent=1) + "\n"))
+            shutil.rmtree(dest, ignore_errors=True)
+            staging.rename(dest)
+            losses[name] = val_loss
+    return losses
+
+
+def add_demo_models_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "demo-models",
+        help="regenerate the bundled demo models (PreNorm, Full, Block)",
+        description="Train the three demo models with identical settings and write them as fp16 safetensors.",
+    )
+    p.add_argument("--out", default="attnres_probe/demo_models", help="destination folder (default: %(default)s)")
+    p.add_argument("--only", nargs="+", choices=DEMO_NAMES, default=list(DEMO_NAMES), help="build only these")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="override the step count (smoke runs)")
+    p.set_defaults(func=_run_demo_models)
+    return p
+
+
+def _run_demo_models(args: argparse.Namespace) -> int:
+    overrides = {"steps": args.steps} if args.steps else {}
+    losses = build_demo_models(args.out, tuple(args.only), threads=args.threads, **overrides)
+    for name, loss in losses.items():
+        print(f"{name:8s} shipped val loss {loss:.4f}  -> {Path(args.out) / name}")
+    return 0
