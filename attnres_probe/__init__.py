@@ -13,6 +13,8 @@ from attnres_probe.tokenizer import ByteTokenizer
 from attnres_probe.checkpoint import CheckpointError
 from attnres_probe.trace import DepthTrace, TraceError
 from attnres_probe.probe import Probe
+from attnres_probe.demo import load_demo
+from attnres_probe import metrics
 
 __all__ = [
     "AttnResTransformer",
@@ -22,6 +24,8 @@ __all__ = [
     "DepthTrace",
     "Probe",
     "TraceError",
+    "load_demo",
+    "metrics",
     "ModelConfig",
     "__version__",
 ]

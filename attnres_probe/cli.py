@@ -22,6 +22,7 @@ SUBCOMMANDS: list[tuple[str, str]] = [
     ("attnres_probe.dashboards.cli", "add_dash_parser"),
     ("attnres_probe.reports.cli", "add_report_parser"),
     ("attnres_probe.commands", "add_demo_parser"),
+    ("attnres_probe.demo", "add_demo_models_parser"),
 ]
 
 

@@ -46,7 +46,7 @@ DEMO_MODEL = ModelConfig(
 DEMO_BLOCK_SIZE = 4  # 4 sublayers = 2 transformer layers per block -> 4 blocks
 
 DEMO_TRAIN = dict(
-    steps=1500,
+    steps=2000,
     batch_size=16,
     lr=3e-3,
     warmup_steps=100,
@@ -166,7 +166,7 @@ def add_demo_models_parser(subparsers: argparse._SubParsersAction) -> argparse.A
 
 
 def _run_demo_models(args: argparse.Namespace) -> int:
-    overrides = {"steps": args.steps} if args.steps else {}
+    overrides = {"steps": args.steps, "warmup_steps": min(100, args.steps // 10), "eval_every": 0} if args.steps else {}
     losses = build_demo_models(args.out, tuple(args.only), threads=args.threads, **overrides)
     for name, loss in losses.items():
         print(f"{name:8s} shipped val loss {loss:.4f}  -> {Path(args.out) / name}")

@@ -1,0 +1,138 @@
+"""CLI subcommands that drive the probe: ``record``, ``summary`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+DEFAULT_TEXT = (
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    "    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", metavar="DIR", help="a checkpoint directory (config.json + model.safetensors)")
+    src.add_argument("--demo", choices=("prenorm", "full", "block"), help="a bundled demo model (default: block)")
+    text = p.add_mutually_exclusive_group()
+    text.add_argument("--text", help="the text to record (default: a short Python function)")
+    text.add_argument("--file", metavar="PATH", help="read the text from a UTF-8 file")
+    p.add_argument("--truncate", action="store_true", help="keep the first n_ctx tokens of a longer text")
+
+
+def _load(args: argparse.Namespace):
+    from attnres_probe import AttnResTransformer, Probe
+    from attnres_probe.demo import load_demo
+
+    if args.model:
+        model = AttnResTransformer.load(args.model).eval()
+        name = Path(args.model).name or model.cfg.residual
+    else:
+        name = args.demo or "block"
+        model, _ = load_demo(name)
+    return Probe(model, name=name)
+
+
+def _text(args: argparse.Namespace) -> str:
+    if getattr(args, "file", None):
+        path = Path(args.file)
+        if not path.is_file():
+            raise FileNotFoundError(f"--file {path} does not exist or is not a file")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"--file {path} is not UTF-8 text") from None
+    return args.text if args.text is not None else DEFAULT_TEXT
+
+
+def layer_summary(trace) -> pd.DataFrame:
+    """One row per read: RMS of the mixed input, gradient norm, embedding weight/share, top source."""
+    w = trace.weights().to_numpy()  # (R, S) mean over tokens
+    c = trace.weights(kind="contrib").to_numpy()
+    use = c if trace.residual == "prenorm" else w
+    top = [trace.source_labels[int(np.nanargmax(row))] if np.isfinite(row).any() else "" for row in use]
+    m = trace.mask
+    return pd.DataFrame(
+        {
+            "rms_in": np.nanmean(np.where(m[..., None], trace.rms_in, np.nan), axis=(0, 1)),
+            "grad_in": np.nanmean(np.where(m[..., None], trace.grad_in, np.nan), axis=(0, 1)) if trace.has_gradients else np.nan,
+            "embed_weight": w[:, 0] if trace.residual != "prenorm" else np.nan,
+            "embed_share": c[:, 0],
+            "top_source": top,
+        },
+        index=pd.Index(trace.read_labels, name="read"),
+    )
+
+
+def _run_record(args: argparse.Namespace) -> int:
+    probe = _load(args)
+    trace = probe.run(_text(args), backward=not args.no_backward, truncate=args.truncate)
+    out = trace.save(args.out)
+    print(repr(trace))
+    print(f"saved to {out}")
+    return 0
+
+
+def _run_summary(args: argparse.Namespace) -> int:
+    probe = _load(args)
+    trace = probe.run(_text(args), backward=True, truncate=args.truncate)
+    print(repr(trace))
+    with pd.option_context("display.width", 120, "display.float_format", "{:.4g}".format):
+        print(layer_summary(trace).to_string())
+    return 0
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    if args.summary:
+        from attnres_probe import metrics
+        from attnres_probe.demo import DEMO_NAMES, load_demo
+        from attnres_probe import Probe
+
+        traces = []
+        for name in DEMO_NAMES:
+            model, _ = load_demo(name)
+            traces.append(Probe(model, name=name).run(DEFAULT_TEXT, backward=True, truncate=True))
+        for t in traces:
+            print(f"\n== {t.name}")
+            with pd.option_context("display.width", 120, "display.float_format", "{:.4g}".format):
+                print(layer_summary(t).to_string())
+        with pd.option_context("display.width", 160, "display.float_format", "{:.4g}".format):
+            print("\n== metrics\n" + metrics.compare(*traces).to_string())
+        return 0
+    try:
+        from attnres_probe.dashboards.cli import serve_demo
+    except ImportError as exc:  # the dashboard is an optional part of a build
+        print(f"the dashboard is unavailable ({exc}); showing the summary instead", file=sys.stderr)
+        args.summary = True
+        return _run_demo(args)
+    return serve_demo(host=args.host, port=args.port)
+
+
+def add_record_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("record", help="record a text through a model and save the DepthTrace")
+    _add_model_args(p)
+    p.add_argument("--out", required=True, metavar="DIR", help="where to save the trace (Parquet + JSON)")
+    p.add_argument("--no-backward", action="store_true", help="skip the backward pass (no gradient norms)")
+    p.set_defaults(func=_run_record)
+    return p
+
+
+def add_summary_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("summary", help="print a per-layer summary of a model on a text")
+    _add_model_args(p)
+    p.set_defaults(func=_run_summary)
+    return p
+
+
+def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("demo", help="open the dashboard on the bundled demo models")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8050)
+    p.add_argument("--summary", action="store_true", help="print per-layer summaries and metrics instead")
+    p.set_defaults(func=_run_demo)
+    return p
