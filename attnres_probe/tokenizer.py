@@ -11,6 +11,7 @@ __all__ = ["ByteTokenizer"]
 
 _ESCAPES = {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
 CONTINUATION = "\u00b7"  # shown for the 2nd..nth byte of a multi-byte character
+_ASCII = [_ESCAPES.get(b, chr(b) if 0x20 <= b < 0x7F else f"\\x{b:02x}") for b in range(0x80)]
 
 
 class ByteTokenizer:
@@ -59,6 +60,8 @@ class ByteTokenizer:
         multi-byte character shows on its first byte, its other bytes as ``·``.
         """
         ids = self.encode(text_or_tokens) if isinstance(text_or_tokens, str) else self._ids(text_or_tokens)
+        if all(b < 0x80 for b in ids):  # fast path: ASCII only
+            return [_ASCII[b] for b in ids]
         out: list[str] = []
         i = 0
         while i < len(ids):

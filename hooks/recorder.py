@@ -205,14 +205,15 @@ class Recorder:
         visible = self._visible(r)
         k = len(visible)
         hf = h.float()
-        a["rms_in"][:, :, r] = _rms(hf)
+        norm2 = torch.linalg.vecdot(hf, hf)  # (B, P) = |h|^2
+        torch.sqrt(norm2 / h.shape[-1], out=a["rms_in"][:, :, r])
         if self.spec.residual == "prenorm":
             a["depth_weights"][:, :, r, :k] = 1.0
         if self.contributions:
-            coef = a["depth_weights"][:, :, r, :k]  # (B, P, k); ones for PreNorm
             dots = torch.stack([torch.linalg.vecdot(v.float(), hf) for v in visible], dim=-1)  # (B, P, k)
-            norm2 = torch.linalg.vecdot(hf, hf).unsqueeze(-1)
-            a["contrib"][:, :, r, :k] = coef * dots / norm2
+            if self.spec.residual != "prenorm":  # coefficient alpha_i; PreNorm's is 1
+                dots.mul_(a["depth_weights"][:, :, r, :k])
+            torch.div(dots, norm2.unsqueeze(-1), out=a["contrib"][:, :, r, :k])
 
     def _on_output(self, l: int, v: torch.Tensor) -> None:
         self._arrays["rms_out"][:, :, l + 1] = _rms(v)

@@ -1,0 +1,164 @@
+"""Recording overhead of the probe, measured side by side in one run.
+
+For each size and residual mode it times, interleaved and repeated (median):
+  - plain forward                          vs forward with full recording (Probe.run, backward=False)
+  - plain forward + backward (autograd.grad) vs forward + backward with gradient recording
+  - TransformerLens run_with_cache (all hooks; with incl_bwd for the backward case)
+and prints the ratios. Targets: recording <= 1.10x forward, <= 1.15x forward+backward, and below
+run_with_cache on both.
+
+Memory: each configuration's peak RSS is measured in a fresh subprocess for the plain forward and
+for the recorded forward; the difference (the recording's memory) is compared with the size of the
+recorded arrays (target: at most 2x).
+
+    python benchmarks/probe.py                 # demo size and d=256 / 12 layers / 512 tokens / batch 8
+    python benchmarks/probe.py --quick         # small sizes, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from attnres_probe import AttnResTransformer, ModelConfig, Probe
+
+SIZES = {
+    "demo": dict(d_model=64, n_layers=8, n_heads=4, n_ctx=128, batch=8),
+    "large": dict(d_model=256, n_layers=12, n_heads=8, n_ctx=512, batch=8),
+    "quick": dict(d_model=32, n_layers=2, n_heads=2, n_ctx=64, batch=2),
+}
+
+
+def build(size: str, residual: str) -> tuple[AttnResTransformer, torch.Tensor]:
+    s = dict(SIZES[size])
+    batch = s.pop("batch")
+    kw = {"block_size": 4} if residual == "block" else {}
+    model = AttnResTransformer(ModelConfig(residual=residual, seed=0, **s, **kw)).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in model.mixers:  # non-uniform routing, as in a trained model
+            m.query.normal_(0, 0.5, generator=g)
+    tokens = torch.randint(0, 256, (batch, s["n_ctx"]), generator=g)
+    return model, tokens
+
+
+def _loss(model, tokens):
+    logits = model(tokens)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def timings(size: str, residual: str, reps: int) -> dict[str, float]:
+    model, tokens = build(size, residual)
+    probe = Probe(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def plain_fwd():
+        with torch.no_grad():
+            model(tokens)
+
+    def rec_fwd():
+        probe.run(tokens, backward=False)
+
+    def cache_fwd():
+        with torch.no_grad():
+            model.run_with_cache(tokens)
+
+    def plain_bwd():
+        torch.autograd.grad(_loss(model, tokens), params)
+
+    def rec_bwd():
+        probe.run(tokens, backward=True)
+
+    def cache_bwd():
+        cache = model.add_caching_hooks(incl_bwd=True)
+        try:
+            torch.autograd.grad(_loss(model, tokens), params)
+        finally:
+            model.reset_hooks()
+        del cache
+
+    fns = dict(plain_fwd=plain_fwd, rec_fwd=rec_fwd, cache_fwd=cache_fwd, plain_bwd=plain_bwd, rec_bwd=rec_bwd, cache_bwd=cache_bwd)
+    for fn in fns.values():  # warm-up
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):  # interleaved so machine noise hits every variant alike
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _peak_rss(size: str, residual: str, mode: str) -> dict[str, float]:
+    """Run in a subprocess: peak RSS (MB) after one plain or recorded forward, and the arrays' size."""
+    code = f"""
+import json, resource, torch, sys
+sys.path.insert(0, {json.dumps(sys.path[0])})
+from probe import build
+from attnres_probe import Probe
+torch.set_num_threads(1)
+model, tokens = build({size!r}, {residual!r})
+probe = Probe(model)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+arrays = 0
+if {mode!r} == "plain":
+    with torch.no_grad():
+        model(tokens)
+else:
+    t = probe.run(tokens, backward=False)
+    arrays = sum(getattr(t, n).nbytes for n in ("depth_weights", "logits", "contrib", "rms_in", "grad_in", "rms_out")) / 2**20
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(dict(base=base, peak=peak, arrays=arrays)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", default=["demo", "large"], choices=list(SIZES))
+    ap.add_argument("--residuals", nargs="+", default=["prenorm", "full", "block"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="only the tiny size, 3 reps")
+    ap.add_argument("--no-memory", action="store_true", help="skip the subprocess memory measurement")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.reps = ["quick"], 3
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.reps} interleaved reps\n")
+    head = f"{'size':6s} {'model':8s} {'fwd ms':>8s} {'rec/fwd':>8s} {'cache/fwd':>9s} {'f+b ms':>8s} {'rec/f+b':>8s} {'cache/f+b':>9s}  verdict"
+    print(head)
+    print("-" * len(head))
+    ok_all = True
+    for size in args.sizes:
+        for residual in args.residuals:
+            t = timings(size, residual, args.reps)
+            r_f, c_f = t["rec_fwd"] / t["plain_fwd"], t["cache_fwd"] / t["plain_fwd"]
+            r_b, c_b = t["rec_bwd"] / t["plain_bwd"], t["cache_bwd"] / t["plain_bwd"]
+            ok = r_f <= 1.10 and r_b <= 1.15 and t["rec_fwd"] < t["cache_fwd"] and t["rec_bwd"] < t["cache_bwd"]
+            ok_all &= ok
+            print(
+                f"{size:6s} {residual:8s} {t['plain_fwd'] * 1e3:8.1f} {r_f:8.3f} {c_f:9.3f} "
+                f"{t['plain_bwd'] * 1e3:8.1f} {r_b:8.3f} {c_b:9.3f}  {'ok' if ok else 'MISSES TARGET'}"
+            )
+    if not args.no_memory:
+        print(f"\n{'size':6s} {'model':8s} {'plain MB':>9s} {'recorded MB':>12s} {'recording MB':>13s} {'arrays MB':>10s} {'ratio':>6s}")
+        for size in args.sizes:
+            for residual in args.residuals:
+                plain = _peak_rss(size, residual, "plain")
+                rec = _peak_rss(size, residual, "record")
+                extra = max(rec["peak"] - plain["peak"], 0.0)
+                ratio = extra / rec["arrays"] if rec["arrays"] else float("nan")
+                print(f"{size:6s} {residual:8s} {plain['peak']:9.1f} {rec['peak']:12.1f} {extra:13.1f} {rec['arrays']:10.1f} {ratio:6.2f}")
+    print("\nall timing targets met" if ok_all else "\nsome timing targets missed (see verdicts)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
