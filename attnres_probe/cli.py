@@ -23,6 +23,7 @@ SUBCOMMANDS: list[tuple[str, str]] = [
     ("attnres_probe.reports.cli", "add_report_parser"),
     ("attnres_probe.commands", "add_demo_parser"),
     ("attnres_probe.demo", "add_demo_models_parser"),
+    ("attnres_probe.study", "add_study_parser"),
 ]
 
 

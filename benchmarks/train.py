@@ -1,0 +1,86 @@
+"""Training throughput of PreNorm vs Full AttnRes vs Block AttnRes, side by side in one run.
+
+One optimizer step (AdamW, forward + backward + clip + update) of each architecture is timed in
+turn, repeatedly, so that machine noise hits all three alike; the median step time gives tokens/s
+and the ratio to PreNorm. Target: Block <= 1.15x PreNorm's step time (Full is reported).
+
+    python benchmarks/train.py                  # demo size, and d=256 / 12 layers / 256 tokens
+    python benchmarks/train.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from attnres_probe import AttnResTransformer, ModelConfig
+from attnres_probe.train import TrainConfig, lm_loss, param_groups
+
+SIZES = {
+    "demo": dict(d_model=64, n_layers=8, n_heads=4, n_ctx=128, batch=16),
+    "large": dict(d_model=256, n_layers=12, n_heads=8, n_ctx=256, batch=8),
+    "quick": dict(d_model=32, n_layers=2, n_heads=2, n_ctx=64, batch=4),
+}
+RESIDUALS = ("prenorm", "full", "block")
+
+
+def make_step(size: str, residual: str):
+    s = dict(SIZES[size])
+    batch = s.pop("batch")
+    kw = {"block_size": 4} if residual == "block" else {}
+    model = AttnResTransformer(ModelConfig(residual=residual, seed=0, **s, **kw)).train()
+    opt = torch.optim.AdamW(param_groups(model, TrainConfig().weight_decay), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    windows = torch.randint(0, 256, (batch, s["n_ctx"] + 1), generator=g)
+
+    def step() -> None:
+        loss = lm_loss(model, windows)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    return step, batch * s["n_ctx"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", default=["demo", "large"], choices=list(SIZES))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.reps = ["quick"], 5
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.reps} interleaved steps\n")
+    print(f"{'size':6s} {'model':8s} {'step ms':>8s} {'tokens/s':>9s} {'x prenorm':>9s}")
+    met = True
+    for size in args.sizes:
+        steps = {r: make_step(size, r) for r in RESIDUALS}
+        for fn, _ in steps.values():  # warm-up
+            fn()
+            fn()
+        times: dict[str, list[float]] = {r: [] for r in RESIDUALS}
+        for _ in range(args.reps):
+            for r, (fn, _) in steps.items():
+                t = time.perf_counter()
+                fn()
+                times[r].append(time.perf_counter() - t)
+        med = {r: statistics.median(v) for r, v in times.items()}
+        for r in RESIDUALS:
+            ratio = med[r] / med["prenorm"]
+            tokens = steps[r][1]
+            note = ""
+            if r == "block":
+                note = "  ok (<= 1.15)" if ratio <= 1.15 else "  MISSES TARGET (<= 1.15)"
+                met &= ratio <= 1.15
+            print(f"{size:6s} {r:8s} {med[r] * 1e3:8.1f} {tokens / med[r]:9.0f} {ratio:9.3f}{note}")
+    print("\nBlock target met at every size" if met else "\nBlock target missed somewhere")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The attnres-probe command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from attnres_probe import DepthTrace, __version__
+from attnres_probe.cli import main
+from helpers import tiny_model
+
+
+def test_help_and_version_work_from_the_console_script():
+    out = subprocess.run([sys.executable, "-m", "attnres_probe.cli", "--help"], capture_output=True, text=True, check=True)
+    for cmd in ("train", "record", "summary", "demo", "demo-models", "study"):
+        assert cmd in out.stdout
+    ver = subprocess.run([sys.executable, "-m", "attnres_probe.cli", "--version"], capture_output=True, text=True, check=True)
+    assert ver.stdout.strip() == f"attnres-probe {__version__}"
+
+
+def test_record_saves_a_loadable_trace(tmp_path, capsys):
+    tiny_model("block").save(tmp_path / "m")
+    assert main(["record", "--model", str(tmp_path / "m"), "--text", "hello <b>", "--out", str(tmp_path / "t")]) == 0
+    trace = DepthTrace.load(tmp_path / "t")
+    assert trace.str_tokens[0] == list("hello <b>") and trace.has_gradients
+    assert "saved to" in capsys.readouterr().out
+
+
+def test_summary_prints_one_row_per_read(tmp_path, capsys):
+    tiny_model("full").save(tmp_path / "m")
+    assert main(["summary", "--model", str(tmp_path / "m"), "--text", "abcdef"]) == 0
+    out = capsys.readouterr().out
+    for label in ("L0.attn", "L1.mlp", "final", "rms_in", "embed_weight"):
+        assert label in out
+
+
+def test_user_errors_are_one_line_with_status_2(tmp_path, capsys):
+    assert main(["record", "--model", str(tmp_path / "missing"), "--text", "x", "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnres-probe record: error:") and "does not exist" in err and "Traceback" not in err
+    tiny_model("full").save(tmp_path / "m")
+    assert main(["record", "--model", str(tmp_path / "m"), "--text", "x" * 100, "--out", str(tmp_path / "t")]) == 2
+    assert "text has 100 tokens; this model's context is 24" in capsys.readouterr().err
+
+
+def test_unknown_subcommand_exits_with_usage():
+    with pytest.raises(SystemExit) as err:
+        main(["frobnicate"])
+    assert err.value.code == 2
