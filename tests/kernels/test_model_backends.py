@@ -1,0 +1,66 @@
+"""Whole models on both backends and both Block schedules (Triton runs under TRITON_INTERPRET on CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from attnres_probe import AttnResTransformer, Probe
+from helpers import sample_tokens, tiny_model
+
+pytest.importorskip("triton")
+
+ATOL = 1e-5  # fp32, whole model
+
+
+def _twin(model: AttnResTransformer, **kw) -> AttnResTransformer:
+    other = AttnResTransformer(model.cfg, **kw).eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+@pytest.mark.parametrize("kw", [{"block_size": 2}, {"block_size": 3}, {"block_boundaries": [1, 4]}, {"block_size": 6}])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_two_phase_equals_sequential_block_attnres(kw, backend):
+    model = tiny_model("block", n_layers=3, **kw)
+    seq = _twin(model, backend=backend, schedule="sequential")
+    two = _twin(model, backend=backend, schedule="two_phase")
+    tokens = sample_tokens(7)
+    with torch.no_grad():
+        torch.testing.assert_close(two(tokens), seq(tokens), atol=ATOL, rtol=0)
+
+
+def test_two_phase_gradients_equal_sequential():
+    model = tiny_model("block", n_layers=2, block_size=3)
+    tokens = sample_tokens(6, batch=1)
+    grads = []
+    for schedule in ("sequential", "two_phase"):
+        m = _twin(model, backend="torch", schedule=schedule)
+        loss = m.loss(tokens)
+        grads.append(torch.autograd.grad(loss, list(m.parameters())))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("residual", ["full", "block"])
+def test_triton_and_reference_models_agree_on_logits_weights_and_gradients(residual):
+    model = tiny_model(residual, n_layers=2)
+    ref, tri = _twin(model, backend="torch"), _twin(model, backend="triton")
+    tokens = sample_tokens(6, batch=1)
+    with torch.no_grad():
+        torch.testing.assert_close(tri(tokens), ref(tokens), atol=ATOL, rtol=0)
+    t_ref = Probe(ref).run(tokens, backward=True)
+    t_tri = Probe(tri).run(tokens, backward=True)
+    np.testing.assert_allclose(t_tri.depth_weights, t_ref.depth_weights, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(t_tri.grad_in, t_ref.grad_in, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(t_tri.mixer_grad, t_ref.mixer_grad, rtol=1e-4)
+
+
+def test_default_schedule_is_sequential_on_cpu_and_two_phase_with_triton():
+    model = tiny_model("block")
+    v0 = torch.zeros(1, 1, model.cfg.d_model)
+    assert model._resolve(v0) == ("torch", "sequential")
+    assert _twin(model, backend="triton")._resolve(v0) == ("triton", "two_phase")
+    with pytest.raises(ValueError, match="schedule is 'parallel'"):
+        _twin(model, schedule="parallel")(sample_tokens(3))
