@@ -156,10 +156,7 @@ class DepthMixer(nn.Module):
             weights, changed = weights_h[..., :k], True
         if changed:
             w = weights.to(kernels.reference.compute_dtype(sources[0], weights))
-            acc = w[..., 0, None] * sources[0].to(w.dtype)
-            for i in range(1, k):
-                acc = acc + w[..., i, None] * sources[i].to(w.dtype)
-            mix = acc.to(mix.dtype)
+            mix = kernels.reference.weighted_sum(w, list(sources), w.dtype).to(mix.dtype)
         return mix
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "phase1_reference",
     "phase2_reference",
     "validate_depth_attn_args",
+    "weighted_sum",
 ]
 
 
@@ -123,6 +124,14 @@ def _folded_query(query: torch.Tensor, gain: torch.Tensor | None, dtype: torch.d
     return q * gain.to(dtype) if gain is not None else q
 
 
+def weighted_sum(weights: torch.Tensor, src: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """sum_i weights[..., i] * src[i], accumulated in place (autograd-safe: no saved value is overwritten)."""
+    acc = weights[..., 0, None] * src[0].to(dtype)
+    for i in range(1, len(src)):
+        acc.addcmul_(weights[..., i, None], src[i].to(dtype))
+    return acc
+
+
 def depth_attn_reference(
     sources: Sources,
     query: torch.Tensor,
@@ -163,10 +172,7 @@ def depth_attn_reference(
     logits = torch.stack([(v.to(cdt) @ q) * r.to(cdt) for v, r in zip(src, inv_rms_cache)], dim=-1)  # [*batch, S]
     lse = torch.logsumexp(logits, dim=-1)  # [*batch]
     weights = torch.exp(logits - lse.unsqueeze(-1))  # [*batch, S]
-    mix = weights[..., 0, None] * src[0].to(cdt)
-    for i in range(1, len(src)):
-        mix = mix + weights[..., i, None] * src[i].to(cdt)
-    mix = mix.to(out_dtype)
+    mix = weighted_sum(weights, src, cdt).to(out_dtype)
     if return_weights:
         return mix, lse, weights
     return mix, lse
@@ -206,10 +212,7 @@ def phase1_reference(
     )
     lse = torch.logsumexp(logits, dim=-1)
     weights = torch.exp(logits - lse.unsqueeze(-1))
-    o_bar = weights[..., 0, None] * src[0].to(cdt)
-    for i in range(1, len(src)):
-        o_bar = o_bar + weights[..., i, None] * src[i].to(cdt)
-    o_bar = o_bar.to(out_dtype)
+    o_bar = weighted_sum(weights, src, cdt).to(out_dtype)
     if return_weights:
         return o_bar, lse, weights
     return o_bar, lse
