@@ -1,1 +1,25 @@
-"""attnres_probe.reports (see DESIGN.md)."""
+"""attnres_probe.reports: self-contained HTML reports (see DESIGN.md).
+
+    from attnres_probe.reports import build_report, record_text
+    traces = [record_text(model, text, name=n) for n, model in models.items()]
+    build_report(traces, "report.html", title="AttnRes vs PreNorm")
+
+The command line is ``attnres-probe report`` (:mod:`attnres_probe.reports.cli`).
+"""
+
+from __future__ import annotations
+
+from attnres_probe.reports.builder import SECTIONS, ReportWriteError, build_report, render_report, versions
+from attnres_probe.reports.recording import SAMPLE_TEXT, record_checkpoints, record_demos, record_text
+
+__all__ = [
+    "SAMPLE_TEXT",
+    "SECTIONS",
+    "ReportWriteError",
+    "build_report",
+    "record_checkpoints",
+    "record_demos",
+    "record_text",
+    "render_report",
+    "versions",
+]

@@ -1,0 +1,499 @@
+"""build_report: one self-contained HTML file per study, readable offline in any browser.
+
+The file holds plotly.js once (from the installed plotly package), every chart as JSON drawn by
+``Plotly.newPlot`` (charts come from :mod:`attnres_probe.figures`, the same as the dashboard's),
+and a per-token explorer that swaps precomputed values into each model's token heatmap with a
+few lines of inline JavaScript: no server, no request to any host.
+
+Escaping: the Jinja2 template autoescapes every string; JSON inside ``<script>`` tags has
+``<``, ``>`` and ``&`` written as ``\\u003c``, ``\\u003e``, ``\\u0026``, so no token (say
+``</script>``) can end a script early.
+
+Size: the explorer stores, for every token and model, the weight, logit and contribution of each
+available cell rounded to ``explorer_digits`` significant digits (unavailable trailing cells are
+left out). Three 17-read demo models on 256 tokens add about 2 MB to plotly.js's 4.8 MB.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import importlib.metadata
+import json
+import math
+import platform
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import plotly.io as pio
+import plotly.offline
+from markupsafe import Markup
+
+from attnres_probe import figures, metrics
+from attnres_probe._version import __version__
+from attnres_probe.checkpoint import atomic_write
+from attnres_probe.trace import DepthTrace
+
+__all__ = ["ReportWriteError", "SECTIONS", "build_report", "render_report", "versions"]
+
+# section id -> heading, in page order ("ablation" only when ablation results are given)
+SECTIONS: dict[str, str] = {
+    "models": "Models",
+    "text": "Text and tokens",
+    "metrics": "Metrics: AttnRes vs baseline",
+    "heatmaps": "Mean depth routing",
+    "magnitudes": "Magnitudes by depth",
+    "gradients": "Gradient norms by layer",
+    "explorer": "Per-token explorer",
+    "ablation": "Ablation",
+    "formulas": "Metric formulas",
+    "reproduce": "Reproduce: versions and provenance",
+}
+PLOT_CONFIG = {"displaylogo": False, "responsive": True, "typesetMath": False}
+# distribution names whose versions every report records
+VERSION_PACKAGES = ("torch", "transformer_lens", "numpy", "pandas", "plotly", "dash", "jinja2")
+KIND_ORDER = ("weights", "logits", "contrib")  # index into the explorer's per-cell triples
+EXPLORER_KINDS = {"auto": "auto (α for AttnRes, c for PreNorm)", **figures.KIND_TITLES}
+
+
+class ReportWriteError(OSError):
+    """The report could not be written at the requested path (missing or read-only directory, ...)."""
+
+
+# -- public ---------------------------------------------------------------------------------
+def build_report(
+    traces: Sequence[DepthTrace],
+    path: str | Path,
+    title: str = "attnres-probe report",
+    ablations: pd.DataFrame | Mapping[str, pd.DataFrame] | None = None,
+    *,
+    text: str | None = None,
+    description: str | None = None,
+    ablation_read: str | None = None,
+    explorer_tokens: int | None = 1024,
+    explorer_digits: int = 4,
+    command: str | None = None,
+) -> Path:
+    """Write one self-contained HTML report on ``traces`` to ``path``, atomically.
+
+    Args:
+        traces: one trace per model, all of the same text ideally (the per-token explorer
+            groups traces by identical token ids); a PreNorm trace, if any, is the baseline of
+            the metric table.
+        path: the ``.html`` file to write. Its directory must exist. The file is written to a
+            temporary file beside it and renamed over ``path``, so a failed or interrupted
+            export leaves an earlier file there untouched.
+        title: page title and heading.
+        ablations: results of :func:`attnres_probe.ablation.ablate` (``Probe.ablate``): one
+            DataFrame (split by its ``model`` column if it has one) or ``{model name: frame}``.
+        text: the text shown in the report (default: ``meta["text"]`` of the first trace, else
+            the decoded tokens).
+        description: a paragraph under the title.
+        ablation_read: which read the ablation charts show (default ``"final"`` if ablated,
+            else the last ablated read); the table lists every read.
+        explorer_tokens: at most this many tokens (in order over the sequences) in the per-token
+            explorer; None keeps all. Bounds the file size.
+        explorer_digits: significant digits of the explorer's values.
+        command: the command line that produced the report, shown under "Reproduce".
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: no traces, or ablation frames that are not ablation results.
+        ReportWriteError: ``path``'s directory is missing or not writable, or ``path`` is a
+            directory (the message names the path and what to do); nothing is changed on disk.
+    """
+    path = Path(path).expanduser()
+    page = render_report(
+        traces,
+        title=title,
+        ablations=ablations,
+        text=text,
+        description=description,
+        ablation_read=ablation_read,
+        explorer_tokens=explorer_tokens,
+        explorer_digits=explorer_digits,
+        command=command,
+    )
+    _write(path, page)
+    return path
+
+
+def render_report(
+    traces: Sequence[DepthTrace],
+    title: str = "attnres-probe report",
+    ablations: pd.DataFrame | Mapping[str, pd.DataFrame] | None = None,
+    *,
+    text: str | None = None,
+    description: str | None = None,
+    ablation_read: str | None = None,
+    explorer_tokens: int | None = 1024,
+    explorer_digits: int = 4,
+    command: str | None = None,
+) -> str:
+    """The report's HTML as a string (what :func:`build_report` writes); same arguments."""
+    traces = list(traces)
+    if not traces:
+        raise ValueError("build_report() needs at least one DepthTrace")
+    for t in traces:
+        if not isinstance(t, DepthTrace):
+            raise TypeError(f"traces must be DepthTrace objects; got {type(t).__name__}")
+    if explorer_tokens is not None and explorer_tokens < 1:
+        raise ValueError(f"explorer_tokens is {explorer_tokens}; pass a positive count or None for all tokens")
+    if not 1 <= explorer_digits <= 17:
+        raise ValueError(f"explorer_digits is {explorer_digits}; accepted range is 1..17")
+    names = metrics._unique([t.name for t in traces])
+    plots = _Plots()
+    created = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0)
+    vers = versions()
+    models = [_model_row(t, n) for t, n in zip(traces, names)]
+    shown_text = text if text is not None else _text_of(traces[0])
+    ablation = _ablation_context(ablations, plots, ablation_read)
+    sections = {k: v for k, v in SECTIONS.items() if k != "ablation" or ablation}
+    provenance = {
+        "title": title,
+        "created": created.isoformat(),
+        "command": command,
+        "versions": vers,
+        "text": shown_text,
+        "models": [m["provenance"] for m in models],
+    }
+    ctx = {
+        "title": title,
+        "description": description,
+        "created": created.strftime("%Y-%m-%d %H:%M UTC"),
+        "version": __version__,
+        "sections": sections,
+        "models": models,
+        "text": shown_text,
+        "sequences": _token_rows(traces[0]),
+        "metric_table": _metric_table(traces, names),
+        "heatmaps": [
+            plots.add(figures.side_by_side(traces, "mean_heatmap", names=names, kind="weights")),
+            plots.add(figures.side_by_side(traces, "mean_heatmap", names=names, kind="contrib")),
+        ],
+        "magnitudes": plots.add(figures.magnitudes(_renamed(traces, names))),
+        "gradients": plots.add(figures.gradient_norms(_renamed(traces, names))),
+        "explorers": _explorers(traces, names, plots, explorer_tokens, explorer_digits),
+        "explorer_kinds": EXPLORER_KINDS,
+        "ablation": ablation,
+        "formulas": metrics.FORMULAS,
+        "versions": vers,
+        "command": command,
+        "provenance": json.dumps(provenance, indent=1, ensure_ascii=False, default=str),
+        "plots": plots.items,
+        "plot_config": _script_json(PLOT_CONFIG),
+        "plotlyjs": Markup(_plotlyjs()),
+    }
+    return _template().render(**ctx)
+
+
+def versions() -> dict[str, str]:
+    """Versions of the toolkit, Python, plotly.js (embedded) and the libraries it runs on."""
+    out = {"attnres_probe": __version__, "python": platform.python_version()}
+    for name in VERSION_PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    out["plotly.js (embedded)"] = plotly.offline.get_plotlyjs_version()
+    return out
+
+
+# -- writing --------------------------------------------------------------------------------
+def _write(path: Path, page: str) -> None:
+    parent = path.parent
+    if path.is_dir():
+        raise ReportWriteError(f"cannot write the report to {path}: it is a directory; pass a file path such as {path / 'report.html'}")
+    if not parent.is_dir():
+        raise ReportWriteError(
+            f"cannot write the report to {path}: the directory {parent} does not exist "
+            f"(create it first, e.g. `mkdir -p {parent}`, or choose another path)"
+        )
+    try:
+        atomic_write(path, lambda tmp: tmp.write_text(page, encoding="utf-8"))
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ReportWriteError(
+            f"cannot write the report to {path}: {reason} while writing in {parent} "
+            "(make the directory writable or choose another path); any earlier file at that path is unchanged"
+        ) from exc
+
+
+# -- template and embedding -----------------------------------------------------------------
+_ENV = None
+
+
+def _template():
+    global _ENV
+    if _ENV is None:
+        import jinja2
+
+        _ENV = jinja2.Environment(
+            loader=jinja2.PackageLoader("attnres_probe.reports", "templates"),
+            autoescape=True,
+            undefined=jinja2.StrictUndefined,
+            trim_blocks=True,
+            lstrip_blocks=True,
+        )
+    return _ENV.get_template("report.html.j2")
+
+
+_PLOTLYJS: str | None = None
+
+
+def _plotlyjs() -> str:
+    global _PLOTLYJS
+    if _PLOTLYJS is None:
+        js = plotly.offline.get_plotlyjs()
+        if "</script" in js.lower():  # would end the inline script early
+            raise RuntimeError("the installed plotly.js contains '</script'; it cannot be inlined")
+        _PLOTLYJS = js
+    return _PLOTLYJS
+
+
+def _script_json(obj: Any) -> Markup:
+    """JSON safe inside ``<script type="application/json">``: <, >, & and line separators escaped."""
+    s = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    for ch, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        s = s.replace(ch, esc)
+    return Markup(s)
+
+
+class _Plots:
+    """Collects figures as embeddable JSON; ``add`` returns the item ({id, json, height}) a div draws."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+
+    def add(self, fig: go.Figure) -> dict[str, Any]:
+        item = {
+            "id": f"plot-{len(self.items)}",
+            "json": _script_json(pio.to_json(fig, validate=False, remove_uids=True)),
+            "height": int(fig.layout.height or 450),
+        }
+        self.items.append(item)
+        return item
+
+
+# -- sections -------------------------------------------------------------------------------
+def _renamed(traces: list[DepthTrace], names: list[str]) -> list[DepthTrace]:
+    """Traces whose ``name`` is the report's unique label (shallow copies; arrays shared)."""
+    return [t if t.name == n else dataclasses.replace(t, meta={**t.meta, "name": n}) for t, n in zip(traces, names)]
+
+
+def _model_row(trace: DepthTrace, name: str) -> dict[str, Any]:
+    meta, cfg = trace.meta, dict(trace.meta.get("config") or {})
+    residual = trace.residual
+    arch = {"prenorm": "PreNorm baseline", "full": "Full AttnRes", "block": "Block AttnRes"}.get(residual, residual)
+    if residual == "block" and trace.block_starts:
+        arch += f" (blocks start at sublayers {', '.join(map(str, trace.block_starts))})"
+    if meta.get("foreign"):
+        arch += f" · {meta.get('model_class', 'external model')}"
+    keys = ("d_model", "n_layers", "n_heads", "n_ctx", "d_vocab")
+    shape = ", ".join(f"{k}={cfg[k]}" for k in keys if k in cfg)
+    if "checkpoint_sha256" in meta:
+        digest, digest_kind = meta["checkpoint_sha256"], "model.safetensors"
+    elif "weights_sha256" in meta:
+        digest, digest_kind = meta["weights_sha256"], "in-memory weights (fp32 state dict)"
+    else:
+        digest, digest_kind = None, "not recorded"
+    s = trace.summary()
+    n_params = meta.get("n_params")
+    return {
+        "name": name,
+        "residual": residual,
+        "architecture": arch,
+        "shape": shape,
+        "n_params": f"{n_params:,}" if isinstance(n_params, int) else "—",
+        "digest": digest,
+        "digest_kind": digest_kind,
+        "checkpoint_dir": meta.get("checkpoint_dir"),
+        "tokens": f"{s['tokens']} in {s['sequences']} sequence{'s' if s['sequences'] != 1 else ''}",
+        "mean_loss": "—" if math.isnan(s["mean_loss"]) else f"{s['mean_loss']:.4f}",
+        "gradients": "recorded" if s["gradients"] else "not recorded",
+        "flags": list(s["flags"]),
+        "config_json": json.dumps(cfg, indent=1, sort_keys=True, default=str),
+        "provenance": {
+            "name": name,
+            "residual": residual,
+            "config": cfg,
+            "n_params": n_params,
+            "checkpoint_dir": meta.get("checkpoint_dir"),
+            "checkpoint_sha256": meta.get("checkpoint_sha256"),
+            "weights_sha256": meta.get("weights_sha256"),
+            "windows": meta.get("windows"),
+            "backward": meta.get("backward"),
+            "sequences": s["sequences"],
+            "tokens": s["tokens"],
+        },
+    }
+
+
+def _text_of(trace: DepthTrace) -> str:
+    if isinstance(trace.meta.get("text"), str):
+        return trace.meta["text"]
+    cfg = trace.meta.get("config") or {}
+    if cfg.get("d_vocab") == 256 and not trace.meta.get("foreign"):
+        from attnres_probe.tokenizer import ByteTokenizer
+
+        ids = [int(i) for row, m in zip(trace.tokens, trace.mask) for i in row[m]]
+        return ByteTokenizer().decode(ids)
+    return "".join(t for row in trace.str_tokens for t in row)
+
+
+def _token_rows(trace: DepthTrace) -> list[list[dict[str, Any]]]:
+    """Per sequence, one chip per real token: its explorer index, position and visible label."""
+    rows, k = [], 0
+    for b, toks in enumerate(trace.str_tokens):
+        row = []
+        for p, tok in enumerate(toks[: int(trace.mask[b].sum())]):
+            row.append({"index": k, "pos": p, "label": figures._show_token(tok), "repr": repr(tok)})
+            k += 1
+        rows.append(row)
+    return rows
+
+
+def _metric_table(traces: list[DepthTrace], names: list[str]) -> dict[str, Any]:
+    frame = metrics.compare(*traces, names=names)
+    rows = []
+    for metric, row in frame.iterrows():
+        rows.append({"metric": str(metric), "formula": metrics.FORMULAS.get(str(metric), ""), "cells": [figures._fmt(v) for v in row]})
+    return {"columns": [str(c) for c in frame.columns], "rows": rows, "has_baseline": "comparison" in frame.columns}
+
+
+def _ablation_context(ablations: Any, plots: _Plots, read: str | None) -> list[dict[str, Any]]:
+    if ablations is None:
+        return []
+    if isinstance(ablations, pd.DataFrame):
+        if "model" in ablations.columns:
+            frames = {str(k): v.drop(columns="model") for k, v in ablations.groupby("model", sort=False)}
+        else:
+            frames = {"ablation": ablations}
+    elif isinstance(ablations, Mapping):
+        frames = {str(k): v for k, v in ablations.items()}
+    else:
+        raise TypeError(f"ablations must be a DataFrame or a {{model name: DataFrame}} mapping; got {type(ablations).__name__}")
+    out = []
+    for name, frame in frames.items():
+        if not isinstance(frame, pd.DataFrame):
+            raise TypeError(f"ablations[{name!r}] is a {type(frame).__name__}; expected the DataFrame Probe.ablate returns")
+        missing = [c for c in figures.ABLATION_COLUMNS if c not in frame.columns]
+        if missing:
+            raise ValueError(f"ablations[{name!r}] lacks columns {missing}; pass what Probe.ablate returns")
+        reads = list(dict.fromkeys(frame["read"]))
+        chosen = read if read in reads else ("final" if "final" in reads else (reads[-1] if reads else None))
+        fig = figures.ablation_chart(frame, read=chosen)
+        fig.update_layout(title={"text": f"{name} · {fig.layout.title.text}"})
+        cols = [str(c) for c in frame.columns]
+        body = [[figures._fmt(v) for v in rec] for rec in frame.itertuples(index=False)]
+        out.append({"name": name, "read": chosen, "plot": plots.add(fig), "columns": cols, "rows": body})
+    return out
+
+
+# -- per-token explorer ---------------------------------------------------------------------
+def _num(v: float, digits: int) -> str:
+    return f"{v:.{digits}g}" if math.isfinite(v) else "null"
+
+
+def _explorers(
+    traces: list[DepthTrace], names: list[str], plots: _Plots, limit: int | None, digits: int
+) -> list[dict[str, Any]]:
+    """One explorer per group of traces with identical tokens; usually one for the whole report."""
+    groups: dict[bytes, list[int]] = {}
+    for i, t in enumerate(traces):
+        key = t.mask.tobytes() + repr(t.mask.shape).encode() + np.where(t.mask, t.tokens, -1).tobytes()
+        groups.setdefault(key, []).append(i)
+    out = []
+    for g, members in enumerate(groups.values()):
+        first = traces[members[0]]
+        positions = [(b, p) for b in range(first.tokens.shape[0]) for p in range(int(first.mask[b].sum()))]
+        total = len(positions)
+        if limit is not None:
+            positions = positions[:limit]
+        tokens = []
+        for b, p in positions:
+            tok = first.str_tokens[b][p] if p < len(first.str_tokens[b]) else ""
+            tokens.append([b, p, repr(tok), figures._show_token(tok)])
+        models = [_explorer_model(traces[i], names[i], positions, plots, digits) for i in members]
+        data = (
+            '{"tokens":' + json.dumps(tokens, ensure_ascii=False, separators=(",", ":")) + ',"kinds":' + json.dumps(list(KIND_ORDER), separators=(",", ":"))
+            + ',"models":[' + ",".join(m["data"] for m in models) + "]}"
+        )
+        out.append(
+            {
+                "id": f"explorer-{g}",
+                "names": [names[i] for i in members],
+                "tokens": tokens,
+                "total": total,
+                "shown": len(positions),
+                "plots": [m["plot"] for m in models],
+                "data": _script_json(data),
+            }
+        )
+    return out
+
+
+def _explorer_model(trace: DepthTrace, name: str, positions: list[tuple[int, int]], plots: _Plots, digits: int) -> dict:
+    auto = metrics.resolve_kind(trace, "auto")
+    b0, p0 = positions[0]
+    fig = figures.token_heatmap(trace, token=p0, batch=b0, kind=auto)
+    fig.update_layout(title={"text": fig.layout.title.text.replace(trace.name, name, 1)})
+    item = plots.add(fig)
+    pid = item["id"]
+    styles = {}
+    for kind in KIND_ORDER:
+        hm_fig = fig if kind == auto else figures.token_heatmap(trace, token=p0, batch=b0, kind=kind)
+        hm = hm_fig.data[0]
+        styles[kind] = {
+            "colorscale": [list(c) for c in hm.colorscale],
+            "symmetric": kind == "logits",
+            "zmin": hm.zmin,
+            "zmax": hm.zmax,
+            "colorbar": kind,
+            "title": figures.KIND_TITLES[kind],
+            "annotations": [a.to_plotly_json() for a in hm_fig.layout.annotations],
+        }
+    cells, _ = figures._cells(trace, expanded=False)  # {kind: [B, P, R, S]}, -inf -> NaN
+    b_idx = np.asarray([b for b, _ in positions])
+    p_idx = np.asarray([p for _, p in positions])
+    picked = np.stack([cells[k][b_idx, p_idx] for k in KIND_ORDER], axis=1)  # (N, 3, R, S)
+    N, K, R, S = picked.shape
+    finite = np.isfinite(picked)
+    # length of each row once trailing unavailable cells are dropped
+    last = np.where(finite.any(-1), S - np.argmax(finite[..., ::-1], axis=-1), 0)  # (N, 3, R)
+    flat = [_num(v, digits) for v in picked.ravel().tolist()]
+    lens = last.ravel().tolist()
+    parts, off = [], 0
+    for n in range(N):
+        per_kind = []
+        for k in range(K):
+            rows = []
+            for r in range(R):
+                i = (n * K + k) * R + r
+                start = i * S
+                rows.append("[" + ",".join(flat[start : start + lens[i]]) + "]")
+            per_kind.append("[" + ",".join(rows) + "]")
+        parts.append("[" + ",".join(per_kind) + "]")
+    cells_json = "[" + ",".join(parts) + "]"
+    head = {"name": name, "div": pid, "R": R, "S": S, "auto": auto, "styles": styles}
+    data = json.loads(json.dumps(head, default=_json_default))  # plain JSON types only
+    data["cells"] = "__CELLS__"
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).replace('"__CELLS__"', cells_json)
+    return {"plot": item, "data": text}
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, tuple):
+        return list(obj)
+    raise TypeError(f"cannot store {type(obj).__name__} in the report")
+

@@ -1,0 +1,166 @@
+"""``attnres-probe report``: record a text through models (or load saved traces) and export one HTML file.
+
+    attnres-probe report --demo --out report.html
+    attnres-probe report --models runs/prenorm runs/full --text "The cat sat" --out report.html
+    attnres-probe report --traces traces/prenorm traces/full --out report.html
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["add_report_parser"]
+
+ABLATE_CHOICES = ("all", "embed", "completed", "partial", "recent")
+
+
+def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the ``report`` subcommand (sets ``func``)."""
+    from attnres_probe.ablation import MODES
+
+    p = subparsers.add_parser(
+        "report",
+        help="export a self-contained HTML report (opens offline)",
+        description=(
+            "Record one text through several models (or load saved traces) and write a single HTML file with "
+            "the model summary, metrics against the PreNorm baseline, heatmaps, magnitudes, gradients, a per-token "
+            "explorer and the versions needed to reproduce it. A text longer than a model's context is recorded "
+            "in context-sized windows as one batch."
+        ),
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--models", nargs="+", metavar="DIR", help="checkpoint directories (config.json + model.safetensors)")
+    src.add_argument("--traces", nargs="+", metavar="DIR", help="saved DepthTrace directories (DepthTrace.save)")
+    src.add_argument("--demo", action="store_true", help="the bundled demo models: prenorm, full, block")
+    text = p.add_mutually_exclusive_group()
+    text.add_argument("--text", help="the text to record (with --models / --demo; --demo defaults to a 256-token sample)")
+    text.add_argument("--text-file", metavar="FILE", help="read the text from FILE (UTF-8)")
+    p.add_argument("--out", required=True, metavar="FILE", help="the .html file to write (its directory must exist)")
+    p.add_argument("--title", default=None, help="report title (default: 'attnres-probe report: <model names>')")
+    p.add_argument("--names", nargs="+", metavar="NAME", help="one label per model / trace (default: directory names)")
+    p.add_argument("--no-backward", action="store_true", help="skip the backward pass (no gradient norms)")
+    p.add_argument(
+        "--ablate", choices=ABLATE_CHOICES, default=None,
+        help="also ablate these sources in every AttnRes model (on its first context window) and add the results",
+    )
+    p.add_argument("--ablate-mode", choices=MODES, default="zero", help="ablation mode (default: %(default)s)")
+    p.add_argument("--explorer-tokens", type=int, default=1024, metavar="N", help="tokens in the per-token explorer (default: %(default)s)")
+    p.set_defaults(func=run_report)
+    return p
+
+
+def _user_error(msg: str) -> Exception:
+    from attnres_probe.cli import UserError
+
+    return UserError(msg)
+
+
+def _text(args: argparse.Namespace) -> str | None:
+    if args.text_file:
+        path = Path(args.text_file)
+        if not path.is_file():
+            raise _user_error(f"--text-file {path} does not exist")
+        return path.read_text(encoding="utf-8")
+    return args.text
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """Body of ``attnres-probe report``; returns the exit status."""
+    from attnres_probe.reports import SAMPLE_TEXT, ReportWriteError, build_report
+    from attnres_probe.reports.recording import record_checkpoints, record_demos
+
+    text = _text(args)
+    backward = not args.no_backward
+    out = Path(args.out)
+    if not out.parent.is_dir():  # fail before spending time on recording
+        raise _user_error(
+            f"cannot write the report to {out}: the directory {out.parent} does not exist "
+            f"(create it first, e.g. `mkdir -p {out.parent}`, or choose another --out)"
+        )
+    t0 = time.perf_counter()
+    models = None
+    if args.traces:
+        if text is not None:
+            print("note: --text is ignored with --traces (the traces carry their own tokens)", file=sys.stderr)
+        traces = _load_traces(args.traces, args.names)
+    elif args.demo:
+        if args.names:
+            raise _user_error("--names does not apply to --demo (the demo models are prenorm, full, block)")
+        text = text if text is not None else SAMPLE_TEXT
+        traces = record_demos(text, backward=backward)
+    else:
+        if text is None:
+            raise _user_error("--models needs the text to record: pass --text TEXT or --text-file FILE")
+        traces = record_checkpoints(args.models, text, names=args.names, backward=backward)
+        models = args.models
+    t_record = time.perf_counter() - t0
+    ablations = _ablations(args, traces, text, models) if args.ablate else None
+    title = args.title or f"attnres-probe report: {', '.join(t.name for t in traces)}"
+    command = _command(args)
+    t1 = time.perf_counter()
+    try:
+        path = build_report(traces, out, title=title, ablations=ablations, explorer_tokens=args.explorer_tokens, command=command)
+    except ReportWriteError as exc:
+        raise _user_error(str(exc)) from None
+    size = path.stat().st_size / 1e6
+    print(f"wrote {path} ({size:.2f} MB; recorded in {t_record:.1f} s, built in {time.perf_counter() - t1:.1f} s)")
+    return 0
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this report (rebuilt from the parsed arguments)."""
+    parts = ["attnres-probe", "report"]
+    for flag in ("models", "traces", "names"):
+        if getattr(args, flag):
+            parts += [f"--{flag}", *map(str, getattr(args, flag))]
+    if args.demo:
+        parts.append("--demo")
+    if args.text_file:
+        parts += ["--text-file", args.text_file]
+    elif args.text is not None:
+        parts += ["--text", args.text]
+    if args.no_backward:
+        parts.append("--no-backward")
+    if args.ablate:
+        parts += ["--ablate", args.ablate, "--ablate-mode", args.ablate_mode]
+    if args.title:
+        parts += ["--title", args.title]
+    parts += ["--explorer-tokens", str(args.explorer_tokens), "--out", str(args.out)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def _load_traces(dirs: list[str], names: list[str] | None):
+    import dataclasses
+
+    from attnres_probe.trace import DepthTrace
+
+    if names is not None and len(names) != len(dirs):
+        raise _user_error(f"{len(names)} --names for {len(dirs)} --traces: give one name per trace")
+    traces = []
+    for i, d in enumerate(dirs):
+        t = DepthTrace.load(d)
+        if names is not None:
+            t = dataclasses.replace(t, meta={**t.meta, "name": names[i]})
+        traces.append(t)
+    return traces
+
+
+def _ablations(args: argparse.Namespace, traces, text: str | None, model_dirs: list[str] | None):
+    """Ablation frames {model name: frame} for the AttnRes models (first context window of the text)."""
+    if args.traces:
+        raise _user_error("--ablate needs the models: use it with --models or --demo, not --traces")
+    from attnres_probe.demo import load_demo
+    from attnres_probe.model import AttnResTransformer
+    from attnres_probe.probe import Probe
+
+    out = {}
+    for i, t in enumerate(traces):
+        if t.residual == "prenorm":
+            continue  # no softmax weights to ablate
+        model = load_demo(t.name)[0] if args.demo else AttnResTransformer.load(model_dirs[i]).eval()
+        out[t.name] = Probe(model, name=t.name).ablate(text, sources=args.ablate, mode=args.ablate_mode, truncate=True)
+    return out

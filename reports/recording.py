@@ -1,0 +1,140 @@
+"""Record the traces a report needs: one text through several models, with provenance in ``meta``.
+
+A text longer than a model's context is cut into ``n_ctx``-token windows, recorded as one
+right-padded batch (sequence b holds tokens b·n_ctx … (b+1)·n_ctx − 1), with one backward pass
+of the mean next-token loss over all windows. Each trace's ``meta`` gets:
+
+- ``text``: the text as given (the report shows it as written, not re-assembled from tokens);
+- ``windows``: ``{"n_ctx": …, "count": …}``;
+- ``checkpoint_dir`` and ``checkpoint_sha256`` (sha256 of ``model.safetensors``) for a model
+  loaded from a checkpoint directory or a bundled demo, otherwise ``weights_sha256``: sha256 of
+  the in-memory fp32 state dict (tensor names, shapes and bytes in name order).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnres_probe.checkpoint import WEIGHTS_FILE
+from attnres_probe.probe import Probe
+from attnres_probe.trace import DepthTrace
+
+__all__ = ["SAMPLE_TEXT", "file_sha256", "record_checkpoints", "record_demos", "record_text", "weights_sha256"]
+
+# 256 ASCII bytes = 256 tokens of the byte tokenizer = two windows of the demo models' 128.
+SAMPLE_TEXT = (
+    "def mean(values):\n"
+    '    """Return the arithmetic mean of a non-empty list of numbers."""\n'
+    "    total = 0\n"
+    "    for value in values:\n"
+    "        total += value\n"
+    "    return total / len(values)\n"
+    "\n"
+    "The assert statement is a convenient way to insert debugging assertions in a program.\n"
+)
+SAMPLE_TEXT = (SAMPLE_TEXT * 2)[:256]
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    """Hex sha256 over the model's state dict (name, shape and fp32 bytes of every tensor, in name order)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu()
+        t = t.float() if t.is_floating_point() else t
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def record_text(
+    model: Any,
+    text: str,
+    *,
+    tokenizer: Any = None,
+    name: str | None = None,
+    checkpoint_dir: str | Path | None = None,
+    backward: bool = True,
+) -> DepthTrace:
+    """Record ``text`` through ``model`` in ``n_ctx``-token windows, as one batch.
+
+    Args:
+        model: an AttnResTransformer (or TransformerLens-style model, see :class:`~attnres_probe.Probe`).
+        text: the text; a text longer than the context becomes ⌈n/n_ctx⌉ sequences [B, n_ctx]
+            (the last right-padded).
+        tokenizer: as for :class:`~attnres_probe.Probe` (default: bytes for a 256-token vocabulary).
+        name: the model's label in the report (default: its residual mode).
+        checkpoint_dir: where the model was loaded from; its ``model.safetensors`` is hashed.
+            Models from :func:`~attnres_probe.load_demo` are recognised without it.
+        backward: record gradient norms (skipped automatically for a one-token text).
+
+    Returns:
+        The trace, tokens [B, P], with ``meta`` extended as the module docstring says.
+    """
+    if not isinstance(text, str) or not text:
+        raise ValueError("text is empty: a report needs at least one character of text")
+    probe = Probe(model, tokenizer=tokenizer, name=name)
+    tokens, mask, str_tokens = next(probe.batches([text], batch_size=sys.maxsize))
+    use_backward = backward and bool(mask[:, 1:].any())
+    meta: dict[str, Any] = {"text": text, "windows": {"n_ctx": int(probe.spec.n_ctx), "count": int(tokens.shape[0])}}
+    demo = getattr(model, "demo_name", None)
+    if checkpoint_dir is None and demo is not None:
+        from attnres_probe.demo import demo_dir
+
+        checkpoint_dir = demo_dir(demo)
+    weights = Path(checkpoint_dir) / WEIGHTS_FILE if checkpoint_dir is not None else None
+    if weights is not None and weights.is_file():
+        meta["checkpoint_dir"] = str(checkpoint_dir)
+        meta["checkpoint_sha256"] = file_sha256(weights)
+    else:
+        meta["weights_sha256"] = weights_sha256(model)
+    return probe.record(tokens, mask, str_tokens, backward=use_backward, extra_meta=meta)
+
+
+def record_checkpoints(
+    dirs: Sequence[str | Path], text: str, names: Sequence[str] | None = None, backward: bool = True
+) -> list[DepthTrace]:
+    """Load each checkpoint directory and :func:`record_text` through it.
+
+    Names default to the directory names (made unique by the comparison code if they repeat).
+
+    Raises:
+        CheckpointError: a directory is not a readable checkpoint (the message names it).
+    """
+    from attnres_probe.model import AttnResTransformer
+
+    if names is not None and len(names) != len(dirs):
+        raise ValueError(f"{len(names)} names for {len(dirs)} model directories: give one name per directory")
+    traces = []
+    for i, d in enumerate(dirs):
+        d = Path(d)
+        model = AttnResTransformer.load(d).eval()
+        name = names[i] if names is not None else (d.resolve().name or model.cfg.residual)
+        traces.append(record_text(model, text, name=name, checkpoint_dir=d, backward=backward))
+    return traces
+
+
+def record_demos(text: str, names: Sequence[str] = ("prenorm", "full", "block"), backward: bool = True) -> list[DepthTrace]:
+    """:func:`record_text` through the bundled demo models (raises FileNotFoundError if one is missing)."""
+    from attnres_probe.demo import load_demo
+
+    traces = []
+    for name in names:
+        model, tok = load_demo(name)
+        traces.append(record_text(model, text, tokenizer=tok, name=name, backward=backward))
+    return traces

@@ -1,0 +1,66 @@
+"""``attnres-probe report``: from checkpoint directories, from saved traces, and its errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from attnres_probe.cli import main
+from attnres_probe.reports import record_text
+from helpers import tiny_model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    for r in ("prenorm", "block"):
+        tiny_model(r).save(root / r)
+    return [str(root / "prenorm"), str(root / "block")]
+
+
+def test_report_from_model_directories_writes_the_file(checkpoints, tmp_path, capsys):
+    out = tmp_path / "r.html"
+    assert main(["report", "--models", *checkpoints, "--text", "The cat sat on the mat.", "--out", str(out)]) == 0
+    html = out.read_text()
+    assert "The cat sat on the mat." in html and "model.safetensors" in html
+    assert "attnres-probe report --models" in html  # the reproducing command
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_report_with_ablation_adds_the_ablation_section(checkpoints, tmp_path):
+    out = tmp_path / "r.html"
+    argv = ["report", "--models", *checkpoints, "--text", "abc abc abc", "--ablate", "embed", "--out", str(out)]
+    assert main(argv) == 0
+    assert 'id="ablation"' in out.read_text()
+
+
+def test_report_from_saved_traces(tmp_path):
+    dirs = []
+    for r in ("prenorm", "full"):
+        dirs.append(str(record_text(tiny_model(r), "saved traces", name=r).save(tmp_path / r)))
+    out = tmp_path / "r.html"
+    assert main(["report", "--traces", *dirs, "--names", "base", "attn", "--out", str(out)]) == 0
+    html = out.read_text()
+    assert "saved traces" in html and "attn vs base" in html
+
+
+def test_missing_output_directory_exits_2_with_the_path(checkpoints, tmp_path, capsys):
+    out = tmp_path / "missing" / "r.html"
+    assert main(["report", "--models", *checkpoints, "--text", "x y", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "does not exist" in err
+
+
+def test_models_without_text_exits_2(checkpoints, tmp_path, capsys):
+    assert main(["report", "--models", *checkpoints, "--out", str(tmp_path / "r.html")]) == 2
+    assert "--text" in capsys.readouterr().err
+
+
+def test_ablate_with_traces_exits_2(tmp_path, capsys):
+    d = record_text(tiny_model("full"), "abc", name="full").save(tmp_path / "t")
+    assert main(["report", "--traces", str(d), "--ablate", "embed", "--out", str(tmp_path / "r.html")]) == 2
+    assert "--ablate needs the models" in capsys.readouterr().err
+
+
+def test_a_source_is_required():
+    with pytest.raises(SystemExit):
+        main(["report", "--out", "r.html"])

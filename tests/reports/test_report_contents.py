@@ -1,0 +1,203 @@
+"""build_report: one self-contained HTML file holding every section of the study."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import plotly.offline
+import pytest
+
+from attnres_probe import DepthTrace, metrics
+from attnres_probe.reports import SECTIONS, build_report, record_checkpoints, record_text, versions
+from attnres_probe.reports.recording import file_sha256
+from helpers import tiny_model
+from report_text import XSS_TEXT
+
+
+def _plot_specs(soup) -> dict[str, dict]:
+    """{div id: figure JSON} of every chart in the page."""
+    out = {}
+    for div in soup.select("div.plot[data-figure]"):
+        out[div["id"]] = json.loads(soup.find("script", id=div["data-figure"]).string)
+    return out
+
+
+def test_report_parses_as_html_and_has_every_section(soup):
+    ids = [s.get("id") for s in soup.find_all("section")]
+    assert ids == list(SECTIONS)  # ablation included: the fixture report has ablation results
+    for sid, heading in SECTIONS.items():
+        assert soup.find("section", id=sid).find("h2").get_text() == heading
+    assert soup.title.get_text() == 'Study <b>"bold"</b> & co'
+
+
+def test_report_without_ablations_has_no_ablation_section(traces, tmp_path):
+    path = build_report(traces, tmp_path / "r.html")
+    assert 'id="ablation"' not in path.read_text()
+
+
+def test_plotlyjs_is_embedded_once_and_no_figure_carries_its_own_copy(report_html, soup):
+    js = plotly.offline.get_plotlyjs()
+    assert report_html.count(js) == 1
+    assert report_html.count(js[:200]) == 1
+    inline = [s for s in soup.find_all("script") if not s.get("src")]
+    assert not soup.find_all("script", src=True)
+    assert sum(len(s.string or "") > 1_000_000 for s in inline) == 1
+
+
+def test_no_src_or_href_points_to_another_host(soup):
+    for tag in soup.find_all(True):
+        for attr in ("src", "href", "action", "data", "poster"):
+            value = tag.get(attr)
+            if value:
+                assert not re.match(r"\s*(https?:)?//", value, re.I), f"<{tag.name} {attr}={value!r}>"
+
+
+def test_plot_config_hides_the_logo_and_never_typesets_math(soup, report_html):
+    config = json.loads(soup.find("script", id="plot-config").string)
+    assert config["displaylogo"] is False
+    assert "MathJax.Hub.Config" not in report_html and "mathjax" not in config
+
+
+def test_models_table_names_architecture_parameters_and_hash(soup, traces):
+    text = soup.find("section", id="models").get_text(" ")
+    for t in traces:
+        assert t.name in text
+        assert f"{t.meta['n_params']:,}" in text
+        assert t.meta["weights_sha256"] in text
+    assert "PreNorm baseline" in text and "Full AttnRes" in text and "Block AttnRes" in text
+
+
+def test_checkpoint_hash_is_the_sha256_of_the_safetensors_file(tmp_path):
+    d = tmp_path / "full-run"
+    tiny_model("full").save(d)
+    (trace,) = record_checkpoints([d], "hello world", backward=False)
+    assert trace.meta["checkpoint_sha256"] == file_sha256(d / "model.safetensors")
+    assert trace.name == "full-run"
+    html = build_report([trace], tmp_path / "r.html").read_text()
+    assert trace.meta["checkpoint_sha256"] in html
+
+
+def test_hash_from_saved_trace_meta_survives_save_and_load(tmp_path):
+    d = tmp_path / "ckpt"
+    tiny_model("block").save(d)
+    (trace,) = record_checkpoints([d], "abc def", backward=False)
+    loaded = DepthTrace.load(trace.save(tmp_path / "trace"))
+    html = build_report([loaded], tmp_path / "r.html").read_text()
+    assert trace.meta["checkpoint_sha256"] in html and "abc def" in html
+
+
+def test_long_text_is_recorded_in_context_windows_as_one_batch(traces):
+    t = traces[0]
+    n = len(XSS_TEXT.encode())
+    assert t.tokens.shape == (-(-n // 24), 24)
+    assert t.n_tokens == n
+    assert t.meta["windows"] == {"n_ctx": 24, "count": t.tokens.shape[0]}
+    assert t.meta["text"] == XSS_TEXT
+
+
+def test_text_section_shows_the_text_and_every_token(soup, traces):
+    section = soup.find("section", id="text")
+    assert section.find("pre").get_text() == XSS_TEXT
+    chips = section.select("button.tok")
+    assert len(chips) == traces[0].n_tokens
+    assert [int(c["data-index"]) for c in chips] == list(range(len(chips)))
+    assert chips[1].get_text() == "<"
+
+
+def test_metric_table_matches_compare_against_the_baseline(soup, traces):
+    frame = metrics.compare(*traces)
+    table = soup.find("section", id="metrics").find("table")
+    header = [th.get_text() for th in table.find("tr").find_all("th")]
+    assert header == ["metric", *frame.columns]
+    assert "full vs prenorm" in header and "block vs prenorm" in header
+    rows = {tr.find("td").get_text(): tr for tr in table.find_all("tr")[1:]}
+    assert list(rows) == list(frame.index)
+    loss = [td.get_text() for td in rows["mean_loss"].find_all("td")[1:4]]
+    assert loss == [f"{v:.4g}" for v in frame.loc["mean_loss"].iloc[:3]]
+    assert rows["mean_loss"].find("td")["title"] == metrics.FORMULAS["mean_loss"]
+
+
+def test_heatmap_magnitude_and_gradient_charts_come_from_figures(soup, traces):
+    specs = _plot_specs(soup)
+    section_plots = {
+        sid: [specs[d["id"]] for d in soup.find("section", id=sid).select("div.plot")] for sid in ("heatmaps", "magnitudes", "gradients")
+    }
+    weights, contrib = section_plots["heatmaps"]
+    assert [d["type"] for d in weights["data"]] == ["heatmap"] * 3
+    assert weights["layout"]["title"]["text"] == "depth weight α" and contrib["layout"]["title"]["text"] == "contribution share c"
+    (mags,) = section_plots["magnitudes"]
+    assert mags["layout"]["title"]["text"] == "Magnitudes by depth" and len(mags["data"]) == 6
+    (grads,) = section_plots["gradients"]
+    assert grads["layout"]["title"]["text"] == "Gradient norms by depth"
+    assert {d["name"] for d in grads["data"]} == {"prenorm", "full", "block"}
+
+
+def test_explorer_offers_every_token_and_one_heatmap_per_model(soup, traces):
+    section = soup.find("section", id="explorer")
+    options = section.select("select.token option")
+    assert len(options) == traces[0].n_tokens
+    assert section.select_one("input.token")["max"] == str(traces[0].n_tokens - 1)
+    assert len(section.select("div.plot")) == len(traces)
+    data = json.loads(soup.find("script", id="explorer-0-json").string)
+    assert [m["name"] for m in data["models"]] == ["prenorm", "full", "block"]
+    assert [m["auto"] for m in data["models"]] == ["contrib", "weights", "weights"]
+
+
+def test_explorer_data_holds_each_tokens_cells_rounded(soup, traces):
+    data = json.loads(soup.find("script", id="explorer-0-json").string)
+    full = data["models"][1]
+    k = len(traces[1].str_tokens[0]) + 3  # a token of the second window
+    b, p = data["tokens"][k][:2]
+    assert (b, p) == (1, 3)
+    rows = full["cells"][k][0]  # weights, R rows without trailing NaN
+    want = traces[1].depth_weights[1, 3]
+    for r, row in enumerate(rows):
+        np.testing.assert_allclose(row, want[r, : len(row)], rtol=1e-3)
+        assert np.isnan(want[r, len(row) :]).all()
+
+
+def test_explorer_tokens_caps_the_explorer_and_says_so(traces, tmp_path):
+    html = build_report(traces, tmp_path / "r.html", explorer_tokens=5).read_text()
+    assert "first 5 of" in html
+    assert html.count("<option value=") == 5 + 4  # five tokens + the four value kinds
+
+
+def test_ablation_section_has_a_chart_and_a_table_per_model(soup, ablations):
+    section = soup.find("section", id="ablation")
+    assert [h.get_text() for h in section.find_all("h3")] == list(ablations)
+    tables = section.find_all("table")
+    for table, frame in zip(tables, ablations.values()):
+        assert len(table.find_all("tr")) == len(frame) + 1
+    specs = _plot_specs(soup)
+    chart = specs[section.select_one("div.plot")["id"]]
+    assert "Ablation at read final" in chart["layout"]["title"]["text"]
+
+
+def test_formulas_section_lists_every_metric_formula(soup):
+    section = soup.find("section", id="formulas")
+    terms = [dt.get_text() for dt in section.find_all("dt")]
+    assert terms == list(metrics.FORMULAS)
+    assert [dd.get_text() for dd in section.find_all("dd")] == list(metrics.FORMULAS.values())
+
+
+def test_versions_of_toolkit_and_dependencies_are_recorded(soup):
+    text = soup.find("section", id="reproduce").get_text(" ")
+    v = versions()
+    for name in ("attnres_probe", "torch", "transformer_lens", "numpy", "pandas", "plotly", "dash", "jinja2", "python"):
+        assert name in v and v[name] != "not installed"
+        assert name in text and v[name] in text
+
+
+def test_build_report_rejects_an_empty_list(tmp_path):
+    with pytest.raises(ValueError, match="at least one DepthTrace"):
+        build_report([], tmp_path / "r.html")
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_traces_of_different_texts_get_one_explorer_each(tmp_path):
+    a = record_text(tiny_model("full"), "first text", name="a", backward=False)
+    b = record_text(tiny_model("block"), "second, longer text", name="b", backward=False)
+    html = build_report([a, b], tmp_path / "r.html").read_text()
+    assert 'id="explorer-0"' in html and 'id="explorer-1"' in html
