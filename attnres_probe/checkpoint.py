@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from attnres_probe._version import __version__
 from attnres_probe.config import ConfigError, ModelConfig
 
-__all__ = ["CheckpointError", "CONFIG_FILE", "WEIGHTS_FILE", "load_checkpoint", "save_checkpoint", "atomic_write"]
+__all__ = ["CheckpointError", "CONFIG_FILE", "WEIGHTS_FILE", "atomic_write", "load_checkpoint", "save_checkpoint", "sha256_file"]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -41,6 +42,15 @@ def atomic_write(path: Path, write) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def save_checkpoint(model, directory: str | Path, dtype: torch.dtype | None = None) -> Path:

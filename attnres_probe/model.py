@@ -342,36 +342,12 @@ class AttnResTransformer(HookedRootModule):
         return self.check_tokens(tokens, truncate=truncate)
 
     def check_tokens(self, tokens: Any, truncate: bool = False) -> torch.Tensor:
-        """Validate tokens ([pos] or [batch, pos] integer ids) and return [batch, pos] on device."""
+        """Validate tokens ([pos] or [batch, pos] integer ids, or a str) and return [batch, pos] on device."""
+        from attnres_probe.tokenizer import check_token_ids
+
         if isinstance(tokens, str):
             return self.to_tokens(tokens, truncate=truncate)
-        if not isinstance(tokens, torch.Tensor):
-            try:
-                tokens = torch.as_tensor(tokens)
-            except Exception:
-                raise TypeError(
-                    f"tokens must be a str, a LongTensor [batch, pos] or [pos], or a list of ids; got {type(tokens).__name__}"
-                ) from None
-        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
-            raise TypeError(f"tokens must be integer ids; got dtype {tokens.dtype}")
-        if tokens.dim() == 1:
-            tokens = tokens.unsqueeze(0)
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [batch, pos] or [pos]; got shape {tuple(tokens.shape)}")
-        if tokens.shape[1] == 0 or tokens.shape[0] == 0:
-            raise ValueError("input is empty: need at least one token")
-        n, ctx = tokens.shape[1], self.cfg.n_ctx
-        if n > ctx:
-            if not truncate:
-                raise ValueError(
-                    f"input has {n} tokens; this model's context is {ctx} (pass truncate=True to keep the first {ctx})"
-                )
-            tokens = tokens[:, :ctx]
-        lo, hi = int(tokens.min()), int(tokens.max())
-        if lo < 0 or hi >= self.cfg.d_vocab:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"token id {bad} is out of range; this model's vocabulary is 0..{self.cfg.d_vocab - 1}")
-        return tokens.to(self.device, torch.long)
+        return check_token_ids(tokens, self.cfg.n_ctx, self.cfg.d_vocab, truncate).to(self.device)
 
     # -- forward -------------------------------------------------------------------------
     def _resolve(self, v0: torch.Tensor) -> tuple[str, str]:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from attnres_probe.hooks import Recorder, spec_for
+from attnres_probe.tokenizer import check_token_ids
 from attnres_probe.trace import DepthTrace
 
 __all__ = ["Probe"]
@@ -62,42 +63,15 @@ class Probe:
             ValueError: empty input, more tokens than the model's context (unless
                 ``truncate``), ids outside the vocabulary.
         """
-        n_ctx = self.spec.n_ctx
         if isinstance(text_or_tokens, str):
             if not text_or_tokens:
                 raise ValueError("text is empty: need at least one character")
             if self.tokenizer is None:
                 raise ValueError("this probe has no tokenizer: pass token ids, or Probe(model, tokenizer=...)")
-            tokens = self._encode(text_or_tokens)
+            tokens, what = self._encode(text_or_tokens), "text"
         else:
-            tokens = text_or_tokens
-            if not isinstance(tokens, torch.Tensor):
-                try:
-                    tokens = torch.as_tensor(tokens)
-                except Exception:
-                    raise TypeError(
-                        f"input must be text, a LongTensor [batch, pos] or [pos], or a list of ids; got {type(tokens).__name__}"
-                    ) from None
-        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
-            raise TypeError(f"token ids must be integers; got dtype {tokens.dtype}")
-        if tokens.dim() == 1:
-            tokens = tokens.unsqueeze(0)
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [batch, pos] or [pos]; got shape {tuple(tokens.shape)}")
-        if tokens.numel() == 0:
-            raise ValueError("input is empty: need at least one token")
-        n = tokens.shape[1]
-        if n > n_ctx:
-            what = "text" if isinstance(text_or_tokens, str) else "input"
-            if not truncate:
-                raise ValueError(
-                    f"{what} has {n} tokens; this model's context is {n_ctx} (pass truncate=True to keep the first {n_ctx})"
-                )
-            tokens = tokens[:, :n_ctx]
-        lo, hi = int(tokens.min()), int(tokens.max())
-        if lo < 0 or hi >= self.spec.d_vocab:
-            raise ValueError(f"token id {lo if lo < 0 else hi} is out of range; the vocabulary is 0..{self.spec.d_vocab - 1}")
-        tokens = tokens.to(self.device, torch.long)
+            tokens, what = text_or_tokens, "input"
+        tokens = check_token_ids(tokens, self.spec.n_ctx, self.spec.d_vocab, truncate, what).to(self.device)
         return tokens, [self._str_tokens(row) for row in tokens]
 
     def _encode(self, text: str) -> torch.Tensor:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ByteTokenizer"]
+__all__ = ["ByteTokenizer", "check_token_ids"]
 
 _ESCAPES = {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
 CONTINUATION = "\u00b7"  # shown for the 2nd..nth byte of a multi-byte character
@@ -100,3 +100,47 @@ class ByteTokenizer:
         if bad:
             raise ValueError(f"token id {bad[0]} is not a byte; ByteTokenizer ids are 0..255")
         return ids
+
+
+def check_token_ids(tokens: Any, n_ctx: int, d_vocab: int, truncate: bool = False, what: str = "input") -> torch.Tensor:
+    """Validate token ids ([pos] or [batch, pos]) against a model's context and vocabulary.
+
+    Args:
+        tokens: a LongTensor or anything ``torch.as_tensor`` accepts (a list of ids).
+        n_ctx: the longest sequence the model accepts.
+        d_vocab: ids must lie in 0..d_vocab-1.
+        truncate: keep the first ``n_ctx`` tokens of a longer input instead of raising.
+        what: how the error messages call the input ("text", "input").
+
+    Returns:
+        LongTensor [batch, pos] (on the input's device).
+
+    Raises:
+        TypeError: not integer ids. ValueError: wrong shape, empty, too long, out of range.
+    """
+    if not isinstance(tokens, torch.Tensor):
+        try:
+            tokens = torch.as_tensor(tokens)
+        except Exception:
+            raise TypeError(
+                f"{what} must be text, a LongTensor [batch, pos] or [pos], or a list of ids; got {type(tokens).__name__}"
+            ) from None
+    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
+        raise TypeError(f"tokens must be integer ids; got dtype {tokens.dtype}")
+    if tokens.dim() == 1:
+        tokens = tokens.unsqueeze(0)
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [batch, pos] or [pos]; got shape {tuple(tokens.shape)}")
+    if tokens.numel() == 0:
+        raise ValueError(f"{what} is empty: need at least one token")
+    n = tokens.shape[1]
+    if n > n_ctx:
+        if not truncate:
+            raise ValueError(
+                f"{what} has {n} tokens; this model's context is {n_ctx} (pass truncate=True to keep the first {n_ctx})"
+            )
+        tokens = tokens[:, :n_ctx]
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= d_vocab:
+        raise ValueError(f"token id {lo if lo < 0 else hi} is out of range; this model's vocabulary is 0..{d_vocab - 1}")
+    return tokens.long()

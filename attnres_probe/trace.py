@@ -26,7 +26,6 @@ block starts), the string tokens, and flags (non-finite values seen while record
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -36,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from attnres_probe._version import __version__
+from attnres_probe.checkpoint import sha256_file
 
 __all__ = ["DepthTrace", "TraceError", "SCHEMA_VERSION"]
 
@@ -313,7 +313,7 @@ class DepthTrace:
         for fname, names in FILES.items():
             table = pd.DataFrame({n: getattr(self, n).ravel() for n in names})
             atomic_write(directory / fname, lambda p, t=table: t.to_parquet(p, index=False))
-            hashes[fname] = _sha256(directory / fname)
+            hashes[fname] = sha256_file(directory / fname)
         doc = {
             "schema_version": SCHEMA_VERSION,
             "attnres_probe": __version__,
@@ -348,7 +348,7 @@ class DepthTrace:
             path = directory / fname
             if not path.is_file():
                 raise TraceError(f"{path} is missing")
-            if doc.get("files", {}).get(fname) != _sha256(path):
+            if doc.get("files", {}).get(fname) != sha256_file(path):
                 raise TraceError(f"{path} does not match the checksum in {META_FILE}: the trace is corrupt")
             try:
                 table = pd.read_parquet(path)
@@ -428,14 +428,6 @@ def _nanmean(a: np.ndarray, axis: int) -> np.ndarray:
         count = (~np.isnan(a)).sum(axis=axis)
         total = np.nansum(a, axis=axis)
         return np.where(count > 0, total / np.maximum(count, 1), np.nan).astype(np.float32)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _json_default(obj: Any) -> Any:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import platform
@@ -34,7 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from attnres_probe._version import __version__
-from attnres_probe.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, atomic_write
+from attnres_probe.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, atomic_write, sha256_file
 from attnres_probe.config import RESIDUALS, ConfigError, ModelConfig
 from attnres_probe.data import NAMED_CORPORA, DataError, load_corpus, sample_batch, validation_batches
 from attnres_probe.model import AttnResTransformer, DepthMixer, RMSNorm
@@ -285,14 +284,6 @@ def _read_state(out_dir: Path) -> dict[str, Any]:
     return state
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Flatten AdamW's per-parameter state into ``optimizer.{index}.{key}`` tensors."""
     out = {}
@@ -337,8 +328,8 @@ def _save_state(
     atomic_write(out_dir / STATE_TENSORS_FILE, lambda p: save_file(tensors, str(p), metadata=meta))
     doc = {
         **doc,
-        "weights_sha256": _sha256_file(out_dir / WEIGHTS_FILE),
-        "state_tensors_sha256": _sha256_file(out_dir / STATE_TENSORS_FILE),
+        "weights_sha256": sha256_file(out_dir / WEIGHTS_FILE),
+        "state_tensors_sha256": sha256_file(out_dir / STATE_TENSORS_FILE),
     }
     _write_json(out_dir / STATE_FILE, doc)
 
@@ -586,7 +577,7 @@ def _load_verified(out_dir: Path, state: dict[str, Any], device: torch.device) -
         path = out_dir / name
         if not path.is_file():
             raise TrainError(f"cannot resume: {path} is missing")
-        if _sha256_file(path) != state.get(key):
+        if sha256_file(path) != state.get(key):
             raise TrainError(
                 f"cannot resume: {path} does not match {STATE_FILE} (was the run interrupted while saving, "
                 "or a file replaced?); start a new run"

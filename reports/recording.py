@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from attnres_probe.checkpoint import WEIGHTS_FILE
+from attnres_probe.checkpoint import WEIGHTS_FILE, sha256_file
 from attnres_probe.probe import Probe
 from attnres_probe.trace import DepthTrace
 
-__all__ = ["SAMPLE_TEXT", "file_sha256", "record_checkpoints", "record_demos", "record_text", "weights_sha256"]
+__all__ = ["SAMPLE_TEXT", "record_checkpoints", "record_demos", "record_text", "weights_sha256"]
 
 # 256 ASCII bytes = 256 tokens of the byte tokenizer = two windows of the demo models' 128.
 SAMPLE_TEXT = (
@@ -39,15 +39,6 @@ SAMPLE_TEXT = (
     "The assert statement is a convenient way to insert debugging assertions in a program.\n"
 )
 SAMPLE_TEXT = (SAMPLE_TEXT * 2)[:256]
-
-
-def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
@@ -100,7 +91,7 @@ def record_text(
     weights = Path(checkpoint_dir) / WEIGHTS_FILE if checkpoint_dir is not None else None
     if weights is not None and weights.is_file():
         meta["checkpoint_dir"] = str(checkpoint_dir)
-        meta["checkpoint_sha256"] = file_sha256(weights)
+        meta["checkpoint_sha256"] = sha256_file(weights)
     else:
         meta["weights_sha256"] = weights_sha256(model)
     return probe.record(tokens, mask, str_tokens, backward=use_backward, extra_meta=meta)

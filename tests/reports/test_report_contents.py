@@ -11,7 +11,7 @@ import pytest
 
 from attnres_probe import DepthTrace, metrics
 from attnres_probe.reports import SECTIONS, build_report, record_checkpoints, record_text, versions
-from attnres_probe.reports.recording import file_sha256
+from attnres_probe.checkpoint import sha256_file
 from helpers import tiny_model
 from report_text import XSS_TEXT
 
@@ -73,7 +73,7 @@ def test_checkpoint_hash_is_the_sha256_of_the_safetensors_file(tmp_path):
     d = tmp_path / "full-run"
     tiny_model("full").save(d)
     (trace,) = record_checkpoints([d], "hello world", backward=False)
-    assert trace.meta["checkpoint_sha256"] == file_sha256(d / "model.safetensors")
+    assert trace.meta["checkpoint_sha256"] == sha256_file(d / "model.safetensors")
     assert trace.name == "full-run"
     html = build_report([trace], tmp_path / "r.html").read_text()
     assert trace.meta["checkpoint_sha256"] in html
