@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -104,13 +103,9 @@ def _run_demo(args: argparse.Namespace) -> int:
         with pd.option_context("display.width", 160, "display.float_format", "{:.4g}".format):
             print("\n== metrics\n" + metrics.compare(*traces).to_string())
         return 0
-    try:
-        from attnres_probe.dashboards.cli import serve_demo
-    except ImportError as exc:  # the dashboard is an optional part of a build
-        print(f"the dashboard is unavailable ({exc}); showing the summary instead", file=sys.stderr)
-        args.summary = True
-        return _run_demo(args)
-    return serve_demo(host=args.host, port=args.port)
+    from attnres_probe.dashboards.cli import run_demo
+
+    return run_demo(host=args.host, port=args.port, open_browser=args.open)
 
 
 def add_record_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -133,6 +128,7 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p = subparsers.add_parser("demo", help="open the dashboard on the bundled demo models")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8050)
+    p.add_argument("--open", action="store_true", help="also open the page in a browser")
     p.add_argument("--summary", action="store_true", help="print per-layer summaries and metrics instead")
     p.set_defaults(func=_run_demo)
     return p

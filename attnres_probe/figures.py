@@ -86,14 +86,17 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"kind is {kind!r}; accepted values are {', '.join(_KINDS)}")
 
 
-def _cells(trace: DepthTrace, expanded: bool) -> tuple[dict[str, np.ndarray], list[str]]:
-    """{kind: [B, P, R, S'] float64 with -inf -> NaN}, column labels."""
+def _cells(trace: DepthTrace, expanded: bool, index: tuple | None = None) -> tuple[dict[str, np.ndarray], list[str]]:
+    """{kind: [B, P, R, S'] float64 with -inf -> NaN}, column labels; ``index`` (e.g. (batch, pos))
+    selects before converting, so one token's cells do not cost a copy of the whole cube."""
     out, labels = {}, trace.source_labels
     for k in _KINDS:
         if expanded:
             arr, labels = trace.expanded(k)
         else:
             arr = trace.cube(k)
+        if index is not None:
+            arr = arr[index]
         arr = np.asarray(arr, dtype=np.float64)
         out[k] = np.where(np.isinf(arr), np.nan, arr)  # -inf logit padding = unavailable
     return out, list(labels)
@@ -206,8 +209,7 @@ def token_heatmap(
     if not 0 <= batch < trace.tokens.shape[0]:
         raise IndexError(f"batch {batch} is out of range; this trace has {trace.tokens.shape[0]} sequences (0..{trace.tokens.shape[0] - 1})")
     pos = trace._token_index(token, batch)
-    cells, labels = _cells(trace, expanded)
-    cells = {k: v[batch, pos] for k, v in cells.items()}
+    cells, labels = _cells(trace, expanded, index=(batch, pos))
     tok = trace.str_tokens[batch][pos] if pos < len(trace.str_tokens[batch]) else ""
     title = f"{trace.name} · token {pos} {tok!r} (sequence {batch}) · {KIND_TITLES[kind]}"
     return _cell_heatmap(trace, cells, labels, kind, title, expanded)

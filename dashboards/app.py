@@ -1,0 +1,117 @@
+"""App factory: :func:`create_app` builds the Dash app, :func:`create_server` its WSGI server.
+
+    from attnres_probe.dashboards import create_app
+    app = create_app({"prenorm": base, "block": model}, text="The cat sat on the mat.")
+    app.run(port=8050)                       # or serve app.server with waitress
+
+Callbacks are registered on the app itself (never the module-level ``dash.callback``), so
+several apps live side by side in one process. Everything is served locally
+(``serve_locally=True``, assets from ``dashboards/assets``): the page makes no external request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import dash
+import flask
+
+from attnres_probe.dashboards import callbacks
+from attnres_probe.dashboards.layout import build_layout
+from attnres_probe.dashboards.state import Explorer
+
+__all__ = ["ASSETS", "LOOPBACK_HOSTS", "create_app", "create_server", "demo_entries"]
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+MAX_REQUEST_BYTES = 2 * 2**20  # callback payloads are a few kB; prompts are length-limited
+
+
+def demo_entries() -> dict[str, Any]:
+    """The three bundled demo models, name -> model ("prenorm", "full", "block").
+
+    Raises:
+        FileNotFoundError: the demo models are not in this installation.
+    """
+    from attnres_probe.demo import DEMO_NAMES, load_demo
+
+    return {name: load_demo(name)[0] for name in DEMO_NAMES}
+
+
+def create_app(
+    models_or_traces: Mapping[str, Any] | Sequence[Any] | None = None,
+    text: str | None = None,
+    *,
+    cache_size: int = 16,
+    allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
+    title: str = "attnres-probe · depth routing",
+) -> dash.Dash:
+    """Build the dashboard.
+
+    Args:
+        models_or_traces: name -> AttnResTransformer / Probe (live: new prompts are recorded)
+            and/or name -> DepthTrace (saved traces; with no model at all the page is in
+            traces-only mode and says so). A sequence is named by residual / trace name.
+            None: the bundled demo models.
+        text: the initial prompt (default: a short sentence cut to the models' context).
+        cache_size: recorded prompts kept on the server (LRU; the initial one is always kept).
+        allowed_hosts: answer only requests whose Host header names one of these (port
+            ignored); the loopback names by default, which blocks DNS-rebinding pages. None
+            allows every host (for ``--host 0.0.0.0``).
+        title: the browser tab's title.
+
+    Returns:
+        The ``dash.Dash`` app; ``app.explorer`` is its :class:`Explorer` (models, cache).
+    """
+    entries = demo_entries() if models_or_traces is None else models_or_traces
+    explorer = Explorer(entries, text=text, cache_size=cache_size)
+    app = dash.Dash(
+        "attnres_probe.dashboards",
+        assets_folder=str(ASSETS),
+        serve_locally=True,
+        title=title,
+        update_title=None,
+        external_scripts=[],
+        external_stylesheets=[],
+        compress=False,
+    )
+    app.layout = build_layout(explorer)
+    callbacks.register(app, explorer)
+    app.explorer = explorer
+    _harden(app.server, allowed_hosts)
+    return app
+
+
+def create_server(
+    models_or_traces: Mapping[str, Any] | Sequence[Any] | None = None, text: str | None = None, **kw: Any
+) -> flask.Flask:
+    """The Flask (WSGI) server of :func:`create_app`, for waitress: one process, several threads.
+
+        waitress.serve(create_server(), host="127.0.0.1", port=8050, threads=8)
+    """
+    return create_app(models_or_traces, text, **kw).server
+
+
+def _harden(server: flask.Flask, allowed_hosts: Sequence[str] | None) -> None:
+    server.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES
+    allowed = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
+
+    @server.before_request
+    def _check_host():
+        if allowed is None:
+            return None
+        host = (flask.request.host or "").lower()
+        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        if name not in allowed and host not in allowed:
+            return flask.Response(f"host {host!r} is not served here (allowed: {', '.join(sorted(allowed))})\n",
+                                  status=421, mimetype="text/plain")
+        return None
+
+    @server.after_request
+    def _headers(resp: flask.Response) -> flask.Response:
+        resp.headers.setdefault("X-Content-Type-Options", "nosniff")
+        resp.headers.setdefault("X-Frame-Options", "DENY")
+        resp.headers.setdefault("Referrer-Policy", "no-referrer")
+        return resp

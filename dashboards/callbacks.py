@@ -1,0 +1,421 @@
+"""The dashboard's callbacks, as plain functions of an :class:`Explorer` and the inputs' values.
+
+Each function here takes the explorer first and the browser's values after it, validates those
+values (they come from the network), reads traces from the explorer's server-side cache, and
+returns figures from :mod:`attnres_probe.figures` or plain components. :func:`register` binds
+them to one Dash app (``app.callback``, never the global ``dash.callback``), so tests and the
+benchmark call the very functions the app runs:
+
+    out = token_views(ex, {"key": ex.initial.key, "token": 3}, "weights", [])
+    out["figures"][0]        # the first model's per-token heatmap (a plotly Figure)
+
+Two small pure view changes run in the browser (``assets/dashboard.js``): turning a chip click
+or a heatmap click into the selected token, and highlighting the selected chip.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import numpy as np
+from dash import ALL, ClientsideFunction, Input, Output, State, html, no_update
+
+from attnres_probe import figures, metrics
+from attnres_probe.dashboards import layout as ids
+from attnres_probe.dashboards.state import Explorer, PromptError, UnknownKeyError
+
+__all__ = [
+    "CARD_GROUPS",
+    "ablation_reads",
+    "ablation_view",
+    "mean_views",
+    "metric_cards",
+    "profile_views",
+    "register",
+    "run_prompt",
+    "source_views",
+    "token_strip",
+    "token_views",
+]
+
+KINDS = ("weights", "contrib", "logits")
+SHOWN = {"display": "block"}
+HIDDEN = {"display": "none"}
+ABLATION_AUTO_LIMIT = 1 << 16  # auto-run an ablation below this many token·source·layer steps; else wait for the button
+
+# the four metric cards: title, help, metrics (keys of metrics.FORMULAS) with short labels
+CARD_GROUPS: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ("Locality", "How far back in depth the reads look.",
+     [("locality_distance", "mean depth distance E[d]"), ("locality_recent_mass", "mass on the most recent source")]),
+    ("Embedding retention", "How much the deep reads still take from the embedding.",
+     [("embed_weight_deep", "embedding weight α₀, deep half"), ("embed_contrib_deep", "embedding share c₀, deep half")]),
+    ("Gradient uniformity", "Spread of gradient norms over depth (0 = even).",
+     [("act_grad_cv", "CV of ‖∂L/∂h‖ over reads"), ("param_grad_cv", "CV of parameter-gradient norms")]),
+    ("Magnitude growth", "Hidden-state RMS at the last sublayer over the first (1 = flat).",
+     [("rms_in_growth", "growth of rms(h), mixed inputs"), ("rms_out_growth", "growth of rms(v), sublayer outputs")]),
+]
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def _kind(kind: Any) -> str:
+    return kind if kind in KINDS else "weights"
+
+
+def _expanded(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and "expanded" in value
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _share_logit_range(figs: list) -> None:
+    """Give every logit heatmap the widest symmetric range, so panels side by side compare."""
+    ranges = [abs(float(f.data[0].zmax)) for f in figs if f is not None and np.isfinite(np.asarray(f.data[0].z, dtype=float)).any()]
+    if not ranges:
+        return
+    z = max(ranges)
+    for f in figs:
+        if f is not None:
+            f.data[0].update(zmin=-z, zmax=z)
+
+
+def _fmt(value: float) -> str:
+    if value is None or not math.isfinite(value):
+        return "—"
+    return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.2e}"
+
+
+# -- prompt -----------------------------------------------------------------------------------
+def run_prompt(ex: Explorer, n_clicks: Any, text: Any) -> dict:
+    """Run the prompt through every model. On error the key is left unchanged (old views stay).
+
+    Returns:
+        {"key": new key or no_update, "status": message, "status_class": css class}
+    """
+    try:
+        key = ex.run(text)
+    except PromptError as exc:
+        return {"key": no_update, "status": str(exc), "status_class": "status error"}
+    except Exception as exc:  # a model failing on some text must not break the page
+        return {"key": no_update, "status": f"the models failed on this text: {exc}", "status_class": "status error"}
+    result = ex.result(key)
+    n = result.first.n_tokens
+    return {"key": key, "status": f"Ran {n} tokens through {', '.join(result.traces)}.", "status_class": "status ok"}
+
+
+# -- token strip ------------------------------------------------------------------------------
+def token_strip(ex: Explorer, key: Any) -> dict:
+    """The prompt's tokens as chips (html.Button, text as text) and the token selection reset to 0.
+
+    Returns:
+        {"chips": [html.Button], "token": {"key", "token"} or no_update, "note": str}
+    """
+    try:
+        result = ex.result(key)
+    except UnknownKeyError as exc:
+        return {"chips": no_update, "token": no_update, "note": str(exc)}
+    toks = result.str_tokens
+    chips = [
+        html.Button(t if t else "∅", id={"type": ids.CHIP, "index": i}, className="chip selected" if i == 0 else "chip",
+                    title=f"token {i}: {t!r}")
+        for i, t in enumerate(toks)
+    ]
+    notes = []
+    first = result.first
+    if first.tokens.shape[0] > 1:
+        notes.append(f"{first.name} holds {first.tokens.shape[0]} sequences; showing sequence 0.")
+    lengths = {n: int(t.mask[0].sum()) for n, t in result.traces.items()}
+    if len(set(lengths.values())) > 1:
+        notes.append("The traces have different lengths: " + ", ".join(f"{n} {k}" for n, k in lengths.items()) + ".")
+    missing = [n for n in ex.names if n not in result.traces]
+    if missing:
+        notes.append(f"Saved traces {', '.join(missing)} belong to the initial text only; they are hidden for this prompt.")
+    return {"chips": chips, "token": {"key": result.key, "token": 0}, "note": " ".join(notes)}
+
+
+# -- per-token views --------------------------------------------------------------------------
+def token_views(ex: Explorer, token: Any, kind: Any, expanded: Any) -> dict:
+    """Per-token depth heatmap of every model for the selected token.
+
+    Args:
+        token: the token store, {"key": result key, "token": position in sequence 0}.
+        kind: "weights" | "contrib" | "logits".
+        expanded: the checklist value (contains "expanded" for the expanded sublayer view).
+
+    Returns:
+        {"figures": [Figure or no_update per model], "panels": [style per model],
+         "notes": [str per model], "info": components describing the token}
+    """
+    n = len(ex.names)
+    keep = {"figures": [no_update] * n, "panels": [no_update] * n, "notes": [no_update] * n}
+    if not isinstance(token, dict):
+        return {**keep, "info": no_update}
+    try:
+        result = ex.result(token.get("key"))
+    except UnknownKeyError as exc:
+        return {**keep, "info": str(exc)}
+    pos = _int(token.get("token"))
+    n_first = int(result.first.mask[0].sum())
+    if pos is None or not 0 <= pos < n_first:
+        return {**keep, "info": f"token {token.get('token')!r} is out of range; this text has tokens 0..{n_first - 1}"}
+    kind, expanded = _kind(kind), _expanded(expanded)
+    figs, panels, notes = [], [], []
+    for name in ex.names:
+        trace = result.traces.get(name)
+        if trace is None:
+            figs.append(no_update), panels.append(HIDDEN), notes.append("")
+            continue
+        n_tok = int(trace.mask[0].sum())
+        if pos >= n_tok:
+            figs.append(no_update), panels.append(SHOWN)
+            notes.append(f"{name} has only {n_tok} tokens")
+            continue
+        figs.append(figures.token_heatmap(trace, token=pos, kind=kind, expanded=expanded))
+        panels.append(SHOWN)
+        notes.append("")
+    if kind == "logits":
+        _share_logit_range([f for f in figs if f is not no_update])
+    return {"figures": figs, "panels": panels, "notes": notes, "info": _token_info(ex, result, pos)}
+
+
+def _token_info(ex: Explorer, result, pos: int) -> list:
+    first = result.first
+    tok = first.str_tokens[0][pos]
+    parts: list = [html.Span(f"token {pos} of {int(first.mask[0].sum())}: "), html.Code(tok, className="tok"),
+                   html.Span(f" (id {int(first.tokens[0, pos])}) · next-token loss: ")]
+    for name, trace in result.traces.items():
+        loss = float(trace.loss[0, pos]) if pos < trace.loss.shape[1] else float("nan")
+        parts.append(html.Span(f"{name} {_fmt(loss)}", style={"color": ex.colors[name]}, className="loss"))
+    return parts
+
+
+# -- whole-text views -------------------------------------------------------------------------
+def mean_views(ex: Explorer, key: Any, kind: Any, expanded: Any) -> dict:
+    """Mean heatmap over tokens of every model. Returns {"figures": [...], "panels": [...]}."""
+    n = len(ex.names)
+    try:
+        result = ex.result(key)
+    except UnknownKeyError:
+        return {"figures": [no_update] * n, "panels": [no_update] * n}
+    kind, expanded = _kind(kind), _expanded(expanded)
+    figs, panels = [], []
+    for name in ex.names:
+        trace = result.traces.get(name)
+        figs.append(no_update if trace is None else figures.mean_heatmap(trace, kind=kind, expanded=expanded))
+        panels.append(HIDDEN if trace is None else SHOWN)
+    if kind == "logits":
+        _share_logit_range([f for f in figs if f is not no_update])
+    return {"figures": figs, "panels": panels}
+
+
+def source_views(ex: Explorer, key: Any, source: Any, kind: Any) -> dict:
+    """Token × read heatmap of one source for every model that has it.
+
+    Returns:
+        {"figures": [...], "graphs": [graph style], "panels": [panel style], "notes": [str]}
+    """
+    n = len(ex.names)
+    try:
+        result = ex.result(key)
+    except UnknownKeyError as exc:
+        return {"figures": [no_update] * n, "graphs": [no_update] * n, "panels": [no_update] * n, "notes": [str(exc)] * n}
+    kind = _kind(kind)
+    options = ex.source_options()
+    source = source if source in options else options[0]
+    figs, graphs, panels, notes = [], [], [], []
+    for name in ex.names:
+        trace = result.traces.get(name)
+        if trace is None:
+            figs.append(no_update), graphs.append(no_update), panels.append(HIDDEN), notes.append("")
+        elif source not in trace.source_labels:
+            figs.append(no_update), graphs.append(HIDDEN), panels.append(SHOWN)
+            notes.append(f"{name} has no source {source!r}; its sources are {', '.join(trace.source_labels)}.")
+        else:
+            figs.append(figures.source_heatmap(trace, source=source, kind=kind))
+            graphs.append(SHOWN), panels.append(SHOWN), notes.append("")
+    if kind == "logits":
+        _share_logit_range([f for f in figs if f is not no_update])
+    return {"figures": figs, "graphs": graphs, "panels": panels, "notes": notes}
+
+
+def profile_views(ex: Explorer, key: Any) -> dict:
+    """Magnitudes and gradient norms by depth, every model in one chart each."""
+    try:
+        traces = list(ex.traces(key).values())
+    except UnknownKeyError:
+        return {"magnitudes": no_update, "gradients": no_update}
+    return {"magnitudes": figures.magnitudes(traces), "gradients": figures.gradient_norms(traces)}
+
+
+def metric_cards(ex: Explorer, key: Any) -> list:
+    """The four metric cards: each AttnRes model's value and its comparison with the baseline."""
+    try:
+        result = ex.result(key)
+    except UnknownKeyError as exc:
+        return [html.P(str(exc), className="status error")]
+    names = list(result.traces)
+    frame = metrics.compare(*result.traces.values(), names=names)
+    base = next((n for n in names if result.traces[n].residual == "prenorm"), None)
+    cards = []
+    for title, help_text, rows in CARD_GROUPS:
+        head = html.Tr([html.Th("metric")] + [html.Th(n, style={"color": ex.colors[n]}) for n in names])
+        body = []
+        for metric, label in rows:
+            cells = [html.Td([label, html.Span(" ⓘ", className="formula")], title=metrics.FORMULAS[metric], className="metric-name")]
+            for n in names:
+                value = html.Div(_fmt(float(frame.at[metric, n])), className="value")
+                vs = None
+                col = f"{n} vs {base}"
+                if base is not None and n != base and col in frame.columns:
+                    diff = float(frame.at[metric, col])
+                    ratio = frame.at[metric, "comparison"] == "ratio"
+                    text = "—" if not math.isfinite(diff) else (f"×{diff:.3g}" if ratio else f"{diff:+.3g}")
+                    vs = html.Div(f"vs {base}: {text}", className="vs",
+                                  title=("model / baseline" if ratio else "model − baseline"))
+                cells.append(html.Td([value, vs]))
+            body.append(html.Tr(cells))
+        cards.append(
+            html.Div(
+                [html.H3(title, title="; ".join(f"{m}: {metrics.FORMULAS[m]}" for m, _ in rows)),
+                 html.P(help_text, className="help"),
+                 html.Table([html.Thead(head), html.Tbody(body)], className="metric-table")],
+                className="metric-card",
+            )
+        )
+    return cards
+
+
+# -- ablation ---------------------------------------------------------------------------------
+def ablation_reads(ex: Explorer, model: Any) -> dict:
+    """Read options of the chosen model (reads with more than one source); 'final' selected."""
+    if model not in ex.attnres_probes:
+        return {"options": no_update, "value": no_update}
+    reads = ex.read_options(model)
+    return {"options": [{"label": r, "value": r} for r in reads], "value": reads[-1]}
+
+
+def ablation_view(ex: Explorer, n_clicks: Any, key: Any, model: Any, read: Any, mode: Any, pressed: bool = True) -> dict:
+    """Δloss per source at one read of one model, beside its routing mass (figures.ablation_chart).
+
+    Args:
+        pressed: the Run button triggered the call; otherwise a costly ablation (long text, deep
+            model) waits for the button.
+
+    Returns:
+        {"figure": Figure or no_update, "status": message}
+    """
+    try:
+        result = ex.result(key)
+        if model not in ex.attnres_probes:
+            raise PromptError(f"choose one of {ex.attnres_probes}")
+        trace = result.traces[model]
+        k = int(np.isfinite(trace.weights(read=read).to_numpy()).sum()) if read in trace.read_labels else 0
+        cost = trace.n_tokens * max(k, 1) * len(trace.sublayer_labels)
+        if not pressed and cost > ABLATION_AUTO_LIMIT:
+            return {"figure": figures.ablation_chart(_empty_ablation()),
+                    "status": f"Press 'Run ablation': it takes {k + 1} forward passes of {trace.n_tokens} tokens."}
+        frame = ex.ablate(key, model, read, mode)
+    except (PromptError, UnknownKeyError) as exc:
+        return {"figure": no_update, "status": str(exc)}
+    top = frame.loc[frame["delta_loss"].idxmax()] if len(frame) else None
+    status = "" if top is None else (
+        f"{model} · read {read} · mode {mode}: base loss {_fmt(float(top['base_loss']))}; removing {top['source']} "
+        f"costs most (Δloss {float(top['delta_loss']):+.3g})."
+    )
+    return {"figure": figures.ablation_chart(frame, read=read), "status": status}
+
+
+def _empty_ablation():
+    import pandas as pd
+
+    return pd.DataFrame(columns=list(figures.ABLATION_COLUMNS))
+
+
+# -- registration -----------------------------------------------------------------------------
+def _bind(fn: Callable, ex: Explorer) -> Callable:
+    @functools.wraps(fn)
+    def bound(*args):
+        return fn(ex, *args)
+
+    return bound
+
+
+def _per_model(view: str, part: str, prop: str, n: int) -> list[Output]:
+    return [Output(ids.panel_id(view, part, i), prop) for i in range(n)]
+
+
+def register(app, ex: Explorer) -> None:
+    """Register every callback of the dashboard on ``app`` (bound to ``ex``)."""
+    n = len(ex.names)
+    if ex.live:
+        app.callback(
+            output={"key": Output(ids.KEY, "data"), "status": Output(ids.PROMPT_STATUS, "children"),
+                    "status_class": Output(ids.PROMPT_STATUS, "className")},
+            inputs=[Input(ids.RUN, "n_clicks"), State(ids.PROMPT, "value")],
+            prevent_initial_call=True,
+        )(_bind(run_prompt, ex))
+    app.callback(
+        output={"chips": Output(ids.STRIP, "children"), "token": Output(ids.TOKEN, "data"), "note": Output(ids.STRIP_NOTE, "children")},
+        inputs=[Input(ids.KEY, "data")],
+    )(_bind(token_strip, ex))
+    app.callback(
+        output={"figures": _per_model("token", "graph", "figure", n), "panels": _per_model("token", "panel", "style", n),
+                "notes": _per_model("token", "note", "children", n), "info": Output(ids.TOKEN_INFO, "children")},
+        inputs=[Input(ids.TOKEN, "data"), Input(ids.KIND, "value"), Input(ids.EXPANDED, "value")],
+    )(_bind(token_views, ex))
+    app.callback(
+        output={"figures": _per_model("mean", "graph", "figure", n), "panels": _per_model("mean", "panel", "style", n)},
+        inputs=[Input(ids.KEY, "data"), Input(ids.KIND, "value"), Input(ids.EXPANDED, "value")],
+    )(_bind(mean_views, ex))
+    app.callback(
+        output={"figures": _per_model("source", "graph", "figure", n), "graphs": _per_model("source", "graph", "style", n),
+                "panels": _per_model("source", "panel", "style", n), "notes": _per_model("source", "note", "children", n)},
+        inputs=[Input(ids.KEY, "data"), Input(ids.SOURCE, "value"), Input(ids.KIND, "value")],
+    )(_bind(source_views, ex))
+    app.callback(
+        output={"magnitudes": Output(ids.MAGNITUDES, "figure"), "gradients": Output(ids.GRADIENTS, "figure")},
+        inputs=[Input(ids.KEY, "data")],
+    )(_bind(profile_views, ex))
+    app.callback(Output(ids.CARDS, "children"), Input(ids.KEY, "data"))(_bind(metric_cards, ex))
+    if ex.attnres_probes:
+        app.callback(
+            output={"options": Output(ids.ABL_READ, "options"), "value": Output(ids.ABL_READ, "value")},
+            inputs=[Input(ids.ABL_MODEL, "value")],
+            prevent_initial_call=True,
+        )(_bind(ablation_reads, ex))
+
+        def _ablation(n_clicks, key, model, read, mode):
+            from dash import ctx
+
+            pressed = ctx.triggered_id == ids.ABL_RUN
+            return ablation_view(ex, n_clicks, key, model, read, mode, pressed=pressed)
+
+        app.callback(
+            output={"figure": Output(ids.ABL_GRAPH, "figure"), "status": Output(ids.ABL_STATUS, "children")},
+            inputs=[Input(ids.ABL_RUN, "n_clicks"), Input(ids.KEY, "data"), Input(ids.ABL_MODEL, "value"),
+                    Input(ids.ABL_READ, "value"), Input(ids.ABL_MODE, "value")],
+        )(_ablation)
+    # browser-side: a chip click or a click on a one-source heatmap selects a token; the chip is highlighted
+    app.clientside_callback(
+        ClientsideFunction("attnres", "pick_token"),
+        Output(ids.TOKEN, "data", allow_duplicate=True),
+        [Input({"type": ids.CHIP, "index": ALL}, "n_clicks")]
+        + [Input(ids.panel_id("source", "graph", i), "clickData") for i in range(n)],
+        State(ids.TOKEN, "data"),
+        prevent_initial_call=True,
+    )
+    app.clientside_callback(
+        ClientsideFunction("attnres", "mark_chips"),
+        Output({"type": ids.CHIP, "index": ALL}, "className"),
+        Input(ids.TOKEN, "data"),
+        State({"type": ids.CHIP, "index": ALL}, "id"),
+    )

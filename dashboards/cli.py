@@ -1,0 +1,142 @@
+"""``attnres-probe dash``: serve the dashboard with waitress (loopback by default).
+
+    attnres-probe dash                                   # the three bundled demo models
+    attnres-probe dash --models runs/prenorm runs/block  # checkpoint folders
+    attnres-probe dash --traces traces/a traces/b        # saved DepthTraces (traces-only mode)
+
+:func:`run_demo` is what ``attnres-probe demo`` (and ``make demo``) calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+import webbrowser
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from attnres_probe.dashboards.app import LOOPBACK_HOSTS, create_app, demo_entries
+
+__all__ = ["add_dash_parser", "load_entries", "run_demo", "serve"]
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8050
+DEFAULT_THREADS = 8
+DEFAULT_TORCH_THREADS = 1  # small models, several request threads: intra-op threads only spin-wait on a busy CPU
+
+
+def _unique(name: str, taken: dict[str, Any]) -> str:
+    out, i = name, 2
+    while out in taken:
+        out, i = f"{name} ({i})", i + 1
+    return out
+
+
+def load_entries(models: Sequence[str] | None = None, traces: Sequence[str] | None = None) -> dict[str, Any]:
+    """name -> model / DepthTrace from checkpoint and trace folders (named by folder).
+
+    With neither, the bundled demo models.
+
+    Raises:
+        FileNotFoundError / NotADirectoryError: a folder is missing.
+        ValueError: a folder is not a checkpoint / saved trace.
+    """
+    from attnres_probe import AttnResTransformer, DepthTrace
+
+    if not models and not traces:
+        return demo_entries()
+    entries: dict[str, Any] = {}
+    for d in models or []:
+        path = Path(d)
+        if not path.is_dir():
+            raise NotADirectoryError(f"--models {d}: not a folder (pass checkpoint folders written by `attnres-probe train`)")
+        entries[_unique(path.resolve().name, entries)] = AttnResTransformer.load(path).eval()
+    for d in traces or []:
+        path = Path(d)
+        if not path.is_dir():
+            raise NotADirectoryError(f"--traces {d}: not a folder (pass folders written by DepthTrace.save)")
+        trace = DepthTrace.load(path)
+        entries[_unique(trace.name or path.resolve().name, entries)] = trace
+    return entries
+
+
+def serve(app, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, threads: int = DEFAULT_THREADS, open_browser: bool = False) -> int:
+    """Serve a dashboard app with waitress (Flask's threaded server if waitress is missing) until Ctrl+C."""
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
+    names = ", ".join(app.explorer.names)
+    print(f"attnres-probe dash: {names} on {url}  (Ctrl+C to stop)", file=sys.stderr)
+    if host not in LOOPBACK_HOSTS:
+        print(f"warning: listening on {host}: anyone who can reach this port can run text through the models", file=sys.stderr)
+    if open_browser:
+        threading.Thread(target=lambda: (time.sleep(1.0), webbrowser.open(url)), daemon=True).start()
+    try:
+        import waitress
+    except ModuleNotFoundError:
+        print("waitress is not installed; using Flask's development server (pip install waitress)", file=sys.stderr)
+        app.server.run(host=host, port=port, threaded=True)
+        return 0
+    try:
+        waitress.serve(app.server, host=host, port=port, threads=threads, ident="attnres-probe")
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pass another --port") from None
+    return 0
+
+
+def run_demo(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, text: str | None = None, threads: int = DEFAULT_THREADS,
+             open_browser: bool = False, torch_threads: int | None = DEFAULT_TORCH_THREADS) -> int:
+    """Open the dashboard on the three bundled demo models (``attnres-probe demo``, ``make demo``).
+
+    Blocks until Ctrl+C. ``torch_threads`` sets torch's intra-op threads for this process (None: leave).
+    """
+    _set_torch_threads(torch_threads)
+    t0 = time.perf_counter()
+    app = create_app(demo_entries(), text=text, allowed_hosts=LOOPBACK_HOSTS if host in LOOPBACK_HOSTS else None)
+    print(f"loaded the demo models in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return serve(app, host=host, port=port, threads=threads, open_browser=open_browser)
+
+
+def _set_torch_threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def add_dash_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "dash",
+        help="open the interactive depth-routing explorer (Dash)",
+        description="Serve the depth-routing dashboard: AttnRes models beside the PreNorm baseline. "
+        "Binds to 127.0.0.1 by default; with no --models/--traces it loads the bundled demo models.",
+    )
+    p.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
+    p.add_argument("--models", nargs="+", metavar="DIR", help="checkpoint folders (default: the bundled demo models)")
+    p.add_argument("--traces", nargs="+", metavar="DIR", help="saved DepthTrace folders (alone: traces-only mode)")
+    p.add_argument("--text", help="initial prompt (default: a short sentence)")
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="waitress worker threads (default: %(default)s)")
+    p.add_argument("--cache-size", type=int, default=16, help="recorded prompts kept on the server (default: %(default)s)")
+    p.add_argument("--torch-threads", type=int, default=DEFAULT_TORCH_THREADS,
+                   help="torch intra-op threads (default: %(default)s; more only helps large models on an idle CPU)")
+    p.add_argument("--open", action="store_true", help="open a browser tab")
+    p.set_defaults(func=_run_dash)
+    return p
+
+
+def _run_dash(args: argparse.Namespace) -> int:
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port is {args.port}; choose 1..65535")
+    if args.threads < 1:
+        raise ValueError(f"--threads is {args.threads}; need at least 1")
+    if args.torch_threads < 1:
+        raise ValueError(f"--torch-threads is {args.torch_threads}; need at least 1")
+    _set_torch_threads(args.torch_threads)
+    t0 = time.perf_counter()
+    entries = load_entries(args.models, args.traces)
+    app = create_app(entries, text=args.text, cache_size=args.cache_size,
+                     allowed_hosts=LOOPBACK_HOSTS if args.host in LOOPBACK_HOSTS else None)
+    print(f"loaded {len(entries)} entries in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return serve(app, host=args.host, port=args.port, threads=args.threads, open_browser=args.open)

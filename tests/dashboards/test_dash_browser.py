@@ -1,0 +1,134 @@
+"""The dashboard in a real headless Chromium (dash_duo): loading, token clicks, new prompts, XSS."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from dash.testing.wait import until
+
+from attnres_probe.dashboards import create_app
+from dash_helpers import TEXT
+
+pytestmark = pytest.mark.browser
+
+FIGURE_JS = """
+const gd = document.querySelector('#' + arguments[0] + ' .js-plotly-plot');
+if (!gd || !gd._fullData || !gd._fullData.length) { return null; }
+const fd = gd._fullData[0];
+const arr = (a) => Array.from(a, (v) => (typeof v === 'number' && Number.isNaN(v)) ? null : v);
+return {title: (gd.layout.title || {}).text || '', z: fd.z ? Array.from(fd.z, (row) => arr(row)) : null,
+        x: fd.x ? arr(fd.x) : null, n: gd._fullData.length};
+"""
+CHIPS_JS = "return Array.from(document.querySelectorAll('#token-strip button'), (b) => b.textContent);"
+
+
+def figure(dash_duo, graph_id: str) -> dict | None:
+    return dash_duo.driver.execute_script(FIGURE_JS, graph_id)
+
+
+def wait_for_title(dash_duo, graph_id: str, needle: str, timeout: float = 20) -> dict:
+    until(lambda: needle in (figure(dash_duo, graph_id) or {}).get("title", ""), timeout=timeout)
+    return figure(dash_duo, graph_id)
+
+
+def count(dash_duo, selector: str) -> int:
+    """Number of elements matching ``selector`` (no implicit wait, unlike find_elements)."""
+    return dash_duo.driver.execute_script("return document.querySelectorAll(arguments[0]).length", selector)
+
+
+def as_array(z) -> np.ndarray:
+    return np.array([[np.nan if v is None else v for v in row] for row in z], dtype=np.float64)
+
+
+def start(dash_duo, app) -> None:
+    dash_duo.start_server(app)
+    dash_duo.wait_for_element("#token-strip button", timeout=30)
+    for i in range(len(app.explorer.names)):
+        wait_for_title(dash_duo, f"token-graph-{i}", "token 0 ", timeout=30)
+
+
+def run_prompt(dash_duo, text: str, expect: str = "Ran ") -> None:
+    box = dash_duo.find_element("#prompt")
+    dash_duo.clear_input(box)
+    if text:
+        box.send_keys(text)
+    dash_duo.find_element("#run").click()
+    dash_duo.wait_for_contains_text("#prompt-status", expect, timeout=30)
+
+
+def test_page_loads_with_baseline_and_attnres_panels_and_no_console_errors(dash_duo, app):
+    start(dash_duo, app)
+    for i, name in enumerate(app.explorer.names):  # prenorm (baseline), full, block
+        assert name in dash_duo.find_element(f"#token-panel-{i} .panel-title").text
+        assert figure(dash_duo, f"token-graph-{i}")["title"].startswith(f"{name} · token 0")
+        wait_for_title(dash_duo, f"mean-graph-{i}", f"{name} · mean over")
+    assert wait_for_title(dash_duo, "magnitudes", "Magnitudes by depth")["n"] == 2 * len(app.explorer.names)
+    dash_duo.wait_for_element(".metric-card", timeout=20)
+    dash_duo.wait_for_contains_text("#ablation-status", "base loss", timeout=30)
+    assert count(dash_duo, "div.dash-debug-alert") == 0
+    assert dash_duo.get_logs() == []
+    dash_duo.driver.execute_script("console.error('attnres-probe: console capture works')")
+    assert any("console capture works" in e["message"] for e in dash_duo.get_logs())
+
+
+def test_clicking_a_token_shows_that_tokens_weights(dash_duo, app):
+    start(dash_duo, app)
+    dash_duo.find_element("#token-strip button:nth-child(6)").click()  # token 5
+    dash_duo.wait_for_contains_text("#token-info", "token 5 of", timeout=20)
+    traces = app.explorer.initial.traces
+    for i, name in enumerate(app.explorer.names):
+        fig = wait_for_title(dash_duo, f"token-graph-{i}", "token 5 ")
+        np.testing.assert_allclose(as_array(fig["z"]), traces[name].depth_weights[0, 5], rtol=1e-6, atol=1e-7, equal_nan=True)
+    chips = dash_duo.find_elements("#token-strip button")
+    assert "selected" in chips[5].get_attribute("class") and "selected" not in chips[0].get_attribute("class")
+
+
+def test_running_a_new_prompt_updates_every_view(dash_duo, app):
+    start(dash_duo, app)
+    text = "Depth routing, token by token."
+    run_prompt(dash_duo, text, expect=f"Ran {len(text)} tokens")
+    assert dash_duo.driver.execute_script(CHIPS_JS) == list(text)
+    traces = app.explorer.traces(app.explorer.key_for(text))
+    for i, name in enumerate(app.explorer.names):
+        fig = wait_for_title(dash_duo, f"token-graph-{i}", "token 0 'D'")
+        np.testing.assert_allclose(as_array(fig["z"]), traces[name].depth_weights[0, 0], rtol=1e-6, equal_nan=True)
+        wait_for_title(dash_duo, f"mean-graph-{i}", f"mean over {len(text)} tokens")
+        assert len(figure(dash_duo, f"source-graph-{i}")["x"]) == len(text)
+    assert figure(dash_duo, "magnitudes")["n"] == 2 * len(app.explorer.names)
+    dash_duo.wait_for_contains_text("#token-info", f"token 0 of {len(text)}", timeout=20)
+    dash_duo.wait_for_contains_text("#ablation-status", "base loss", timeout=30)
+    assert dash_duo.get_logs() == []
+
+
+def test_empty_and_too_long_prompts_leave_the_views_alone(dash_duo, app):
+    start(dash_duo, app)
+    run_prompt(dash_duo, "", expect="the prompt is empty")
+    run_prompt(dash_duo, "x" * 65, expect="text has 65 tokens")
+    assert dash_duo.driver.execute_script(CHIPS_JS) == list(TEXT)
+    assert figure(dash_duo, "token-graph-1")["title"].startswith("full · token 0 'T'")
+
+
+XSS_PROMPTS = ('<img src=x onerror="window.__xss=1">', "<script>window.__xss=2</script>")
+
+
+def test_markup_in_a_prompt_is_shown_as_literal_text(dash_duo, app):
+    start(dash_duo, app)
+    for payload in XSS_PROMPTS:
+        run_prompt(dash_duo, payload, expect=f"Ran {len(payload)} tokens")
+        until(lambda: dash_duo.driver.execute_script(CHIPS_JS) == list(payload), timeout=20)
+        dash_duo.wait_for_contains_text("#token-info", f"token 0 of {len(payload)}", timeout=20)
+        assert dash_duo.find_element("#token-info code").text == "<"
+        wait_for_title(dash_duo, "token-graph-1", "token 0 '<'")
+        assert dash_duo.driver.execute_script("return window.__xss") is None
+        assert count(dash_duo, "#token-strip img, #token-strip script, #token-info img, #prompt-status img") == 0
+    assert dash_duo.get_logs() == []
+
+
+def test_traces_only_mode_says_so_and_still_renders(dash_duo, app):
+    saved = create_app(dict(app.explorer.initial.traces))  # DepthTraces only, no model
+    start(dash_duo, saved)
+    dash_duo.wait_for_contains_text("#traces-only-note", "Traces-only mode", timeout=20)
+    assert not dash_duo.find_element("#run").is_enabled() and not dash_duo.find_element("#prompt").is_enabled()
+    dash_duo.find_element("#token-strip button:nth-child(3)").click()
+    wait_for_title(dash_duo, "token-graph-2", "block · token 2 ")
+    assert dash_duo.get_logs() == []

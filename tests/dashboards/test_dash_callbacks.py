@@ -1,0 +1,217 @@
+"""Dashboard callbacks called directly, as plain functions of the explorer and the browser's values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from dash import html, no_update
+
+from attnres_probe import Probe, figures, metrics
+from attnres_probe.dashboards import PromptError, callbacks, create_app
+from attnres_probe.dashboards.layout import build_layout
+from dash_helpers import NAMES, N_CTX, TEXT, make_model
+
+
+def token(ex, pos: int, key: str | None = None) -> dict:
+    return {"key": key or ex.initial.key, "token": pos}
+
+
+def texts(component) -> list[str]:
+    """Every string inside a Dash component tree (what the browser shows as text)."""
+    out: list[str] = []
+
+    def walk(node):
+        if isinstance(node, str):
+            out.append(node)
+        elif isinstance(node, (list, tuple)):
+            for n in node:
+                walk(n)
+        elif hasattr(node, "children"):
+            walk(node.children)
+
+    walk(component)
+    return out
+
+
+# -- token selection ----------------------------------------------------------------------------
+def test_token_views_show_each_models_weights_for_the_selected_token(ex):
+    out = callbacks.token_views(ex, token(ex, 4), "weights", [])
+    for name, fig in zip(ex.names, out["figures"]):
+        np.testing.assert_array_equal(fig.data[0].z, ex.initial.traces[name].depth_weights[0, 4].astype(np.float64))
+        assert fig.layout.title.text.startswith(f"{name} · token 4 ")
+    assert out["panels"] == [callbacks.SHOWN] * 3
+    assert "token 4 of" in "".join(texts(out["info"]))
+
+
+def test_token_views_contribution_share_and_expanded_block_view(ex):
+    out = callbacks.token_views(ex, token(ex, 2), "contrib", ["expanded"])
+    block = ex.names.index("block")
+    trace = ex.initial.traces["block"]
+    fig = out["figures"][block]
+    expanded, labels = trace.expanded("contrib")
+    assert list(fig.data[0].x) == labels
+    np.testing.assert_array_equal(fig.data[0].z, expanded[0, 2].astype(np.float64))
+    assert len(fig.layout.shapes) > 0  # block boundaries marked
+
+
+def test_logit_panels_share_one_colour_range(ex):
+    out = callbacks.token_views(ex, token(ex, 3), "logits", [])
+    full, block = (out["figures"][ex.names.index(n)] for n in ("full", "block"))
+    assert full.data[0].zmax == block.data[0].zmax == -full.data[0].zmin > 0
+
+
+@pytest.mark.parametrize("bad", [{"key": "nope", "token": 1}, None, "x"])
+def test_token_views_reject_bad_keys_without_touching_the_figures(ex, bad):
+    out = callbacks.token_views(ex, bad, "weights", [])
+    assert out["figures"] == [no_update] * 3
+
+
+@pytest.mark.parametrize("pos", [-1, len(TEXT), 2.5, "3", True])
+def test_token_views_reject_positions_outside_the_text(ex, pos):
+    out = callbacks.token_views(ex, token(ex, pos), "weights", [])
+    assert out["figures"] == [no_update] * 3
+    assert "out of range" in out["info"]
+
+
+def test_an_unknown_colour_kind_falls_back_to_weights(ex):
+    out = callbacks.token_views(ex, token(ex, 1), "<script>", "expanded")
+    assert "depth weight" in out["figures"][1].layout.title.text
+
+
+# -- token strip --------------------------------------------------------------------------------
+def test_token_strip_has_one_text_chip_per_token_and_selects_the_first(ex):
+    out = callbacks.token_strip(ex, ex.initial.key)
+    assert [c.children for c in out["chips"]] == list(TEXT)
+    assert all(isinstance(c, html.Button) for c in out["chips"])
+    assert out["chips"][1].id == {"type": "chip", "index": 1}
+    assert out["token"] == {"key": ex.initial.key, "token": 0}
+
+
+def test_markup_in_a_prompt_stays_plain_text_in_every_component(ex):
+    text = '<img src=x onerror="window.__xss=1">'
+    key = callbacks.run_prompt(ex, 1, text)["key"]
+    chips = callbacks.token_strip(ex, key)["chips"]
+    assert "".join(c.children for c in chips) == text
+    info = callbacks.token_views(ex, token(ex, 0, key), "weights", [])["info"]
+    assert "<" in texts(info)
+    assert "dangerously_allow_html" not in repr(build_layout(ex))
+
+
+# -- prompts ------------------------------------------------------------------------------------
+def test_running_a_prompt_records_every_model_and_returns_its_key(ex):
+    out = callbacks.run_prompt(ex, 1, "Hello depth.")
+    assert out["status_class"] == "status ok"
+    traces = ex.traces(out["key"])
+    assert list(traces) == list(NAMES)
+    assert all(t.n_tokens == len("Hello depth.") for t in traces.values())
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("", "the prompt is empty"), ("x" * (N_CTX + 1), f"text has {N_CTX + 1} tokens; the models' context is {N_CTX}"),
+     ("x" * 10_000, "characters; the limit is"), (None, "must be text"), (["a"], "must be text")],
+)
+def test_bad_prompts_get_a_message_and_leave_the_key_alone(ex, text, message):
+    out = callbacks.run_prompt(ex, 1, text)
+    assert out["key"] is no_update
+    assert message in out["status"] and out["status_class"] == "status error"
+
+
+def test_a_one_token_prompt_runs_without_gradients(ex):
+    key = callbacks.run_prompt(ex, 1, "x")["key"]
+    assert not ex.traces(key)["full"].has_gradients
+    assert callbacks.profile_views(ex, key)["gradients"].layout.annotations  # "no gradients recorded" notes
+
+
+def test_the_trace_cache_is_bounded_and_redoes_evicted_results(models):
+    app = create_app(models, text=TEXT, cache_size=2)
+    ex = app.explorer
+    keys = [ex.run(f"text number {i}") for i in range(4)]
+    assert len(ex._cache) == 2 and keys[0] not in ex._cache
+    again = ex.traces(keys[0])  # recorded again from its remembered text
+    assert again["full"].n_tokens == len("text number 0")
+    assert ex.traces(ex.initial.key) is ex.initial.traces  # the initial result is never evicted
+
+
+# -- whole-text views ---------------------------------------------------------------------------
+def test_mean_and_source_views_come_from_figures(ex):
+    mean = callbacks.mean_views(ex, ex.initial.key, "weights", [])
+    trace = ex.initial.traces["full"]
+    expected = figures.mean_heatmap(trace)
+    np.testing.assert_array_equal(mean["figures"][1].data[0].z, expected.data[0].z)
+    src = callbacks.source_views(ex, ex.initial.key, "embed", "weights")
+    np.testing.assert_array_equal(src["figures"][1].data[0].z, trace.depth_weights[0, :, :, 0].T.astype(np.float64))
+
+
+def test_a_source_a_model_lacks_gets_a_note_instead_of_a_chart(ex):
+    out = callbacks.source_views(ex, ex.initial.key, "L1.mlp", "weights")
+    block = ex.names.index("block")
+    assert out["graphs"][block] == callbacks.HIDDEN and "has no source 'L1.mlp'" in out["notes"][block]
+    assert out["graphs"][1] == callbacks.SHOWN
+    assert callbacks.source_views(ex, ex.initial.key, "../../etc/passwd", "weights")["figures"][0].layout.title.text.find("embed") > 0
+
+
+def test_profiles_draw_every_model_in_one_chart(ex):
+    out = callbacks.profile_views(ex, ex.initial.key)
+    assert [t.name for t in out["magnitudes"].data if t.showlegend is not False] == list(NAMES)
+    assert {t.name for t in out["gradients"].data} == set(NAMES)
+
+
+def test_metric_cards_compare_each_model_with_the_baseline_and_carry_formulas(ex):
+    cards = callbacks.metric_cards(ex, ex.initial.key)
+    assert [c.children[0].children for c in cards] == ["Locality", "Embedding retention", "Gradient uniformity", "Magnitude growth"]
+    frame = metrics.compare(*ex.initial.traces.values(), names=list(NAMES))
+    locality = cards[0].children[2].children[1].children[0].children  # first row of the first card
+    assert locality[0].title == metrics.FORMULAS["locality_distance"]
+    full_cell = texts(locality[2])
+    assert full_cell[0] == callbacks._fmt(frame.at["locality_distance", "full"])
+    assert full_cell[1] == f"vs prenorm: {frame.at['locality_distance', 'full vs prenorm']:+.3g}"
+
+
+# -- ablation -----------------------------------------------------------------------------------
+def test_ablation_shows_delta_loss_beside_mass_for_the_chosen_read(ex):
+    out = callbacks.ablation_view(ex, 1, ex.initial.key, "block", "final", "zero")
+    expected = Probe(ex.probes["block"].model, name="block").ablate(TEXT, sources="all", reads=["final"])
+    bars = out["figure"].data[0]
+    assert list(bars.x) == list(expected["source"])
+    np.testing.assert_allclose(bars.y, expected["delta_loss"], rtol=1e-5, atol=1e-7)
+    assert "base loss" in out["status"]
+
+
+@pytest.mark.parametrize("model, read, mode", [("prenorm", "final", "zero"), ("full", "L0.attn", "zero"), ("full", "final", "rm -rf")])
+def test_ablation_rejects_choices_it_does_not_offer(ex, model, read, mode):
+    out = callbacks.ablation_view(ex, 1, ex.initial.key, model, read, mode)
+    assert out["figure"] is no_update and out["status"]
+
+
+def test_ablation_read_options_skip_the_one_source_read(ex):
+    out = callbacks.ablation_reads(ex, "full")
+    assert out["options"][0]["value"] == "L0.mlp" and out["value"] == "final"
+
+
+# -- traces-only and mixed modes ----------------------------------------------------------------
+def test_traces_only_mode_shows_saved_traces_and_refuses_new_prompts(ex):
+    saved = dict(ex.initial.traces)
+    app = create_app(saved)
+    tex = app.explorer
+    assert not tex.live and "Traces-only mode" in "".join(texts(app.layout))
+    with pytest.raises(PromptError, match="traces-only mode"):
+        tex.run("new text")
+    out = callbacks.token_views(tex, token(tex, 2), "weights", [])
+    np.testing.assert_array_equal(out["figures"][2].data[0].z, saved["block"].depth_weights[0, 2].astype(np.float64))
+    assert [c.children for c in callbacks.token_strip(tex, tex.initial.key)["chips"]] == list(TEXT)
+
+
+def test_saved_traces_beside_models_are_hidden_for_other_texts(models, ex):
+    app = create_app({"block": models["block"], "old full": ex.initial.traces["full"]}, text=TEXT)
+    mex = app.explorer
+    assert set(mex.initial.traces) == {"block", "old full"}
+    key = mex.run("another text")
+    out = callbacks.token_views(mex, token(mex, 0, key), "weights", [])
+    assert out["panels"] == [callbacks.SHOWN, callbacks.HIDDEN]
+    assert "belong to the initial text" in callbacks.token_strip(mex, key)["note"]
+
+
+def test_a_model_with_a_shorter_context_sets_the_limit(models):
+    app = create_app({"prenorm": models["prenorm"], "short": make_model("full")}, text="ab")
+    assert app.explorer.n_ctx == N_CTX
