@@ -13,6 +13,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The suite's models are tiny: one intra-op thread is as fast, and it cannot be slowed down by
+# oversubscription when a browser or a second process shares the two CI cores.
+torch.set_num_threads(1)
+
 import pytest  # noqa: E402
 
 
