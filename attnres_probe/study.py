@@ -59,56 +59,67 @@ def study_numbers(traces: dict[str, DepthTrace]) -> dict[str, dict[str, float]]:
     return out
 
 
-# finding -> (statement, test on the numbers, the numbers it rests on)
+# finding -> (statement, test on the numbers). Criteria are fixed in advance and principled:
+# a direction (> 1, < baseline) or a comparison with a uniform mixture over the same sources.
 FINDINGS: list[tuple[str, str, Any]] = [
-    (
-        "prenorm_magnitude_grows",
-        "PreNorm: the hidden-state magnitude grows with depth (RMS of the last sublayer read over the first > 2)",
-        lambda n: n["prenorm"]["rms_in_growth"] > 2,
-    ),
-    (
-        "attnres_magnitude_bounded",
-        "AttnRes: magnitudes stay bounded (growth ratio below PreNorm's, for Full and Block)",
-        lambda n: max(n["full"]["rms_in_growth"], n["block"]["rms_in_growth"]) < n["prenorm"]["rms_in_growth"],
-    ),
-    (
-        "prenorm_early_gradients_largest",
-        "PreNorm: the earliest layers get the largest gradients (mean parameter-gradient norm of the first half of "
-        "sublayers over the second half > 1)",
-        lambda n: n["prenorm"]["param_grad_early_late"] > 1,
-    ),
-    (
-        "attnres_gradients_more_uniform",
-        "AttnRes: gradients are more uniform across layers (coefficient of variation of the per-sublayer "
-        "parameter-gradient norms below PreNorm's, for Full and Block)",
-        lambda n: max(n["full"]["param_grad_cv"], n["block"]["param_grad_cv"]) < n["prenorm"]["param_grad_cv"],
-    ),
-    (
-        "attnres_mostly_local",
-        "AttnRes: depth weights are mostly local (Full: more mass on the most recent source than a uniform mixture "
-        "would give, and a smaller expected depth distance)",
-        lambda n: n["full"]["locality_distance"] < n["full"].get("uniform_distance", np.inf)
-        and n["full"]["locality_recent_mass"] > n["full"].get("uniform_recent_mass", 1.0),
-    ),
-    (
-        "embedding_retained",
-        "AttnRes: the embedding keeps weight deep into the network (mean embedding weight over the deepest half of "
-        "reads above 0.05, for Full and Block)",
-        lambda n: min(n["full"]["embed_weight_deep"], n["block"]["embed_weight_deep"]) > 0.05,
-    ),
-    (
-        "attnres_loss_not_worse",
-        "AttnRes: validation loss no worse than PreNorm's (Full and Block)",
-        lambda n: max(n["full"]["val_loss_shipped"], n["block"]["val_loss_shipped"]) <= n["prenorm"]["val_loss_shipped"],
-    ),
+    ("prenorm_magnitude_grows",
+     "PreNorm: the hidden-state magnitude grows with depth (RMS growth last/first sublayer read > 1 and a "
+     "positive slope of log RMS)",
+     lambda n: n["prenorm"]["rms_in_growth"] > 1 and n["prenorm"]["rms_in_log_slope"] > 0),
+    ("attnres_magnitude_bounded",
+     "AttnRes: magnitudes stay bounded (growth ratio below PreNorm's, for Full and Block)",
+     lambda n: max(n["full"]["rms_in_growth"], n["block"]["rms_in_growth"]) < n["prenorm"]["rms_in_growth"]),
+    ("prenorm_early_activation_gradients_largest",
+     "PreNorm: the earliest layers get the largest gradients at their inputs (activation-gradient norm at the "
+     "first read over the last sublayer read > 1)",
+     lambda n: n["prenorm"]["act_grad_first_last"] > 1),
+    ("prenorm_early_parameter_gradients_largest",
+     "PreNorm: the earliest layers get the largest parameter gradients (mean parameter-gradient norm of the "
+     "first half of sublayers over the second half > 1)",
+     lambda n: n["prenorm"]["param_grad_early_late"] > 1),
+    ("block_gradients_more_uniform",
+     "Block AttnRes: parameter gradients are more uniform across layers than PreNorm's (lower coefficient of "
+     "variation of the per-sublayer gradient norms)",
+     lambda n: n["block"]["param_grad_cv"] < n["prenorm"]["param_grad_cv"]),
+    ("full_gradients_more_uniform",
+     "Full AttnRes: parameter gradients are more uniform across layers than PreNorm's",
+     lambda n: n["full"]["param_grad_cv"] < n["prenorm"]["param_grad_cv"]),
+    ("full_mostly_local",
+     "Full AttnRes: depth weights are mostly local (more mass on the most recent source AND a smaller expected "
+     "depth distance than a uniform mixture over the same sources)",
+     lambda n: n["full"]["locality_distance"] < n["full"]["uniform_distance"]
+     and n["full"]["locality_recent_mass"] > n["full"]["uniform_recent_mass"]),
+    ("block_mostly_local",
+     "Block AttnRes: depth weights are mostly local (as above, against a uniform mixture over its sources)",
+     lambda n: n["block"]["locality_distance"] < n["block"]["uniform_distance"]
+     and n["block"]["locality_recent_mass"] > n["block"]["uniform_recent_mass"]),
+    ("embedding_retained",
+     "AttnRes: the embedding keeps weight deep into the network (mean embedding weight over the deepest half of "
+     "reads at least a uniform share of those reads, for Full and Block)",
+     lambda n: all(n[m]["embed_weight_deep"] >= n[m]["uniform_embed_deep"] for m in ("full", "block"))),
+    ("block_loss_not_worse",
+     "Block AttnRes: validation loss no worse than PreNorm's",
+     lambda n: n["block"]["val_loss_shipped"] <= n["prenorm"]["val_loss_shipped"]),
+    ("full_loss_not_worse",
+     "Full AttnRes: validation loss no worse than PreNorm's",
+     lambda n: n["full"]["val_loss_shipped"] <= n["prenorm"]["val_loss_shipped"]),
 ]
 
 
-def _uniform_reference(trace: DepthTrace) -> tuple[float, float]:
-    """Expected distance and recent mass of a uniform mixture over each read's sources (reads with k >= 2)."""
-    k = np.isfinite(trace.depth_weights[0, 0]).sum(-1)  # sources per read
-    k = k[k >= 2]
-    return float(np.mean((k - 1) / 2)), float(np.mean(1 / k))
+def uniform_reference(trace: DepthTrace) -> dict[str, float]:
+    """What a uniform mixture over each read's available sources would score (reads with k >= 2).
+
+    Returns expected depth distance mean((k-1)/2), recent mass mean(1/k), and the embedding's
+    share 1/k averaged over the deepest half of reads (r >= floor(R/2)), matching metrics.summary.
+    """
+    k_all = np.isfinite(trace.depth_weights[0, 0]).sum(-1).astype(float)  # sources per read
+    k = k_all[k_all >= 2]
+    deep = k_all[len(k_all) // 2 :]
+    return {
+        "uniform_distance": float(np.mean((k - 1) / 2)),
+        "uniform_recent_mass": float(np.mean(1 / k)),
+        "uniform_embed_deep": float(np.mean(1 / deep)),
+    }
 
 
 def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto") -> dict[str, Any]:
@@ -117,7 +128,9 @@ def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto")
     out.mkdir(parents=True, exist_ok=True)
     traces = {name: record_validation(name, n_windows) for name in DEMO_NAMES}
     numbers = study_numbers(traces)
-    numbers["full"]["uniform_distance"], numbers["full"]["uniform_recent_mass"] = _uniform_reference(traces["full"])
+    for name, t in traces.items():
+        if t.residual != "prenorm":
+            numbers[name].update(uniform_reference(t))
     verdicts = {key: bool(test(numbers)) for key, _, test in FINDINGS}
     results = {
         "n_windows": n_windows,
@@ -203,8 +216,13 @@ def _page(results: dict[str, Any], figs: dict[str, str]) -> str:
         lines.append(f"| {label} | " + " | ".join(_fmt(n[m].get(key)) for m in DEMO_NAMES) + " |")
     lines += [
         "",
-        f"A uniform mixture over each Full read's sources would give an expected distance of "
-        f"{_fmt(n['full']['uniform_distance'])} and recent mass {_fmt(n['full']['uniform_recent_mass'])}.",
+        "A uniform mixture over each read's sources would give: "
+        + "; ".join(
+            f"{m}: expected distance {_fmt(n[m]['uniform_distance'])}, recent mass "
+            f"{_fmt(n[m]['uniform_recent_mass'])}, embedding share (deepest half) {_fmt(n[m]['uniform_embed_deep'])}"
+            for m in ("full", "block")
+        )
+        + ".",
         "",
         "## Findings",
         "",
