@@ -95,10 +95,10 @@ class ByteTokenizer:
             tokens = tokens.tolist()
         if not isinstance(tokens, Iterable):
             raise TypeError(f"tokens must be a tensor or a list of ids; got {type(tokens).__name__}")
-        ids = [int(t) for t in tokens]
-        bad = [t for t in ids if not 0 <= t < 256]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is not a byte; ByteTokenizer ids are 0..255")
+        ids = tokens if isinstance(tokens, list) and all(type(t) is int for t in tokens) else [int(t) for t in tokens]
+        if ids and not (0 <= min(ids) and max(ids) < 256):
+            bad = next(t for t in ids if not 0 <= t < 256)
+            raise ValueError(f"token id {bad} is not a byte; ByteTokenizer ids are 0..255")
         return ids
 
 

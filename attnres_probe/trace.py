@@ -278,19 +278,21 @@ class DepthTrace:
 
     # -- checks --------------------------------------------------------------------------
     def nonfinite_flags(self) -> list[str]:
-        """Human-readable notes on Inf/NaN seen where values should be finite."""
+        """Human-readable notes on Inf/NaN seen where values should be finite (read by read, so the
+        check needs no temporary as large as a whole [B, P, R, S] array)."""
         flags = []
         m = self.mask
-        avail = ~np.isnan(self.depth_weights) if self.residual != "prenorm" else ~np.isnan(self.contrib)
         for name in ("rms_in", "rms_out"):
             bad = ~np.isfinite(getattr(self, name)[m])
             if bad.any():
                 flags.append(f"{name}: {int(bad.sum())} non-finite values")
+        # columns 0..k_r-1 are available to read r: the most non-NaN weights any token has there
+        k = [int((~np.isnan(self.depth_weights[:, :, r])).sum(-1).max(initial=0)) for r in range(self.depth_weights.shape[2])]
         for name in ("depth_weights", "contrib"):
             arr = getattr(self, name)
-            bad = avail & ~np.isfinite(arr) & m[..., None, None]
-            if bad.any():
-                flags.append(f"{name}: {int(bad.sum())} non-finite values in available cells")
+            count = sum(int((~np.isfinite(arr[:, :, r, : k[r]]) & m[..., None]).sum()) for r in range(len(k)))
+            if count:
+                flags.append(f"{name}: {count} non-finite values in available cells")
         loss = self.loss[m]
         if np.isinf(loss).any() or (np.isnan(loss).sum() > self.tokens.shape[0]):
             flags.append("loss: non-finite values")

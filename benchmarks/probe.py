@@ -7,7 +7,7 @@ For each size and residual mode it times, interleaved and repeated (median):
 and prints the ratios. Targets: recording <= 1.10x forward, <= 1.15x forward+backward, and below
 run_with_cache on both.
 
-Memory: each configuration's peak RSS is measured in a fresh subprocess for the plain forward and
+Memory: each configuration's peak resident memory (VmHWM) is measured in a fresh subprocess for the plain forward and
 for the recorded forward; the difference (the recording's memory) is compared with the size of the
 recorded arrays (target: at most 2x).
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -99,14 +98,18 @@ def timings(size: str, residual: str, reps: int) -> dict[str, float]:
 def _peak_rss(size: str, residual: str, mode: str) -> dict[str, float]:
     """Run in a subprocess: peak RSS (MB) after one plain or recorded forward, and the arrays' size."""
     code = f"""
-import json, resource, torch, sys
+import json, torch, sys
 sys.path.insert(0, {json.dumps(sys.path[0])})
 from probe import build
 from attnres_probe import Probe
 torch.set_num_threads(1)
 model, tokens = build({size!r}, {residual!r})
 probe = Probe(model)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def hwm():  # peak resident memory of this process (MB); unlike ru_maxrss it restarts at exec
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+base = hwm()
 arrays = 0
 if {mode!r} == "plain":
     with torch.no_grad():
@@ -114,7 +117,7 @@ if {mode!r} == "plain":
 else:
     t = probe.run(tokens, backward=False)
     arrays = sum(getattr(t, n).nbytes for n in ("depth_weights", "logits", "contrib", "rms_in", "grad_in", "rms_out")) / 2**20
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+peak = hwm()
 print(json.dumps(dict(base=base, peak=peak, arrays=arrays)))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -209,11 +209,43 @@ class Recorder:
         torch.sqrt(norm2 / h.shape[-1], out=a["rms_in"][:, :, r])
         if self.spec.residual == "prenorm":
             a["depth_weights"][:, :, r, :k] = 1.0
-        if self.contributions:
+        if not self.contributions:
+            return
+        if self.spec.residual == "block":
+            # few sources, and the partial block changes at every read: one dot product per source
             dots = torch.stack([torch.linalg.vecdot(v.float(), hf) for v in visible], dim=-1)  # (B, P, k)
-            if self.spec.residual != "prenorm":  # coefficient alpha_i; PreNorm's is 1
-                dots.mul_(a["depth_weights"][:, :, r, :k])
+            dots.mul_(a["depth_weights"][:, :, r, :k])
             torch.div(dots, norm2.unsqueeze(-1), out=a["contrib"][:, :, r, :k])
+        elif r == self.spec.n_sublayers:
+            self._gram_contributions()  # every source is known once the final read is reached
+
+    def _gram_contributions(self) -> None:
+        """Contribution shares of every read at once, from the sources' Gram matrix (Full, PreNorm).
+
+        With h_r = sum_j a_rj v_j (a = depth weights, or 1 for PreNorm) and G_ij = <v_i, v_j>,
+        <a_ri v_i, h_r> = a_ri (G a_r)_i and |h_r|^2 = a_r' G a_r. One batched matrix product per
+        chunk of tokens replaces (L+1)(L+2)/2 separate dot products over the model width.
+        Shares describe the mixture each read computed (a hook that replaces the mixed input
+        itself is not seen here).
+        """
+        a = self._arrays
+        W = a["depth_weights"]
+        B, P, R, S = W.shape
+        flat = [v.reshape(B * P, -1) for v in self._sources]
+        d = flat[0].shape[-1]
+        w = W.view(B * P, R, S)
+        coef = torch.nan_to_num(w, nan=0.0)
+        avail = ~torch.isnan(w)
+        out = a["contrib"].view(B * P, R, S)
+        chunk = max(64, (1 << 21) // (S * d))  # ~8 MB of stacked sources at a time
+        for start in range(0, B * P, chunk):
+            rows = slice(start, start + chunk)
+            V = torch.stack([f[rows].float() for f in flat], dim=1)  # (m, S, d)
+            G = torch.bmm(V, V.transpose(1, 2))  # (m, S, S)
+            c = coef[rows]
+            num = c * torch.bmm(c, G)  # (m, R, S)
+            share = num / num.sum(-1, keepdim=True)
+            out[rows] = torch.where(avail[rows], share, torch.full_like(share, float("nan")))
 
     def _on_output(self, l: int, v: torch.Tensor) -> None:
         self._arrays["rms_out"][:, :, l + 1] = _rms(v)

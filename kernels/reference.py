@@ -126,10 +126,15 @@ def _folded_query(query: torch.Tensor, gain: torch.Tensor | None, dtype: torch.d
 
 def weighted_sum(weights: torch.Tensor, src: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """sum_i weights[..., i] * src[i], accumulated in place (autograd-safe: no saved value is overwritten)."""
-    acc = weights[..., 0, None] * src[0].to(dtype)
+    acc = weights[..., 0, None] * _as(src[0], dtype)
     for i in range(1, len(src)):
-        acc.addcmul_(weights[..., i, None], src[i].to(dtype))
+        acc.addcmul_(weights[..., i, None], _as(src[i], dtype))
     return acc
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` (no call at all when it already is: this runs once per source per read)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def depth_attn_reference(
@@ -169,7 +174,7 @@ def depth_attn_reference(
     elif len(inv_rms_cache) != len(src):
         raise ValueError(f"inv_rms_cache has {len(inv_rms_cache)} entries; it must have one per source ({len(src)})")
     # z_i = (q . v_i) / rms(v_i): one dot product per source, no stacked copy of the sources.
-    logits = torch.stack([(v.to(cdt) @ q) * r.to(cdt) for v, r in zip(src, inv_rms_cache)], dim=-1)  # [*batch, S]
+    logits = torch.stack([(_as(v, cdt) @ q) * _as(r, cdt) for v, r in zip(src, inv_rms_cache)], dim=-1)  # [*batch, S]
     lse = torch.logsumexp(logits, dim=-1)  # [*batch]
     weights = torch.exp(logits - lse.unsqueeze(-1))  # [*batch, S]
     mix = weighted_sum(weights, src, cdt).to(out_dtype)

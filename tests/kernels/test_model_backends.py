@@ -40,7 +40,7 @@ def test_two_phase_gradients_equal_sequential():
         loss = m.loss(tokens)
         grads.append(torch.autograd.grad(loss, list(m.parameters())))
     for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)  # fp32, different summation order
 
 
 @pytest.mark.parametrize("residual", ["full", "block"])
