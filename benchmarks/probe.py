@@ -115,7 +115,7 @@ if {mode!r} == "plain":
     with torch.no_grad():
         model(tokens)
 else:
-    t = probe.run(tokens, backward=False)
+    t = probe.run(tokens, backward=False, contributions={mode!r} == "record")
     arrays = sum(getattr(t, n).nbytes for n in ("depth_weights", "logits", "contrib", "rms_in", "grad_in", "rms_out")) / 2**20
 peak = hwm()
 print(json.dumps(dict(base=base, peak=peak, arrays=arrays)))
@@ -131,6 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="only the tiny size, 3 reps")
     ap.add_argument("--no-memory", action="store_true", help="skip the subprocess memory measurement")
+    ap.add_argument("--memory-only", action="store_true", help="only the memory measurement")
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes, args.reps = ["quick"], 3
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
     print(head)
     print("-" * len(head))
     ok_all = True
-    for size in args.sizes:
+    for size in args.sizes if not args.memory_only else []:
         for residual in args.residuals:
             t = timings(size, residual, args.reps)
             r_f, c_f = t["rec_fwd"] / t["plain_fwd"], t["cache_fwd"] / t["plain_fwd"]
@@ -151,15 +152,18 @@ def main(argv=None) -> int:
                 f"{t['plain_bwd'] * 1e3:8.1f} {r_b:8.3f} {c_b:9.3f}  {'ok' if ok else 'MISSES TARGET'}"
             )
     if not args.no_memory:
-        print(f"\n{'size':6s} {'model':8s} {'plain MB':>9s} {'recorded MB':>12s} {'recording MB':>13s} {'arrays MB':>10s} {'ratio':>6s}")
+        print(f"\n{'size':6s} {'model':8s} {'contrib':7s} {'plain MB':>9s} {'recorded MB':>12s} {'recording MB':>13s} {'arrays MB':>10s} {'ratio':>6s}")
         for size in args.sizes:
             for residual in args.residuals:
                 plain = _peak_rss(size, residual, "plain")
-                rec = _peak_rss(size, residual, "record")
-                extra = max(rec["peak"] - plain["peak"], 0.0)
-                ratio = extra / rec["arrays"] if rec["arrays"] else float("nan")
-                print(f"{size:6s} {residual:8s} {plain['peak']:9.1f} {rec['peak']:12.1f} {extra:13.1f} {rec['arrays']:10.1f} {ratio:6.2f}")
-    print("\nall timing targets met" if ok_all else "\nsome timing targets missed (see verdicts)")
+                for mode in ("record", "record-lean"):
+                    rec = _peak_rss(size, residual, mode)
+                    extra = max(rec["peak"] - plain["peak"], 0.0)
+                    ratio = extra / rec["arrays"] if rec["arrays"] else float("nan")
+                    flag = "yes" if mode == "record" else "no"
+                    print(f"{size:6s} {residual:8s} {flag:7s} {plain['peak']:9.1f} {rec['peak']:12.1f} {extra:13.1f} {rec['arrays']:10.1f} {ratio:6.2f}")
+    if not args.memory_only:
+        print("\nall timing targets met" if ok_all else "\nsome timing targets missed (see verdicts)")
     return 0
 
 

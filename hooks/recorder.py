@@ -202,8 +202,7 @@ class Recorder:
 
     def _read(self, r: int, h: torch.Tensor) -> None:
         a = self._arrays
-        visible = self._visible(r)
-        k = len(visible)
+        k = self.counts[r]
         hf = h.float()
         norm2 = torch.linalg.vecdot(hf, hf)  # (B, P) = |h|^2
         torch.sqrt(norm2 / h.shape[-1], out=a["rms_in"][:, :, r])
@@ -213,6 +212,7 @@ class Recorder:
             return
         if self.spec.residual == "block":
             # few sources, and the partial block changes at every read: one dot product per source
+            visible = self._visible(r)
             dots = torch.stack([torch.linalg.vecdot(v.float(), hf) for v in visible], dim=-1)  # (B, P, k)
             dots.mul_(a["depth_weights"][:, :, r, :k])
             torch.div(dots, norm2.unsqueeze(-1), out=a["contrib"][:, :, r, :k])
@@ -251,14 +251,16 @@ class Recorder:
         self._arrays["rms_out"][:, :, l + 1] = _rms(v)
         spec = self.spec
         if spec.residual != "block":
-            self._sources.append(v)
+            if self.contributions:  # sources are kept only for the contribution shares
+                self._sources.append(v)
             if self._final_sum is not None:
                 self._final_sum = self._final_sum + v
                 if l == spec.n_sublayers - 1:  # no final-read hook: the PreNorm final read is the sum
                     self._read(spec.n_sublayers, self._final_sum)
                     self._final_sum = None
             return
-        self._partial = v if self._partial is None else self._partial + v
+        if self.contributions:
+            self._partial = v if self._partial is None else self._partial + v
 
     def finish(self) -> None:
         """Drop the references to sources once the forward is over."""

@@ -314,3 +314,14 @@ def test_foreign_transformerlens_model_is_recorded_as_a_prenorm_baseline():
     rms = cache["blocks.1.hook_resid_mid"].pow(2).mean(-1).sqrt().numpy()
     np.testing.assert_allclose(trace.rms_in[:, :, 3], rms, rtol=1e-5)
     assert np.isfinite(trace.grad_in[:, :, :4]).all() and np.isfinite(trace.param_grad).all()
+
+
+@pytest.mark.parametrize("residual", ["prenorm", "full", "block"])
+def test_recording_without_contributions_keeps_everything_else(residual):
+    model = tiny_model(residual, n_layers=2)
+    tokens = sample_tokens(8)
+    full = Probe(model).run(tokens, backward=True)
+    lean = Probe(model).run(tokens, backward=True, contributions=False)
+    assert np.isnan(lean.contrib).all()
+    for name in ("depth_weights", "logits", "rms_in", "rms_out", "grad_in", "param_grad", "loss"):
+        np.testing.assert_array_equal(getattr(lean, name), getattr(full, name))
