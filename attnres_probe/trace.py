@@ -278,8 +278,7 @@ class DepthTrace:
 
     # -- checks --------------------------------------------------------------------------
     def nonfinite_flags(self) -> list[str]:
-        """Human-readable notes on Inf/NaN seen where values should be finite (read by read, so the
-        check needs no temporary as large as a whole [B, P, R, S] array)."""
+        """Human-readable notes on Inf/NaN seen where values should be finite."""
         flags = []
         m = self.mask
         for name in ("rms_in", "rms_out"):
@@ -287,10 +286,12 @@ class DepthTrace:
             if bad.any():
                 flags.append(f"{name}: {int(bad.sum())} non-finite values")
         # columns 0..k_r-1 are available to read r: the most non-NaN weights any token has there
-        k = [int((~np.isnan(self.depth_weights[:, :, r])).sum(-1).max(initial=0)) for r in range(self.depth_weights.shape[2])]
+        B, P, R, S = self.depth_weights.shape
+        k = np.count_nonzero(~np.isnan(self.depth_weights), axis=-1).reshape(B * P, R).max(axis=0, initial=0)
+        avail = np.arange(S)[None, :] < k[:, None]  # (R, S)
         for name in ("depth_weights", "contrib"):
-            arr = getattr(self, name)
-            count = sum(int((~np.isfinite(arr[:, :, r, : k[r]]) & m[..., None]).sum()) for r in range(len(k)))
+            bad = ~np.isfinite(getattr(self, name)[m])  # (real tokens, R, S)
+            count = int(np.count_nonzero(bad & avail))
             if count:
                 flags.append(f"{name}: {count} non-finite values in available cells")
         loss = self.loss[m]
