@@ -86,7 +86,7 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"kind is {kind!r}; accepted values are {', '.join(_KINDS)}")
 
 
-def _cells(trace: DepthTrace, expanded: bool, index: tuple | None = None) -> tuple[dict[str, np.ndarray], list[str]]:
+def cell_values(trace: DepthTrace, expanded: bool, index: tuple | None = None) -> tuple[dict[str, np.ndarray], list[str]]:
     """{kind: [B, P, R, S'] float64 with -inf -> NaN}, column labels; ``index`` (e.g. (batch, pos))
     selects before converting, so one token's cells do not cost a copy of the whole cube."""
     out, labels = {}, trace.source_labels
@@ -102,7 +102,7 @@ def _cells(trace: DepthTrace, expanded: bool, index: tuple | None = None) -> tup
     return out, list(labels)
 
 
-def _show_token(tok: str) -> str:
+def show_token(tok: str) -> str:
     """A token made visible for tick labels: newline -> ↵, tab -> ⇥, space -> ␣ (plain text, not HTML)."""
     shown = tok.replace("\n", "↵").replace("\t", "⇥").replace(" ", "␣")
     return shown if shown else "∅"
@@ -209,7 +209,7 @@ def token_heatmap(
     if not 0 <= batch < trace.tokens.shape[0]:
         raise IndexError(f"batch {batch} is out of range; this trace has {trace.tokens.shape[0]} sequences (0..{trace.tokens.shape[0] - 1})")
     pos = trace._token_index(token, batch)
-    cells, labels = _cells(trace, expanded, index=(batch, pos))
+    cells, labels = cell_values(trace, expanded, index=(batch, pos))
     tok = trace.str_tokens[batch][pos] if pos < len(trace.str_tokens[batch]) else ""
     title = f"{trace.name} · token {pos} {tok!r} (sequence {batch}) · {KIND_TITLES[kind]}"
     return _cell_heatmap(trace, cells, labels, kind, title, expanded)
@@ -225,8 +225,8 @@ def mean_heatmap(trace: DepthTrace, kind: str = "weights", expanded: bool = Fals
         Figure with one Heatmap, ``z`` [R, S] (or [R, L+1] expanded), ``customdata`` [R, S, 3].
     """
     _check_kind(kind)
-    cells, labels = _cells(trace, expanded)
-    cells = {k: metrics._token_mean(v[trace.mask]) for k, v in cells.items()}
+    cells, labels = cell_values(trace, expanded)
+    cells = {k: metrics.token_mean(v[trace.mask]) for k, v in cells.items()}
     title = f"{trace.name} · mean over {trace.n_tokens} tokens · {KIND_TITLES[kind]}"
     return _cell_heatmap(trace, cells, labels, kind, title, expanded)
 
@@ -246,7 +246,7 @@ def source_heatmap(trace: DepthTrace, source: int | str = 0, batch: int = 0, kin
         raise IndexError(f"batch {batch} is out of range; this trace has {trace.tokens.shape[0]} sequences (0..{trace.tokens.shape[0] - 1})")
     s = trace._source_index(source)
     n = int(trace.mask[batch].sum())
-    cells, _ = _cells(trace, expanded=False)
+    cells, _ = cell_values(trace, expanded=False)
     cells = {k: v[batch, :n, :, s].T for k, v in cells.items()}  # (R, n)
     z = cells[kind]
     toks = list(trace.str_tokens[batch][:n]) + [""] * max(0, n - len(trace.str_tokens[batch]))
@@ -276,7 +276,7 @@ def source_heatmap(trace: DepthTrace, source: int | str = 0, batch: int = 0, kin
             "title": {"text": "token"},
             "tickmode": "array",
             "tickvals": list(range(n)),
-            "ticktext": [_show_token(t) for t in toks],
+            "ticktext": [show_token(t) for t in toks],
             "showgrid": False,
         },
         yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
@@ -357,7 +357,7 @@ def side_by_side(
 def _line_names(traces: Sequence[DepthTrace]) -> list[str]:
     if not traces:
         raise ValueError("pass at least one DepthTrace")
-    return metrics._unique([t.name for t in traces])
+    return metrics.unique_names([t.name for t in traces])
 
 
 def magnitudes(traces: Sequence[DepthTrace]) -> go.Figure:
@@ -499,7 +499,7 @@ def ablation_chart(frame: pd.DataFrame, read: str | None = None) -> go.Figure:
     return fig
 
 
-def _fmt(v) -> str:
+def format_value(v) -> str:
     if isinstance(v, (float, np.floating)):
         return "—" if np.isnan(v) else f"{v:.4g}"
     return str(v)
@@ -508,7 +508,7 @@ def _fmt(v) -> str:
 def metric_table_figure(frame: pd.DataFrame) -> go.Figure:
     """A DataFrame (e.g. :func:`attnres_probe.metrics.compare`) as a plotly Table; numbers to 4 significant digits, NaN as —."""
     header = [str(frame.index.name or ""), *map(str, frame.columns)]
-    cells = [[str(i) for i in frame.index], *[[_fmt(v) for v in frame[c]] for c in frame.columns]]
+    cells = [[str(i) for i in frame.index], *[[format_value(v) for v in frame[c]] for c in frame.columns]]
     fig = go.Figure(go.Table(header={"values": header, "align": "left"}, cells={"values": cells, "align": "left"}))
     fig.update_layout(height=60 + 28 * (len(frame) + 1), margin={"l": 10, "r": 10, "t": 10, "b": 10})
     return fig

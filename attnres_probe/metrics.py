@@ -97,7 +97,7 @@ def resolve_kind(trace: DepthTrace, kind: str = "auto") -> str:
 
 
 # -- helpers ------------------------------------------------------------------------------
-def _token_mean(values: np.ndarray) -> np.ndarray:
+def token_mean(values: np.ndarray) -> np.ndarray:
     """NaN-aware mean over axis 0 (tokens); all-NaN -> NaN without a warning."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -151,7 +151,7 @@ def locality(trace: DepthTrace, kind: str = "auto") -> pd.DataFrame:
     recent = np.where(has, (vals * (avail & (pos == k[..., None] - 1))).sum(-1), np.nan)
     sources = k.max(axis=0) if k.shape[0] else np.zeros(len(trace.read_labels), int)
     return pd.DataFrame(
-        {"distance": _token_mean(distance), "recent_mass": _token_mean(recent), "sources": sources},
+        {"distance": token_mean(distance), "recent_mass": token_mean(recent), "sources": sources},
         index=_read_index(trace),
     )
 
@@ -169,8 +169,8 @@ def embedding_retention(trace: DepthTrace) -> pd.DataFrame:
     if trace.residual == "prenorm":
         weight = np.full(R, np.nan)
     else:
-        weight = _token_mean(_real(trace, trace.depth_weights[..., 0]))
-    contrib = _token_mean(_real(trace, trace.contrib[..., 0]))
+        weight = token_mean(_real(trace, trace.depth_weights[..., 0]))
+    contrib = token_mean(_real(trace, trace.contrib[..., 0]))
     return pd.DataFrame({"embed_weight": weight, "embed_contrib": contrib}, index=_read_index(trace))
 
 
@@ -193,7 +193,7 @@ def entropy(trace: DepthTrace, kind: str = "auto") -> pd.Series:
         p = p / p.sum(-1, keepdims=True)
         h = -np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0).sum(-1)
         h = np.where(k > 1, h / np.log(np.maximum(k, 2)), np.nan)
-    return pd.Series(_token_mean(h), index=_read_index(trace), name="entropy")
+    return pd.Series(token_mean(h), index=_read_index(trace), name="entropy")
 
 
 def read_profile(trace: DepthTrace) -> pd.DataFrame:
@@ -204,7 +204,7 @@ def read_profile(trace: DepthTrace) -> pd.DataFrame:
         DataFrame indexed by read label (R rows), columns ``rms_in``, ``grad_in``.
     """
     return pd.DataFrame(
-        {"rms_in": _token_mean(_real(trace, trace.rms_in)), "grad_in": _token_mean(_real(trace, trace.grad_in))},
+        {"rms_in": token_mean(_real(trace, trace.rms_in)), "grad_in": token_mean(_real(trace, trace.grad_in))},
         index=_read_index(trace),
     )
 
@@ -219,7 +219,7 @@ def source_profile(trace: DepthTrace) -> pd.DataFrame:
     """
     return pd.DataFrame(
         {
-            "rms_out": _token_mean(_real(trace, trace.rms_out)),
+            "rms_out": token_mean(_real(trace, trace.rms_out)),
             "param_grad": np.concatenate([[np.nan], np.asarray(trace.param_grad, dtype=np.float64)]),
         },
         index=pd.Index(["embed", *trace.sublayer_labels], name="source"),
@@ -254,7 +254,7 @@ def gradient_uniformity(trace: DepthTrace) -> pd.Series:
     """
     L = len(trace.sublayer_labels)
     p_cv, p_ratio = _spread(trace.param_grad)
-    act = _token_mean(_real(trace, trace.grad_in))[:L]
+    act = token_mean(_real(trace, trace.grad_in))[:L]
     a_cv, a_ratio = _spread(act)
     return pd.Series(
         {"param_grad_cv": p_cv, "param_grad_max_min": p_ratio, "act_grad_cv": a_cv, "act_grad_max_min": a_ratio},
@@ -287,8 +287,8 @@ def magnitude_growth(trace: DepthTrace) -> pd.Series:
         Series indexed by the four names above (NaN where a mean is not finite and positive).
     """
     L = len(trace.sublayer_labels)
-    m_in = _token_mean(_real(trace, trace.rms_in))[:L]
-    m_out = _token_mean(_real(trace, trace.rms_out))[1 : L + 1]
+    m_in = token_mean(_real(trace, trace.rms_in))[:L]
+    m_out = token_mean(_real(trace, trace.rms_out))[1 : L + 1]
     in_ratio, in_slope = _growth(m_in)
     out_ratio, out_slope = _growth(m_out)
     return pd.Series(
@@ -334,7 +334,7 @@ def summary(trace: DepthTrace) -> pd.Series:
     )
 
 
-def _unique(names: list[str]) -> list[str]:
+def unique_names(names: list[str]) -> list[str]:
     seen: dict[str, int] = {}
     out = []
     for n in names:
@@ -359,7 +359,7 @@ def compare(*traces: DepthTrace, names: list[str] | None = None) -> pd.DataFrame
         raise ValueError("compare() needs at least one DepthTrace")
     if names is not None and len(names) != len(traces):
         raise ValueError(f"names has {len(names)} entries for {len(traces)} traces; give one name per trace")
-    cols = _unique(list(names) if names is not None else [t.name for t in traces])
+    cols = unique_names(list(names) if names is not None else [t.name for t in traces])
     frame = pd.concat([summary(t).rename(c) for t, c in zip(traces, cols)], axis=1)
     frame.index.name = "metric"
     base = next((i for i, t in enumerate(traces) if t.residual == "prenorm"), None)

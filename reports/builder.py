@@ -147,7 +147,7 @@ def render_report(
         raise ValueError(f"explorer_tokens is {explorer_tokens}; pass a positive count or None for all tokens")
     if not 1 <= explorer_digits <= 17:
         raise ValueError(f"explorer_digits is {explorer_digits}; accepted range is 1..17")
-    names = metrics._unique([t.name for t in traces])
+    names = metrics.unique_names([t.name for t in traces])
     plots = _Plots()
     created = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0)
     vers = versions()
@@ -353,7 +353,7 @@ def _token_rows(trace: DepthTrace) -> list[list[dict[str, Any]]]:
     for b, toks in enumerate(trace.str_tokens):
         row = []
         for p, tok in enumerate(toks[: int(trace.mask[b].sum())]):
-            row.append({"index": k, "pos": p, "label": figures._show_token(tok), "repr": repr(tok)})
+            row.append({"index": k, "pos": p, "label": figures.show_token(tok), "repr": repr(tok)})
             k += 1
         rows.append(row)
     return rows
@@ -363,7 +363,7 @@ def _metric_table(traces: list[DepthTrace], names: list[str]) -> dict[str, Any]:
     frame = metrics.compare(*traces, names=names)
     rows = []
     for metric, row in frame.iterrows():
-        rows.append({"metric": str(metric), "formula": metrics.FORMULAS.get(str(metric), ""), "cells": [figures._fmt(v) for v in row]})
+        rows.append({"metric": str(metric), "formula": metrics.FORMULAS.get(str(metric), ""), "cells": [figures.format_value(v) for v in row]})
     return {"columns": [str(c) for c in frame.columns], "rows": rows, "has_baseline": "comparison" in frame.columns}
 
 
@@ -391,7 +391,7 @@ def _ablation_context(ablations: Any, plots: _Plots, read: str | None) -> list[d
         fig = figures.ablation_chart(frame, read=chosen)
         fig.update_layout(title={"text": f"{name} · {fig.layout.title.text}"})
         cols = [str(c) for c in frame.columns]
-        body = [[figures._fmt(v) for v in rec] for rec in frame.itertuples(index=False)]
+        body = [[figures.format_value(v) for v in rec] for rec in frame.itertuples(index=False)]
         out.append({"name": name, "read": chosen, "plot": plots.add(fig), "columns": cols, "rows": body})
     return out
 
@@ -419,7 +419,7 @@ def _explorers(
         tokens = []
         for b, p in positions:
             tok = first.str_tokens[b][p] if p < len(first.str_tokens[b]) else ""
-            tokens.append([b, p, repr(tok), figures._show_token(tok)])
+            tokens.append([b, p, repr(tok), figures.show_token(tok)])
         models = [_explorer_model(traces[i], names[i], positions, plots, digits) for i in members]
         data = (
             '{"tokens":' + json.dumps(tokens, ensure_ascii=False, separators=(",", ":")) + ',"kinds":' + json.dumps(list(KIND_ORDER), separators=(",", ":"))
@@ -459,7 +459,7 @@ def _explorer_model(trace: DepthTrace, name: str, positions: list[tuple[int, int
             "title": figures.KIND_TITLES[kind],
             "annotations": [a.to_plotly_json() for a in hm_fig.layout.annotations],
         }
-    cells, _ = figures._cells(trace, expanded=False)  # {kind: [B, P, R, S]}, -inf -> NaN
+    cells, _ = figures.cell_values(trace, expanded=False)  # {kind: [B, P, R, S]}, -inf -> NaN
     b_idx = np.asarray([b for b, _ in positions])
     p_idx = np.asarray([p for _, p in positions])
     picked = np.stack([cells[k][b_idx, p_idx] for k in KIND_ORDER], axis=1)  # (N, 3, R, S)
