@@ -103,6 +103,12 @@ def demo_validation_batches(log: dict[str, Any]) -> list[torch.Tensor]:
 
     tc = log["train_config"]
     corpus = load_corpus(tc["corpus"])
+    if log.get("data_sha256") and corpus.sha256 != log["data_sha256"]:
+        raise ValueError(
+            f"corpus {tc['corpus']!r} here has sha256 {corpus.sha256[:12]}…, but the model was trained and evaluated on "
+            f"{log['data_sha256'][:12]}… (pydoc_data.topics differs between CPython versions); its logged validation "
+            "loss cannot be reproduced on this data"
+        )
     _, val = split_tokens(corpus.tokens, tc["val_fraction"], tc["seq_len"], name=corpus.name)
     return validation_batches(val, tc["seq_len"], tc["batch_size"], tc["eval_batches"])
 

@@ -91,3 +91,9 @@ def test_every_study_verdict_holds_on_the_shipped_files(study_traces):
     for name in ("full", "block"):
         numbers[name].update(uniform_reference(traces[name]))
     assert {key: bool(test(numbers)) for key, _, test in FINDINGS} == results["verdicts"]
+
+
+def test_validation_batches_refuse_a_different_corpus():
+    log = dict(demo_log("block"), data_sha256="0" * 64)
+    with pytest.raises(ValueError, match="differs between CPython versions"):
+        demo_validation_batches(log)
