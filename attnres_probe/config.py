@@ -153,13 +153,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Inverse of :meth:`to_dict`; unknown keys raise a ConfigError listing the known ones."""
-        if not isinstance(data, dict):
-            raise ConfigError(f"a model config must be a JSON object; got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown config field(s) {unknown}; known fields are {sorted(known)}")
-        return cls(**data)
+        return dataclass_from_dict(cls, data, "config", "model config")
 
     def to_json(self, path: str | Path | None = None) -> str:
         """JSON text of the config; also written to ``path`` when given."""
@@ -179,6 +173,17 @@ class ModelConfig:
             where = f"{p}" if p is not None else "config text"
             raise ConfigError(f"{where} is not valid JSON: {exc}") from None
         return cls.from_dict(data)
+
+
+def dataclass_from_dict(cls, data: Any, field_word: str, what: str):
+    """``cls(**data)`` after checking ``data`` is a dict of known fields (ConfigError otherwise)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"a {what} must be a JSON object; got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown {field_word} field(s) {unknown}; known fields are {sorted(known)}")
+    return cls(**data)
 
 
 def _is_pos_int(x: Any) -> bool:

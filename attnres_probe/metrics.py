@@ -20,12 +20,11 @@ Which routing array a metric reads (``kind``):
 
 from __future__ import annotations
 
-import warnings
 
 import numpy as np
 import pandas as pd
 
-from attnres_probe.trace import DepthTrace
+from attnres_probe.trace import DepthTrace, token_mean
 
 __all__ = [
     "FORMULAS",
@@ -97,13 +96,6 @@ def resolve_kind(trace: DepthTrace, kind: str = "auto") -> str:
 
 
 # -- helpers ------------------------------------------------------------------------------
-def token_mean(values: np.ndarray) -> np.ndarray:
-    """NaN-aware mean over axis 0 (tokens); all-NaN -> NaN without a warning."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return np.nanmean(values, axis=0) if values.shape[0] else np.full(values.shape[1:], np.nan)
-
-
 def _nanmean(values: np.ndarray) -> float:
     values = np.asarray(values, dtype=np.float64)
     values = values[~np.isnan(values)]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ import pandas as pd
 from attnres_probe._version import __version__
 from attnres_probe.checkpoint import sha256_file
 
-__all__ = ["DepthTrace", "TraceError", "SCHEMA_VERSION"]
+__all__ = ["DepthTrace", "TraceError", "SCHEMA_VERSION", "token_mean"]
 
 SCHEMA_VERSION = 1
 META_FILE = "trace.json"
@@ -195,7 +196,7 @@ class DepthTrace:
         """
         arr = self.cube(kind)
         if token is None:
-            data = _nanmean(arr[self.mask], axis=0)  # (R, S)
+            data = token_mean(arr[self.mask])  # (R, S)
         else:
             if not 0 <= batch < self.tokens.shape[0]:
                 raise IndexError(f"batch {batch} is out of range; this trace has {self.tokens.shape[0]} sequences")
@@ -426,11 +427,11 @@ class DepthTrace:
         return figures.gradient_norms([self])
 
 
-def _nanmean(a: np.ndarray, axis: int) -> np.ndarray:
-    with np.errstate(invalid="ignore"):
-        count = (~np.isnan(a)).sum(axis=axis)
-        total = np.nansum(a, axis=axis)
-        return np.where(count > 0, total / np.maximum(count, 1), np.nan).astype(np.float32)
+def token_mean(values: np.ndarray) -> np.ndarray:
+    """NaN-aware mean over axis 0 (tokens); all-NaN -> NaN without a warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(values, axis=0) if values.shape[0] else np.full(values.shape[1:], np.nan)
 
 
 def _json_default(obj: Any) -> Any:

@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from attnres_probe._version import __version__
 from attnres_probe.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, atomic_write, sha256_file
-from attnres_probe.config import RESIDUALS, ConfigError, ModelConfig
+from attnres_probe.config import RESIDUALS, ConfigError, ModelConfig, dataclass_from_dict
 from attnres_probe.data import NAMED_CORPORA, DataError, load_corpus, sample_batch, validation_batches
 from attnres_probe.model import AttnResTransformer, DepthMixer, RMSNorm
 
@@ -143,13 +143,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """Inverse of :meth:`to_dict`; unknown keys raise a ConfigError listing the known ones."""
-        if not isinstance(data, dict):
-            raise ConfigError(f"a train config must be a JSON object; got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown train config field(s) {unknown}; known fields are {sorted(known)}")
-        return cls(**data)
+        return dataclass_from_dict(cls, data, "train config", "train config")
 
 
 def _require_int(name: str, value: Any, low: int) -> None:
