@@ -8,7 +8,9 @@ count; only the residual rule differs. They ship as fp16 safetensors inside the 
 
 which trains each model in fp32 with the settings below, rounds it to fp16, and records the
 validation loss of the shipped (rounded) weights in ``train_log.json``. Training is exact to
-the bit on the same torch build and thread count (``--threads``, default 2).
+the bit on the same torch build, thread count (``--threads``, default 2) and depth-attention
+backend (``--backend``, default ``torch``, the reference the shipped models were built with;
+the faster Numba kernels agree with it to float rounding, not to the bit).
 """
 
 from __future__ import annotations
@@ -113,7 +115,14 @@ def demo_validation_batches(log: dict[str, Any]) -> list[torch.Tensor]:
     return validation_batches(val, tc["seq_len"], tc["batch_size"], tc["eval_batches"])
 
 
-def build_demo_models(out: str | Path, names: tuple[str, ...] = DEMO_NAMES, threads: int = 2, progress: bool = True, **overrides: Any) -> dict[str, float]:
+def build_demo_models(
+    out: str | Path,
+    names: tuple[str, ...] = DEMO_NAMES,
+    threads: int = 2,
+    progress: bool = True,
+    backend: str = "torch",
+    **overrides: Any,
+) -> dict[str, float]:
     """Train the demo models and write them, fp16, into ``out/<name>/``.
 
     Args:
@@ -121,6 +130,8 @@ def build_demo_models(out: str | Path, names: tuple[str, ...] = DEMO_NAMES, thre
         names: which of the three to build.
         threads: torch CPU threads (part of what makes a rebuild bit-exact).
         progress: show progress bars.
+        backend: depth-attention backend for training and the shipped loss; the shipped
+            models were built with ``"torch"`` (the reference), which a bit-exact rebuild needs.
         **overrides: change DEMO_TRAIN fields (e.g. ``steps=50`` for a quick smoke run).
 
     Returns:
@@ -136,13 +147,13 @@ def build_demo_models(out: str | Path, names: tuple[str, ...] = DEMO_NAMES, thre
         tcfg = TrainConfig(**{**DEMO_TRAIN, **overrides})
         with tempfile.TemporaryDirectory(prefix=f"attnres-demo-{name}-") as tmp:
             t0 = time.perf_counter()
-            result = train(demo_config(name), tcfg, tmp, progress=progress)
+            result = train(demo_config(name), tcfg, tmp, progress=progress, backend=backend)
             log = json.loads((Path(tmp) / "train_log.json").read_text())
             dest = out / name
             staging = out / f".{name}.staging"
             shutil.rmtree(staging, ignore_errors=True)
             result.model.save(staging, dtype=torch.float16)
-            shipped = AttnResTransformer.load(staging).eval()
+            shipped = AttnResTransformer.load(staging, backend=backend).eval()
             val_loss = evaluate(shipped, demo_validation_batches(log))
             log["shipped"] = {
                 "dtype": "float16",
@@ -167,13 +178,19 @@ def add_demo_models_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--only", nargs="+", choices=DEMO_NAMES, default=list(DEMO_NAMES), help="build only these")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="override the step count (smoke runs)")
+    p.add_argument(
+        "--backend",
+        choices=("torch", "numba", "triton", "auto"),
+        default="torch",
+        help="depth-attention backend; the shipped models were built with the reference (default: %(default)s)",
+    )
     p.set_defaults(func=_run_demo_models)
     return p
 
 
 def _run_demo_models(args: argparse.Namespace) -> int:
     overrides = {"steps": args.steps, "warmup_steps": min(100, args.steps // 10), "eval_every": 0} if args.steps else {}
-    losses = build_demo_models(args.out, tuple(args.only), threads=args.threads, **overrides)
+    losses = build_demo_models(args.out, tuple(args.only), threads=args.threads, backend=args.backend, **overrides)
     for name, loss in losses.items():
         print(f"{name:8s} shipped val loss {loss:.4f}  -> {Path(args.out) / name}")
     return 0

@@ -343,6 +343,7 @@ def train(
     stop_at: int | None = None,
     overwrite: bool = False,
     device: str | torch.device = "cpu",
+    backend: str | None = None,
 ) -> TrainResult:
     """Train a model on a byte corpus and write checkpoint, log and resumable state to ``out_dir``.
 
@@ -358,6 +359,10 @@ def train(
             the learning-rate schedule still spans ``steps``.
         overwrite: allow starting a new run in a folder that already holds one.
         device: where to train ("cpu", "cuda", ...).
+        backend: depth-attention backend of the model (``"auto"``, ``"torch"``, ``"triton"``,
+            ``"numba"``; None reads ``ATTNRES_BACKEND``, see :mod:`attnres_probe.kernels`).
+            Backends agree to float rounding, so a run is bit-exact only on the same one; the
+            log records it.
 
     Returns:
         the :class:`TrainResult`.
@@ -413,6 +418,12 @@ def train(
             )
     if stop_at is not None:
         _require_int("stop_at", stop_at, low=0)
+    from attnres_probe.kernels import resolve_backend
+
+    try:
+        used_backend = resolve_backend(device, backend, dtypes=(torch.float32,), d=model_cfg.d_model)
+    except ValueError as exc:
+        raise TrainError(str(exc)) from None
 
     corpus = load_corpus(cfg.corpus)
     if state is not None and state["data_sha256"] != corpus.sha256:
@@ -426,9 +437,10 @@ def train(
     torch.manual_seed(cfg.seed)
     batch_gen = torch.Generator().manual_seed(cfg.seed)
     if state is None:
-        model = AttnResTransformer(model_cfg).to(device)
+        model = AttnResTransformer(model_cfg, backend=backend).to(device)
     else:
         model = _load_verified(out_dir, state, device)
+        model.backend = backend
     model.train()
     opt = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=learning_rate(0, cfg), betas=(cfg.beta1, cfg.beta2)
@@ -540,6 +552,7 @@ def train(
         "wall_time_s": wall,
         "resumed_at": resumed_at,
         "device": str(device),
+        "backend": used_backend,
         "attnres_probe": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -654,6 +667,11 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     r.add_argument("--resume", action="store_true", help="continue the run saved in --out up to --steps")
     r.add_argument("--overwrite", action="store_true", help="replace a run already saved in --out")
     r.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    r.add_argument(
+        "--backend",
+        choices=("auto", "torch", "triton", "numba"),
+        help="depth-attention backend (default: ATTNRES_BACKEND, else auto: numba on CPU, triton on CUDA)",
+    )
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_run_train)
     return p
@@ -712,6 +730,7 @@ def _run_train(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             overwrite=args.overwrite,
             device=args.device,
+            backend=args.backend,
         )
     except (ConfigError, DataError, TrainError, CheckpointError, OSError, RuntimeError, TypeError) as exc:
         print(f"attnres-probe train: error: {exc}", file=sys.stderr)

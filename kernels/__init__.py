@@ -1,17 +1,20 @@
 """Depth-attention ops and their backend dispatch.
 
 One public op, :func:`depth_attn`, plus the two-phase pair :func:`phase1` / :func:`phase2`
-used by Block AttnRes. Each runs on one of two backends:
+used by Block AttnRes. Each runs on one of three backends:
 
 - ``"triton"``: the fused kernels in :mod:`attnres_probe.kernels.triton_depth_attn`
   (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
+- ``"numba"``: the fused CPU kernels in :mod:`attnres_probe.kernels.numba_depth_attn`
+  (float32/float64 CPU tensors; ``phase1``/``phase2`` run the reference there);
 - ``"torch"``: the plain-PyTorch reference in :mod:`attnres_probe.kernels.reference`
-  (every device; the test oracle).
+  (every device and dtype; the test oracle).
 
 Choice, first match wins: the ``backend=`` argument; the ``ATTNRES_BACKEND`` environment
-variable (``torch`` | ``triton`` | ``auto``); otherwise ``auto``: Triton for CUDA tensors,
-the reference for everything else. Forcing ``triton`` on CPU tensors works only under
-``TRITON_INTERPRET=1`` (Triton's interpreter; this is how CI tests the kernels).
+variable (``torch`` | ``triton`` | ``numba`` | ``auto``); otherwise ``auto``: Triton for CUDA
+tensors, Numba for float32/float64 CPU tensors, the reference for everything else. Forcing
+``triton`` on CPU tensors works only under ``TRITON_INTERPRET=1`` (Triton's interpreter; this
+is how CI tests the kernels).
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from .reference import (
     validate_depth_attn_args,
 )
 
-Backend = Literal["auto", "torch", "triton"]
-BACKENDS = ("auto", "torch", "triton")
+Backend = Literal["auto", "torch", "triton", "numba"]
+BACKENDS = ("auto", "torch", "triton", "numba")
 
 __all__ = [
     "BACKENDS",
@@ -43,6 +46,7 @@ __all__ = [
     "phase1",
     "phase2",
     "resolve_backend",
+    "numba_available",
     "triton_available",
 ]
 
@@ -65,6 +69,24 @@ def triton_available() -> bool:
     return _triton_import_error() is None
 
 
+@functools.lru_cache(maxsize=None)
+def _numba_import_error() -> str | None:
+    try:
+        from . import numba_depth_attn  # noqa: F401
+    except Exception as exc:  # numba missing or broken
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def numba_available() -> bool:
+    """Whether the Numba CPU kernels can be imported here."""
+    return _numba_import_error() is None
+
+
+def _numba_takes(dtypes: tuple[torch.dtype | None, ...]) -> bool:
+    return all(dt is None or dt in (torch.float32, torch.float64) for dt in dtypes)
+
+
 def _triton_takes(dtypes: tuple[torch.dtype | None, ...], d: int | None) -> bool:
     from .triton_depth_attn import MAX_D, SUPPORTED_DTYPES
 
@@ -77,18 +99,21 @@ def resolve_backend(
     *,
     dtypes: tuple[torch.dtype | None, ...] = (),
     d: int | None = None,
-) -> Literal["torch", "triton"]:
+) -> Literal["torch", "triton", "numba"]:
     """Pick the backend for tensors on ``device``.
 
     Args:
         device: where the op's tensors live.
-        backend: ``"auto"``, ``"torch"``, ``"triton"`` or None (read ``ATTNRES_BACKEND``).
+        backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"numba"`` or None (read
+            ``ATTNRES_BACKEND``).
         dtypes, d: optionally, the op's input dtypes and width; ``auto`` then sends inputs the
-            Triton kernels do not take (float64, d above their limit) to the reference.
+            fused kernels do not take (float64 or d above the limit on CUDA, float16/bfloat16
+            on the CPU) to the reference.
 
     Raises:
-        ValueError: for an unknown backend name, or when Triton is asked for where it cannot
-            run (CPU tensors without ``TRITON_INTERPRET=1``, or triton not importable).
+        ValueError: for an unknown backend name, or when a backend is asked for where it
+            cannot run (Triton on CPU tensors without ``TRITON_INTERPRET=1``, Numba on
+            non-CPU tensors, either not importable).
     """
     device = torch.device(device)
     source = "backend argument"
@@ -101,7 +126,15 @@ def resolve_backend(
     if backend == "auto":
         if device.type == "cuda" and triton_available() and _triton_takes(tuple(dtypes), d):
             return "triton"
+        if device.type == "cpu" and numba_available() and _numba_takes(tuple(dtypes)):
+            return "numba"
         return "torch"
+    if backend == "numba":
+        if device.type != "cpu":
+            raise ValueError(f"{source} asks for the numba backend, which runs on CPU tensors; the tensors are on {device}")
+        err = _numba_import_error()
+        if err is not None:
+            raise ValueError(f"{source} asks for the numba backend, but it cannot be imported ({err})")
     if backend == "triton":
         if not on_gpu_or_interp:
             raise ValueError(
@@ -140,9 +173,10 @@ def depth_attn(
         gain: [d] key-norm gain, or None for ones.
         eps: RMS epsilon, ``rms(v) = sqrt(mean(v^2) + eps)``.
         return_weights: also return the softmax weights the op used.
-        inv_rms_cache: reference backend only: per-source cached ``1/rms`` (ignored by Triton,
-            which normalises inside the kernel at no extra memory traffic).
-        backend: ``"auto"`` | ``"torch"`` | ``"triton"``; None reads ``ATTNRES_BACKEND``.
+        inv_rms_cache: reference backend only: per-source cached ``1/rms`` (ignored by the
+            fused backends, which normalise inside the kernel at no extra memory traffic).
+        backend: ``"auto"`` | ``"torch"`` | ``"triton"`` | ``"numba"``; None reads
+            ``ATTNRES_BACKEND``.
 
     Returns:
         (mixture [*batch, d] in the sources' dtype, lse [*batch] float32) or, with
@@ -161,6 +195,10 @@ def depth_attn(
 
         stacked = sources if isinstance(sources, torch.Tensor) else torch.stack(list(sources))
         return depth_attn_triton(stacked, query, gain, eps, return_weights)
+    if chosen == "numba":
+        from .numba_depth_attn import depth_attn_numba
+
+        return depth_attn_numba(sources, query, gain, eps, return_weights)
     return depth_attn_reference(
         sources, query, gain, eps, return_weights, inv_rms_cache=inv_rms_cache, validate=False
     )

@@ -222,6 +222,25 @@ def test_train_log_records_curves_configs_data_and_versions(reference_run):
     assert log["torch"] == torch.__version__ and log["attnres_probe"]
     assert log["wall_time_s"] > 0 and log["finished"] is True and log["step"] == 12
     assert log["corpus"]["n_train"] + log["corpus"]["n_val"] == log["corpus"]["n_tokens"]
+    assert log["backend"] == "numba"  # auto on the CPU
+
+
+def test_backends_train_alike_and_the_log_names_the_one_used(reference_run, tmp_path):
+    ref = train(small_model("block"), small_train(), tmp_path, progress=False, backend="torch")
+    assert ref.log["backend"] == "torch"
+    # same math, different float rounding: the curves agree closely, not to the bit
+    for a, b in zip(ref.train_losses, reference_run.train_losses):
+        assert abs(a - b) < 1e-3
+    assert abs(ref.final_val_loss - reference_run.final_val_loss) < 1e-3
+
+
+def test_an_unusable_backend_is_a_train_error_before_any_work(tmp_path, monkeypatch):
+    with pytest.raises(TrainError, match="accepted values are auto, torch, triton, numba"):
+        train(small_model(), small_train(), tmp_path, progress=False, backend="fast")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(TrainError, match="Triton backend, but the tensors are on cpu"):
+        train(small_model(), small_train(), tmp_path, progress=False, backend="triton")
+    assert not any(tmp_path.iterdir())
 
 
 def test_resumable_state_is_safetensors_and_json_only(reference_run):
@@ -314,8 +333,9 @@ TINY_FLAGS = ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--n-ctx",
 
 def test_cli_trains_and_resumes(tmp_path, capsys):
     out = str(tmp_path / "run")
-    assert cli("train", "--out", out, "--residual", "block", "--block-size", "2", "--steps", "4", *TINY_FLAGS) == 0
+    assert cli("train", "--out", out, "--residual", "block", "--block-size", "2", "--steps", "4", "--backend", "torch", *TINY_FLAGS) == 0
     assert "trained 4 steps (block)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / LOG_FILE).read_text())["backend"] == "torch"
     cfg = AttnResTransformer.load(out).cfg
     assert (cfg.residual, cfg.block_size, cfg.d_model, cfg.d_head, cfg.d_mlp) == ("block", 2, 32, 16, 128)
     assert cli("train", "--out", out, "--resume", "--steps", "6", "--quiet") == 0

@@ -1,4 +1,4 @@
-"""Whole models on both backends and both Block schedules (Triton runs under TRITON_INTERPRET on CPU)."""
+"""Whole models on every backend and both Block schedules (Triton runs under TRITON_INTERPRET on CPU)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _twin(model: AttnResTransformer, **kw) -> AttnResTransformer:
 
 
 @pytest.mark.parametrize("kw", [{"block_size": 2}, {"block_size": 3}, {"block_boundaries": [1, 4]}, {"block_size": 6}])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "numba"])
 def test_two_phase_equals_sequential_block_attnres(kw, backend):
     model = tiny_model("block", n_layers=3, **kw)
     seq = _twin(model, backend=backend, schedule="sequential")
@@ -43,10 +43,11 @@ def test_two_phase_gradients_equal_sequential():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)  # fp32, different summation order
 
 
+@pytest.mark.parametrize("backend", ["triton", "numba"])
 @pytest.mark.parametrize("residual", ["full", "block"])
-def test_triton_and_reference_models_agree_on_logits_weights_and_gradients(residual):
+def test_fused_and_reference_models_agree_on_logits_weights_and_gradients(residual, backend):
     model = tiny_model(residual, n_layers=2)
-    ref, tri = _twin(model, backend="torch"), _twin(model, backend="triton")
+    ref, tri = _twin(model, backend="torch"), _twin(model, backend=backend)
     tokens = sample_tokens(6, batch=1)
     with torch.no_grad():
         torch.testing.assert_close(tri(tokens), ref(tokens), atol=ATOL, rtol=0)
@@ -60,7 +61,8 @@ def test_triton_and_reference_models_agree_on_logits_weights_and_gradients(resid
 def test_default_schedule_is_sequential_on_cpu_and_two_phase_with_triton():
     model = tiny_model("block")
     v0 = torch.zeros(1, 1, model.cfg.d_model)
-    assert model._resolve(v0) == ("torch", "sequential")
+    assert model._resolve(v0) == ("numba", "sequential")
+    assert _twin(model, backend="torch")._resolve(v0) == ("torch", "sequential")
     assert _twin(model, backend="triton")._resolve(v0) == ("triton", "two_phase")
     with pytest.raises(ValueError, match="schedule is 'parallel'"):
         _twin(model, schedule="parallel")(sample_tokens(3))

@@ -10,7 +10,7 @@ from attnres_probe.kernels import triton_depth_attn as tda
 from attnres_probe.kernels.reference import depth_attn_reference, phase1_reference, phase2_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "triton", "numba"]
 
 
 # --- gradcheck of the reference in float64 ------------------------------------------------
@@ -95,10 +95,27 @@ def test_nan_propagates_through_the_two_phases(backend):
 # --- dispatch -----------------------------------------------------------------------------
 
 
-def test_auto_picks_the_reference_on_cpu(monkeypatch):
+def test_auto_picks_numba_on_cpu_and_the_reference_for_what_numba_refuses(monkeypatch):
     monkeypatch.delenv("ATTNRES_BACKEND", raising=False)
+    assert resolve_backend("cpu") == "numba"
+    assert resolve_backend("cpu", "auto", dtypes=(torch.float32, torch.float64)) == "numba"
+    assert resolve_backend("cpu", "auto", dtypes=(torch.bfloat16,)) == "torch"
+    assert resolve_backend("cpu", "auto", dtypes=(torch.float32, torch.float16)) == "torch"
+
+
+def test_auto_falls_back_to_the_reference_without_numba(monkeypatch):
+    import attnres_probe.kernels as k
+
+    monkeypatch.delenv("ATTNRES_BACKEND", raising=False)
+    monkeypatch.setattr(k, "_numba_import_error", lambda: "ModuleNotFoundError: No module named 'numba'")
     assert resolve_backend("cpu") == "torch"
-    assert resolve_backend("cpu", "auto") == "torch"
+    with pytest.raises(ValueError, match="numba backend, but it cannot be imported.*No module named 'numba'"):
+        resolve_backend("cpu", "numba")
+
+
+def test_forced_numba_needs_cpu_tensors():
+    with pytest.raises(ValueError, match="numba backend, which runs on CPU tensors; the tensors are on cuda"):
+        resolve_backend("cuda", "numba")
 
 
 def test_forced_triton_on_cpu_needs_the_interpreter(monkeypatch):
@@ -115,12 +132,14 @@ def test_forced_triton_on_cpu_needs_the_interpreter(monkeypatch):
 def test_environment_variable_selects_the_backend(monkeypatch):
     monkeypatch.setenv("ATTNRES_BACKEND", "torch")
     assert resolve_backend("cpu") == "torch"
-    assert resolve_backend("cpu", "auto") == "torch"  # the argument wins over the variable
+    assert resolve_backend("cpu", "auto") == "numba"  # the argument wins over the variable
+    monkeypatch.setenv("ATTNRES_BACKEND", "numba")
+    assert resolve_backend("cpu") == "numba"
 
 
 @pytest.mark.parametrize("name", ["cuda", "Triton", "pytorch", ""])
 def test_bad_backend_names_raise(name):
-    with pytest.raises(ValueError, match="accepted values are auto, torch, triton"):
+    with pytest.raises(ValueError, match="accepted values are auto, torch, triton, numba"):
         resolve_backend("cpu", name)
 
 

@@ -24,9 +24,8 @@ import torch
 
 from attnres_probe.kernels import depth_attn, phase1, phase2
 from attnres_probe.kernels import triton_depth_attn as tda
+from closeness import _grads, _leaves, assert_close
 
-FP32_ATOL = 1e-5
-FP32_RRMS = 1e-5
 LOWP_RRMS = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 LOWP_FP32_RRMS = 1e-4
 
@@ -34,30 +33,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 M = 37
 S_GRID = [1, 2, 3, 9, 17, 33]
 D_GRID = [16, 48, 64, 384]
-
-
-def _errors(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
-    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
-    diff = a - e
-    max_abs = diff.abs().max().item() if diff.numel() else 0.0
-    rrms = (diff.pow(2).mean().sqrt() / e.pow(2).mean().sqrt().clamp_min(1e-30)).item() if diff.numel() else 0.0
-    return max_abs, rrms
-
-
-def assert_close(actual, expected, name, atol=FP32_ATOL, rrms=FP32_RRMS):
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    max_abs, rel = _errors(actual, expected)
-    assert max_abs <= atol or rel <= rrms, f"{name}: max abs error {max_abs:.3g} (limit {atol:g}), relative RMS {rel:.3g} (limit {rrms:g})"
-
-
-def _leaves(*tensors):
-    return [None if t is None else t.detach().clone().requires_grad_(True) for t in tensors]
-
-
-def _grads(outs, inputs, upstream):
-    wanted = [t for t in inputs if t is not None]
-    grads = torch.autograd.grad(outs, wanted, upstream)
-    return list(grads)
 
 
 def _inputs(n_src, d, batch=(M,), dtype=torch.float32, gain=True):

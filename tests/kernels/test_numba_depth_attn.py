@@ -1,0 +1,137 @@
+"""The Numba CPU kernels agree with the PyTorch reference, outputs and every gradient.
+
+Each test runs the same inputs and the same random upstream gradients (for the mixture, the
+lse and the weights) through ``backend="numba"`` and ``backend="torch"``.
+
+Tolerance, stated once:
+
+- float32: an output or gradient passes when its max abs error <= 1e-5 OR its relative RMS
+  error (RMS of the difference / RMS of the reference) <= 1e-5 (as for the Triton kernels).
+- float64: max abs error <= 1e-12 OR relative RMS <= 1e-12; and ``torch.autograd.gradcheck``
+  on the kernels themselves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnres_probe.kernels import depth_attn
+from attnres_probe.kernels.numba_depth_attn import depth_attn_numba
+
+from closeness import _grads, _leaves, assert_close
+
+M = 37
+S_GRID = [1, 2, 3, 9, 17, 33]
+D_GRID = [1, 16, 48, 64, 384]
+TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12)}
+NAMES = ("mix", "lse", "weights", "d sources", "d query", "d gain")
+
+
+def _inputs(n_src, d, batch=(M,), dtype=torch.float32, gain=True):
+    sources = torch.randn(n_src, *batch, d, dtype=dtype)
+    query = torch.randn(d, dtype=dtype) / d**0.5 * 2  # logits of order one
+    g = 1 + 0.2 * torch.randn(d, dtype=dtype) if gain else None
+    return sources, query, g
+
+
+def _both(sources, query, gain, upstream_for=("mix", "lse", "weights"), as_list=False):
+    """(numba, reference) results: each (outputs, gradients wrt sources/query/gain)."""
+    results, ups = {}, None
+    for backend in ("numba", "torch"):
+        x, q, g = _leaves(sources, query, gain)
+        arg = list(x.unbind(0)) if as_list and backend == "numba" else x
+        outs = depth_attn(arg, q, g, return_weights=True, backend=backend)
+        if ups is None:
+            ups = [torch.randn_like(o) if n in upstream_for else torch.zeros_like(o) for o, n in zip(outs, NAMES)]
+        results[backend] = (outs, _grads(outs, [x, q, g], ups))
+    return results["numba"], results["torch"]
+
+
+def _check(numba, ref, dtype=torch.float32):
+    atol, rrms = TOL[dtype]
+    (outs_n, grads_n), (outs_r, grads_r) = numba, ref
+    for name, a, b in zip(NAMES, [*outs_n, *grads_n], [*outs_r, *grads_r]):
+        assert a.dtype == b.dtype, f"{name}: dtype {a.dtype} != {b.dtype}"
+        assert_close(a, b, name, atol=atol, rrms=rrms)
+
+
+@pytest.mark.parametrize("d", D_GRID, ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("n_src", S_GRID, ids=lambda s: f"S{s}")
+def test_matches_reference_forward_and_every_gradient_fp32(n_src, d):
+    _check(*_both(*_inputs(n_src, d)))
+
+
+@pytest.mark.parametrize("n_src, d", [(1, 16), (5, 64), (17, 48)], ids=["S1-D16", "S5-D64", "S17-D48"])
+def test_matches_reference_in_float64(n_src, d):
+    _check(*_both(*_inputs(n_src, d, dtype=torch.float64)), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("upstream", [("mix",), ("lse",), ("weights",)], ids=lambda u: "only-" + u[0])
+def test_gradient_of_each_output_alone(upstream):
+    numba, ref = _both(*_inputs(9, 48), upstream_for=upstream)
+    for name, a, b in zip(NAMES[3:], numba[1], ref[1]):
+        assert_close(a, b, name)
+
+
+def test_gradcheck_in_float64():
+    x = torch.randn(3, 2, 5, 7, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    g = (1 + 0.3 * torch.randn(7, dtype=torch.float64)).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, q, g: depth_attn_numba(x, q, g, 1e-6, True), (x, q, g))
+    assert torch.autograd.gradcheck(lambda x, q: depth_attn_numba(list(x.unbind(0)), q, None, 1e-6), (x, q))
+
+
+def test_a_list_of_sources_batch_shapes_and_no_gain():
+    _check(*_both(*_inputs(4, 48, batch=(2, 3, 7), gain=False), as_list=True))
+    sources, query, _ = _inputs(5, 64, batch=(2, 3, 7))
+    mix, lse = depth_attn(sources, query, backend="numba")
+    assert mix.shape == (2, 3, 7, 64) and lse.shape == (2, 3, 7)
+
+
+def test_non_contiguous_sources_and_empty_batches():
+    sources = torch.randn(48, M, 5).permute(2, 1, 0)  # [5, M, 48], strided
+    assert not sources.is_contiguous()
+    _check(*_both(sources, torch.randn(48) / 4, 1 + 0.2 * torch.randn(48)))
+    mix, lse, w = depth_attn(torch.randn(3, 0, 8), torch.randn(8), return_weights=True, backend="numba")
+    assert mix.shape == (0, 8) and lse.shape == (0,) and w.shape == (0, 3)
+
+
+def test_mixed_precision_inputs_compute_in_float64_like_the_reference():
+    sources = torch.randn(3, M, 16)
+    query = torch.randn(16, dtype=torch.float64)
+    got = depth_attn(sources, query, return_weights=True, backend="numba")
+    want = depth_attn(sources, query, return_weights=True, backend="torch")
+    for name, a, b in zip(NAMES, got, want):
+        assert a.dtype == b.dtype, f"{name}: dtype {a.dtype} != {b.dtype}"
+        assert_close(a, b, name)
+
+
+def test_returned_weights_are_the_ones_the_mixture_used_and_editing_them_is_safe():
+    sources, query, gain = _inputs(9, 48)
+    x = sources.clone().requires_grad_()
+    mix, lse, weights = depth_attn(x, query, gain, return_weights=True, backend="numba")
+    assert_close(weights.sum(-1), torch.ones_like(lse), "sum of weights")
+    assert_close(torch.einsum("ms,smd->md", weights, sources), mix, "weights @ sources")
+    up = torch.randn_like(mix)
+    before = torch.autograd.grad(mix, x, up, retain_graph=True)[0]
+    with torch.no_grad():
+        weights.zero_()  # a caller editing its copy must not change the saved state
+    assert torch.equal(torch.autograd.grad(mix, x, up)[0], before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_is_refused_with_a_clear_error(dtype):
+    with pytest.raises(ValueError, match="float32 or float64.*backend='torch'"):
+        depth_attn(torch.randn(2, 3, 8).to(dtype), torch.randn(8).to(dtype), backend="numba")
+
+
+def test_concurrent_callers_get_their_own_results():
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [_inputs(s, 64, batch=(300,)) for s in (2, 5, 9, 3)]
+    want = [depth_attn(*c, backend="torch")[0] for c in cases]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda c: depth_attn(*c, backend="numba")[0], cases * 3))
+    for i, g in enumerate(got):
+        assert_close(g, want[i % len(cases)], f"call {i}")
