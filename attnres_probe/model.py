@@ -123,6 +123,7 @@ class DepthMixer(nn.Module):
             return_weights=hooked,
             inv_rms_cache=inv_rms_cache,
             backend=backend,
+            trusted=backend is not None,  # the model resolved the backend; its sources match
         )
         if not hooked:
             return out[0]

@@ -160,6 +160,7 @@ def depth_attn(
     *,
     inv_rms_cache=None,
     backend: str | None = None,
+    trusted: bool = False,
 ):
     """Depth attention: a softmax over depth sources scored by one pseudo-query.
 
@@ -177,6 +178,10 @@ def depth_attn(
             fused backends, which normalise inside the kernel at no extra memory traffic).
         backend: ``"auto"`` | ``"torch"`` | ``"triton"`` | ``"numba"``; None reads
             ``ATTNRES_BACKEND``.
+        trusted: for callers that already checked the arguments and resolved ``backend``
+            with :func:`resolve_backend` (the model does, once per forward): skip both.
+            This op runs once per read, so the checks are a real share of a small model's
+            time.
 
     Returns:
         (mixture [*batch, d] in the sources' dtype, lse [*batch] float32) or, with
@@ -187,9 +192,12 @@ def depth_attn(
     Raises:
         ValueError: for a bad argument (named in the message) or an unusable backend.
     """
-    _, _, d = validate_depth_attn_args(sources, query, gain, eps)
-    dtypes = (sources[0].dtype, query.dtype, None if gain is None else gain.dtype)
-    chosen = resolve_backend(_device_of(sources), backend, dtypes=dtypes, d=d)
+    if trusted and backend in ("torch", "triton", "numba"):
+        chosen = backend
+    else:
+        _, _, d = validate_depth_attn_args(sources, query, gain, eps)
+        dtypes = (sources[0].dtype, query.dtype, None if gain is None else gain.dtype)
+        chosen = resolve_backend(_device_of(sources), backend, dtypes=dtypes, d=d)
     if chosen == "triton":
         from .triton_depth_attn import depth_attn_triton
 
@@ -198,7 +206,7 @@ def depth_attn(
     if chosen == "numba":
         from .numba_depth_attn import depth_attn_numba
 
-        return depth_attn_numba(sources, query, gain, eps, return_weights)
+        return depth_attn_numba(sources, query, gain, eps, return_weights, validate=False)
     return depth_attn_reference(
         sources, query, gain, eps, return_weights, inv_rms_cache=inv_rms_cache, validate=False
     )

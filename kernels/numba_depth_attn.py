@@ -36,8 +36,10 @@ Conventions and limits:
   CPU tensors to the reference, and forcing this backend on them raises a ValueError.
 - CPU tensors only. Sources are used in place when contiguous (each source is read through
   its data pointer, so a list of S tensors is never stacked); others are copied once.
-- Kernels run single-threaded and release the GIL, so concurrent callers (the dashboard's
-  server threads) run in parallel without sharing state.
+- The kernels release the GIL. A call that touches at least ``PARALLEL_MIN_ELEMENTS`` source
+  elements is split by token rows over ``torch.get_num_threads()`` threads (each range writes
+  its own rows and its own partial query gradient); smaller calls run on the caller's
+  thread. Concurrent callers (the dashboard's server threads) share no state.
 - They are compiled on first use in each process (about a second per dtype; nothing is
   cached to disk, so no compiled artefact is ever loaded from a file).
 - Phase 1 and phase 2 of the two-phase Block schedule have no Numba kernels: on the CPU the
@@ -46,6 +48,9 @@ Conventions and limits:
 """
 
 from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numba as nb
 import numpy as np
@@ -65,37 +70,43 @@ _FASTMATH = {"reassoc", "contract", "nsz"}
 
 
 @intrinsic
-def _pointer_like(typingctx, address, like):
-    """A typed pointer to ``like``'s element type at integer ``address``."""
-    ptr_t = types.CPointer(like.dtype)
+def _pointer(typingctx, address, scalar):
+    """A pointer to ``scalar``'s type at integer ``address``."""
+    ptr_t = types.CPointer(scalar)
 
     def codegen(context, builder, signature, args):
         return builder.inttoptr(args[0], context.get_value_type(ptr_t))
 
-    return ptr_t(types.int64, like), codegen
+    return ptr_t(types.int64, scalar), codegen
 
 
 @nb.njit(nogil=True, fastmath=_FASTMATH)
-def _row(address, m, d, like):  # pragma: no cover - compiled
-    """Row m ([d]) of a contiguous [M, d] tensor at ``address``."""
-    return nb.carray(_pointer_like(address + m * d * like.itemsize, like), (d,))
+def _row(address, m, n_rows, d, one):  # pragma: no cover - compiled
+    """Row m ([d]) of a contiguous [n_rows, d] array at ``address``, in ``one``'s dtype."""
+    return nb.carray(_pointer(address, one), (n_rows, d))[m]
 
 
 @nb.njit(nogil=True, fastmath=_FASTMATH)
-def _forward(addresses, q, eps, one, inv_d, h, lse, w, z, inv, lo, hi):  # pragma: no cover - compiled
-    """Rows lo..hi-1 of: sources at ``addresses`` (each [M, d]) -> h [M, d], lse [M], w/z/inv [M, S].
+def _forward(table, n_src, n_rows, d, eps, one, inv_d, lo, hi):  # pragma: no cover - compiled
+    """Token rows lo..hi-1 of the forward.
 
-    One token row at a time: its S source rows are read for the norms and logits and read
-    again, from cache, for the mixture. ``eps``, ``one`` and ``inv_d`` (1/d) come in the
-    compute dtype, so no arithmetic is promoted to float64.
+    ``table`` holds addresses: the S sources ([M, d] each), then q [d], h [M, d], lse [M] and
+    w, z, inv [M, S] (all contiguous, in the compute dtype). One token row at a time: its S
+    source rows are read for the norms and logits and read again, from cache, for the
+    mixture. ``eps``, ``one`` and ``inv_d`` (1/d) come in the compute dtype, so no arithmetic
+    is promoted to float64.
     """
-    n_src = addresses.shape[0]
-    d = h.shape[1]
+    q = nb.carray(_pointer(table[n_src], one), (d,))
+    h = nb.carray(_pointer(table[n_src + 1], one), (n_rows, d))
+    lse = nb.carray(_pointer(table[n_src + 2], one), (n_rows,))
+    w = nb.carray(_pointer(table[n_src + 3], one), (n_rows, n_src))
+    z = nb.carray(_pointer(table[n_src + 4], one), (n_rows, n_src))
+    inv = nb.carray(_pointer(table[n_src + 5], one), (n_rows, n_src))
     zero = one - one
     for m in range(lo, hi):
         z_max = zero
         for i in range(n_src):
-            v = _row(addresses[i], m, d, q)
+            v = _row(table[i], m, n_rows, d, one)
             ss = zero
             dot = zero
             for k in range(d):
@@ -121,26 +132,35 @@ def _forward(addresses, q, eps, one, inv_d, h, lse, w, z, inv, lo, hi):  # pragm
         lse[m] = z_max + np.log(total)
         out = h[m]
         wi = w[m, 0]
-        v = _row(addresses[0], m, d, q)
+        v = _row(table[0], m, n_rows, d, one)
         for k in range(d):
             out[k] = wi * v[k]
         for i in range(1, n_src):
             wi = w[m, i]
-            v = _row(addresses[i], m, d, q)
+            v = _row(table[i], m, n_rows, d, one)
             for k in range(d):
                 out[k] += wi * v[k]
 
 
 @nb.njit(nogil=True, fastmath=_FASTMATH)
-def _backward(addresses, q, w, z, inv, dh, dlse, dw, has_dh, has_dlse, has_dw, zero, inv_d, dv, dq, lo, hi):  # pragma: no cover
-    """Gradients of :func:`_forward` for rows lo..hi-1: dv [S, M, d] (written), dq [d] float64 (added to).
+def _backward(table, n_src, n_rows, d, has_dh, has_dlse, has_dw, one, inv_d, dq_address, lo, hi):  # pragma: no cover
+    """Gradients of :func:`_forward` for token rows lo..hi-1.
 
-    ``zero`` (0) and ``inv_d`` (1/d) come in the compute dtype, so nothing is promoted to
-    float64 (``zero`` types the accumulators). The query gradient is
-    summed in the compute dtype over chunks of rows and added to ``dq`` in float64.
+    ``table`` holds addresses: the S sources, then q [d], w, z, inv [M, S] (saved by the
+    forward), the upstream dh [M, d], dlse [M], dw [M, S] (0 where absent) and the output
+    dv [S, M, d], which is written. The query gradient of these rows is summed in the
+    compute dtype over chunks of rows and added to the float64 [d] array at ``dq_address``.
     """
-    n_src = addresses.shape[0]
-    d = q.shape[0]
+    q = nb.carray(_pointer(table[n_src], one), (d,))
+    w = nb.carray(_pointer(table[n_src + 1], one), (n_rows, n_src))
+    z = nb.carray(_pointer(table[n_src + 2], one), (n_rows, n_src))
+    inv = nb.carray(_pointer(table[n_src + 3], one), (n_rows, n_src))
+    dh = nb.carray(_pointer(table[n_src + 4], one), (n_rows if has_dh else 0, d))
+    dlse = nb.carray(_pointer(table[n_src + 5], one), (n_rows if has_dlse else 0,))
+    dw = nb.carray(_pointer(table[n_src + 6], one), (n_rows if has_dw else 0, n_src))
+    dv = nb.carray(_pointer(table[n_src + 7], one), (n_src, n_rows, d))
+    dq = nb.carray(_pointer(dq_address, np.float64(0.0)), (d,))
+    zero = one - one
     dz = np.empty(n_src, w.dtype)
     dq_part = np.zeros(d, w.dtype)
     for m in range(lo, hi):
@@ -148,7 +168,7 @@ def _backward(addresses, q, w, z, inv, dh, dlse, dw, has_dh, has_dlse, has_dw, z
         for i in range(n_src):  # dalpha_i = dh . v_i (+ dw_i)
             acc = zero
             if has_dh:
-                v = _row(addresses[i], m, d, q)
+                v = _row(table[i], m, n_rows, d, one)
                 for k in range(d):
                     acc += v[k] * dh[m, k]
             if has_dw:
@@ -160,7 +180,7 @@ def _backward(addresses, q, w, z, inv, dh, dlse, dw, has_dh, has_dlse, has_dw, z
             wi = w[m, i]
             a = wi * (dz[i] - big_d + extra) * inv[m, i]  # dz_i * r_i
             c = -a * z[m, i] * inv[m, i] * inv_d
-            v = _row(addresses[i], m, d, q)
+            v = _row(table[i], m, n_rows, d, one)
             out = dv[i, m]
             if has_dh:
                 for k in range(d):
@@ -178,30 +198,85 @@ def _backward(addresses, q, w, z, inv, dh, dlse, dw, has_dh, has_dlse, has_dw, z
                 dq_part[k] = zero
 
 
-def _pointers(tensors: list[torch.Tensor]) -> np.ndarray:
-    return np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+def _table(tensors) -> np.ndarray:
+    """Addresses of tensors (0 for None), for a kernel's pointer table."""
+    return np.array([0 if t is None else t.data_ptr() for t in tensors], dtype=np.int64)
+
+
+# Calls that touch at least this many source elements are split by rows over up to
+# torch.get_num_threads() threads (the kernels release the GIL); smaller ones are not worth
+# a thread hand-off.
+PARALLEL_MIN_ELEMENTS = 1 << 20
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+# Calls that touch at least this many source elements are split by rows over up to
+# torch.get_num_threads() threads (the kernels release the GIL); smaller ones are not worth
+# a thread hand-off.
+PARALLEL_MIN_ELEMENTS = 1 << 20
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _flat(t: torch.Tensor, *shape: int) -> np.ndarray:
+    """A NumPy view of contiguous ``t`` with the batch dims flattened (no autograd node)."""
+    return t.detach().numpy().reshape(shape)
+
+
+def _row_chunks(n_rows: int, work: int) -> list[tuple[int, int]]:
+    """Row ranges to run in parallel: one per thread for big calls, else one."""
+    threads = torch.get_num_threads()
+    if threads < 2 or work < PARALLEL_MIN_ELEMENTS or n_rows < 2 * threads:
+        return [(0, n_rows)]
+    step = -(-n_rows // threads)
+    return [(lo, min(lo + step, n_rows)) for lo in range(0, n_rows, step)]
+
+
+def _run_chunks(kernel, args: tuple, chunks: list[tuple[int, int]], dq: torch.Tensor | None = None) -> None:
+    """Run ``kernel(*args, [address of dq[i]], lo, hi)`` for every chunk i; the first on this thread."""
+    global _pool
+
+    def call(i: int, lo: int, hi: int):
+        extra = () if dq is None else (dq[i].data_ptr(),)
+        return kernel(*args, *extra, lo, hi)
+
+    if len(chunks) == 1:
+        call(0, *chunks[0])
+        return
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < len(chunks) - 1:
+            _pool = ThreadPoolExecutor(max_workers=len(chunks) - 1, thread_name_prefix="attnres-numba")
+        pool = _pool
+    futures = [pool.submit(call, i, lo, hi) for i, (lo, hi) in enumerate(chunks[1:], start=1)]
+    call(0, *chunks[0])
+    for f in futures:
+        f.result()
 
 
 class DepthAttnNumbaFunction(torch.autograd.Function):
-    """Autograd join of the Numba forward and backward; inputs are (q, eps, return_weights, *rows).
+    """Autograd join of the Numba forward and backward; inputs are (q, eps, return_weights, *sources).
 
-    ``q`` is the gain-folded query [d]; every row tensor is one source [M, d], contiguous, in
-    q's dtype. Gradients flow to every source and to q (the gain gets its gradient from
-    autograd through ``q = query * gain``).
+    ``q`` is the gain-folded query [d]; every source is [*batch, d], contiguous, in q's
+    dtype. Gradients flow to every source and to q (the gain gets its gradient from autograd
+    through ``q = query * gain``).
     """
 
     @staticmethod
     def forward(ctx, q, eps, return_weights, *rows):
-        n_rows, d = rows[0].shape
-        n_src = len(rows)
+        first = rows[0]
+        batch, d = first.shape[:-1], first.shape[-1]
+        n_rows, n_src = first.numel() // d, len(rows)
         dt = q.dtype
-        npdt = np.float32 if dt == torch.float32 else np.float64
-        h = torch.empty((n_rows, d), dtype=dt)
-        lse = torch.empty((n_rows,), dtype=dt)
-        w, z, inv = (torch.empty((n_rows, n_src), dtype=dt) for _ in range(3))
-        if n_rows:
-            _forward(_pointers(rows), q.detach().numpy(), npdt(eps), npdt(1), npdt(1 / d), h.numpy(), lse.numpy(), w.numpy(), z.numpy(), inv.numpy(), 0, n_rows)
-        ctx.save_for_backward(q, w, z, inv, *rows)
+        one = np.float32(1) if dt == torch.float32 else np.float64(1)
+        h = torch.empty_like(first, dtype=dt)
+        lse = torch.empty(batch, dtype=dt)
+        wzi = torch.empty((3, *batch, n_src), dtype=dt)  # weights, logits, inverse RMS
+        w, z, inv = wzi.unbind(0)
+        table = _table([*rows, q, h, lse, w, z, inv])
+        chunks = _row_chunks(n_rows, n_rows * n_src * d)
+        _run_chunks(_forward, (table, n_src, n_rows, d, one * eps, one, one / d), chunks)
+        ctx.save_for_backward(q, wzi, *rows)
         ctx.set_materialize_grads(False)
         if return_weights:
             return h, lse, w.clone()  # the saved weights stay private: a caller may edit the returned ones
@@ -209,38 +284,22 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh, dlse, dw=None):
-        q, w, z, inv, *rows = ctx.saved_tensors
-        n_rows, d = rows[0].shape
-        dt = q.dtype
-        npdt = np.float32 if dt == torch.float32 else np.float64
-        dv = torch.empty((len(rows), n_rows, d), dtype=dt)
-        dq = torch.zeros(d, dtype=torch.float64)
+        q, wzi, *rows = ctx.saved_tensors
         if dh is None and dlse is None and dw is None:
             return (None, None, None, *([None] * len(rows)))
-        if n_rows:
-            empty = np.empty((0, 0), npdt)
-            _backward(
-                _pointers(rows),
-                q.detach().numpy(),
-                w.numpy(),
-                z.numpy(),
-                inv.numpy(),
-                dh.detach().contiguous().numpy() if dh is not None else empty,
-                dlse.detach().contiguous().numpy() if dlse is not None else np.empty(0, npdt),
-                dw.detach().contiguous().numpy() if dw is not None else empty,
-                dh is not None,
-                dlse is not None,
-                dw is not None,
-                npdt(0),
-                npdt(1 / d),
-                dv.numpy(),
-                dq.numpy(),
-                0,
-                n_rows,
-            )
-        else:
-            dv.zero_()
-        return (dq.to(dt), None, None, *dv.unbind(0))
+        first = rows[0]
+        d, n_src = first.shape[-1], len(rows)
+        n_rows = first.numel() // d
+        dt = q.dtype
+        one = np.float32(1) if dt == torch.float32 else np.float64(1)
+        dv = torch.empty((n_src, *first.shape), dtype=dt)
+        chunks = _row_chunks(n_rows, n_rows * n_src * d)
+        dq = torch.zeros((len(chunks), d), dtype=torch.float64)  # one partial sum per chunk
+        up = [None if t is None else t.contiguous() for t in (dh, dlse, dw)]
+        table = _table([*rows, q, *wzi.unbind(0), *up, dv])
+        flags = tuple(t is not None for t in up)
+        _run_chunks(_backward, (table, n_src, n_rows, d, *flags, one, one / d), chunks, dq)
+        return (dq.sum(0).to(dt), None, None, *dv.unbind(0))
 
 
 def depth_attn_numba(
@@ -249,6 +308,7 @@ def depth_attn_numba(
     gain: torch.Tensor | None = None,
     eps: float = 1e-6,
     return_weights: bool = False,
+    validate: bool = True,
 ):
     """Depth attention with the fused Numba CPU kernels (forward and backward).
 
@@ -259,31 +319,31 @@ def depth_attn_numba(
         gain: [d] key-norm gain, or None for ones.
         eps: RMS epsilon.
         return_weights: also return the softmax weights the kernel used.
+        validate: check the arguments (callers that already did may skip it).
 
     Returns:
-        As :func:`~attnres_probe.kernels.depth_attn`: (mixture [*batch, d], lse [*batch]) or,
-        with ``return_weights``, (mixture, lse, weights [*batch, S]), in the compute dtype
-        (float64 if any input is float64, else float32).
+        As :func:`~attnres_probe.kernels.depth_attn`: (mixture [*batch, d] in the sources'
+        dtype, lse [*batch]) or, with ``return_weights``, (mixture, lse, weights [*batch, S]);
+        lse and weights in the compute dtype (float64 if any input is float64, else float32).
 
     Raises:
         ValueError: non-CPU tensors, or a dtype other than float32/float64 (named).
     """
-    n_src, batch, d = validate_depth_attn_args(sources, query, gain, eps)
+    if validate:
+        validate_depth_attn_args(sources, query, gain, eps)
     src = list(sources.unbind(0)) if isinstance(sources, torch.Tensor) else list(sources)
-    _check_supported(src[0], query, gain)
-    dt = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in (src[0], query, gain)) else torch.float32
-    q = query.to(dt)
-    if gain is not None:
-        q = q * gain.to(dt)
-    rows = [s.to(dt).reshape(-1, d).contiguous() for s in src]
-    if rows[0].shape[0] == 0:
+    first = src[0]
+    _check_supported(first, query, gain)
+    dt = torch.float64 if torch.float64 in (first.dtype, query.dtype, None if gain is None else gain.dtype) else torch.float32
+    q = query if gain is None else query * gain
+    q = q.to(dt).contiguous()
+    if first.dtype != dt or not all(s.is_contiguous() for s in src):
+        src = [s.to(dt).contiguous() for s in src]  # no reshape: a view would add an autograd node per source
+    if first.numel() == 0:
         return depth_attn_reference(sources, query, gain, eps, return_weights, validate=False)
-    outs = DepthAttnNumbaFunction.apply(q.contiguous(), float(eps), bool(return_weights), *rows)
-    h = outs[0].view(*batch, d).to(src[0].dtype)  # the mixture in the sources' dtype, as the reference
-    lse = outs[1].view(batch)
-    if return_weights:
-        return h, lse, outs[2].view(*batch, n_src)
-    return h, lse
+    outs = DepthAttnNumbaFunction.apply(q, float(eps), bool(return_weights), *src)
+    h = outs[0] if first.dtype == dt else outs[0].to(first.dtype)  # the mixture in the sources' dtype
+    return (h, *outs[1:])
 
 
 def _check_supported(*tensors: torch.Tensor | None) -> None:
