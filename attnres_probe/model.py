@@ -82,10 +82,12 @@ class DepthMixer(nn.Module):
     ``norm.weight`` [d_model], the key RMSNorm gain (ones). The gain is folded into the query
     inside the op: ``(w * gain) . v / rms(v)``.
 
-    Hooks, both [batch, pos, n_src] on the common source axis: ``hook_logits`` (``-inf`` in
-    unavailable columns) and ``hook_weights`` (NaN in unavailable columns). A hook that returns
-    a changed tensor is an intervention: the mixture is recomputed from it (changed logits are
-    softmaxed first).
+    Hooks, all [batch, pos, n_src] on the common source axis: ``hook_logits`` (``-inf`` in
+    unavailable columns), ``hook_weights`` and ``hook_contrib`` (NaN in unavailable columns).
+    A hook that returns changed logits or weights is an intervention: the mixture is
+    recomputed from them (changed logits are softmaxed first). ``hook_contrib`` shows each
+    source's share of the mixture the read finally used, ``w_i <v_i, h> / |h|^2`` (computed
+    only while a hook is attached; it is an observation, its return value is ignored).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -96,6 +98,7 @@ class DepthMixer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)  # only .weight is used: the key gain
         self.hook_logits = HookPoint()
         self.hook_weights = HookPoint()
+        self.hook_contrib = HookPoint()
 
     @property
     def folded_query(self) -> torch.Tensor:
@@ -104,8 +107,8 @@ class DepthMixer(nn.Module):
 
     @property
     def hooked(self) -> bool:
-        """Whether any forward hook is attached to this mixer's logits or weights."""
-        return bool(self.hook_logits._forward_hooks or self.hook_weights._forward_hooks)
+        """Whether any forward hook is attached to this mixer's logits, weights or shares."""
+        return bool(self.hook_logits._forward_hooks or self.hook_weights._forward_hooks or self.hook_contrib._forward_hooks)
 
     def forward(
         self,
@@ -115,6 +118,7 @@ class DepthMixer(nn.Module):
     ) -> torch.Tensor:
         """Mix ``sources`` (k tensors [batch, pos, d], columns 0..k-1) into [batch, pos, d]."""
         hooked = self.hooked
+        want_contrib = bool(self.hook_contrib._forward_hooks)
         out = kernels.depth_attn(
             sources,
             self.query,
@@ -124,14 +128,19 @@ class DepthMixer(nn.Module):
             inv_rms_cache=inv_rms_cache,
             backend=backend,
             trusted=backend is not None,  # the model resolved the backend; its sources match
+            return_contrib=want_contrib,
         )
         if not hooked:
             return out[0]
-        mix, lse, weights = out
-        return self.apply_hooks(sources, mix, lse, weights)
+        return self.apply_hooks(sources, *out)
 
     def apply_hooks(
-        self, sources: Sequence[torch.Tensor], mix: torch.Tensor, lse: torch.Tensor, weights: torch.Tensor
+        self,
+        sources: Sequence[torch.Tensor],
+        mix: torch.Tensor,
+        lse: torch.Tensor,
+        weights: torch.Tensor,
+        contrib: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Show the op's logits and weights to the hooks; recompute the mixture if they changed them.
 
@@ -140,6 +149,8 @@ class DepthMixer(nn.Module):
             mix: [batch, pos, d] the op's mixture.
             lse: [batch, pos] the op's log-sum-exp.
             weights: [batch, pos, k] the op's weights.
+            contrib: [batch, pos, k] the op's contribution shares, if it computed them
+                (else they are computed here when ``hook_contrib`` has a hook).
         """
         k = len(sources)
         logits = torch.log(weights) + lse.unsqueeze(-1)  # the op's own logits, rebuilt from (weights, lse)
@@ -158,6 +169,11 @@ class DepthMixer(nn.Module):
         if changed:
             w = weights.to(kernels.reference.compute_dtype(sources[0], weights))
             mix = kernels.reference.weighted_sum(w, list(sources), w.dtype).to(mix.dtype)
+            contrib = None  # the op's shares describe the mixture before the intervention
+        if self.hook_contrib._forward_hooks:
+            if contrib is None:
+                contrib = kernels.contribution_shares(sources, mix, weights)
+            self.hook_contrib(F.pad(contrib, (0, pad), value=float("nan")))
         return mix
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "EMBED_HOOKS",
     "REQUIRED_TL_HOOKS",
+    "contrib_hook_names",
     "logit_hook_names",
     "mixed_input_hook_names",
     "output_hook_names",
@@ -39,6 +40,11 @@ def weight_hook_names(n_layers: int) -> list[str]:
 def logit_hook_names(n_layers: int) -> list[str]:
     """Depth-logit hooks of the L+1 reads (AttnRes models)."""
     return _mixer_hooks(n_layers, "logits")
+
+
+def contrib_hook_names(n_layers: int) -> list[str]:
+    """Contribution-share hooks of the L+1 reads (AttnRes models)."""
+    return _mixer_hooks(n_layers, "contrib")
 
 
 def REQUIRED_TL_HOOKS(n_layers: int) -> list[str]:  # noqa: N802 - reads like a constant table

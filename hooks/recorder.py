@@ -3,9 +3,11 @@
 Per token and read it keeps the depth weights and logits (on the common source axis), the
 contribution share of every source, the RMS of the mixed input and, when a backward pass runs,
 the norm of the gradient at the mixed input; per source it keeps the RMS of every sublayer
-output. Sources are held only as long as the model itself holds them during the forward
-(for PreNorm, until the forward ends: the contribution share of a source at a later read needs
-the source itself).
+output. AttnRes mixers hand over their contribution shares through ``hook_contrib`` (they
+have the sources at hand; the Numba kernels compute the shares in the mixing pass itself), so
+the recorder keeps no source of an AttnRes model. For a PreNorm model it keeps every
+sublayer output until the forward ends (the model drops them, and the share of a source at a
+later read needs the source itself), then gets all shares from one Gram matrix.
 
 Hooks are removed on exit, also when the forward raises; a hook never raises on NaN/Inf
 (those are recorded and flagged on the trace). Any other failure inside a hook is kept and
@@ -89,6 +91,9 @@ class Recorder:
         if spec.logit_hooks:
             for r, name in enumerate(spec.logit_hooks):
                 plan.append((name, self._make(self._on_logits, r)))
+        if self.contributions and spec.contrib_hooks:
+            for r, name in enumerate(spec.contrib_hooks):
+                plan.append((name, self._make(self._on_contrib, r)))
         try:
             for name, fn in plan:
                 hp = hd[name]
@@ -108,8 +113,7 @@ class Recorder:
 
     def _reset_stream(self) -> None:
         self._tok: torch.Tensor | None = None
-        self._sources: list[torch.Tensor] = []  # full/prenorm: every source; block: completed blocks
-        self._partial: torch.Tensor | None = None
+        self._sources: list[torch.Tensor] = []  # PreNorm with contributions: every source
         self._final_sum: torch.Tensor | None = None
 
     def raise_if_failed(self) -> None:
@@ -172,16 +176,6 @@ class Recorder:
         self._final_sum = v0 if self.spec.read_hooks[-1] is None else None
         self._arrays["rms_out"][:, :, 0] = _rms(v0)
 
-    def _visible(self, r: int) -> list[torch.Tensor]:
-        if self.spec.residual != "block":
-            return self._sources[: self.counts[r]]
-        L = self.spec.n_sublayers
-        if (r in self.spec.block_starts and r > 0) or r == L:
-            if self._partial is not None:
-                self._sources.append(self._partial)
-                self._partial = None
-        return [*self._sources, self._partial] if self._partial is not None else list(self._sources)
-
     def _on_weights(self, r: int, w: torch.Tensor) -> None:
         k = self.counts[r]
         self._arrays["depth_weights"][:, :, r, :k] = w[..., :k].float()
@@ -189,6 +183,10 @@ class Recorder:
     def _on_logits(self, r: int, z: torch.Tensor) -> None:
         k = self.counts[r]
         self._arrays["logits"][:, :, r, :k] = z[..., :k].float()
+
+    def _on_contrib(self, r: int, c: torch.Tensor) -> None:
+        k = self.counts[r]
+        self._arrays["contrib"][:, :, r, :k] = c[..., :k].float()
 
     def _on_read(self, r: int, h: torch.Tensor) -> None:
         self._read(r, h)
@@ -206,27 +204,19 @@ class Recorder:
         hf = h.float()
         norm2 = torch.linalg.vecdot(hf, hf)  # (B, P) = |h|^2
         torch.sqrt(norm2 / h.shape[-1], out=a["rms_in"][:, :, r])
-        if self.spec.residual == "prenorm":
-            a["depth_weights"][:, :, r, :k] = 1.0
-        if not self.contributions:
-            return
-        if self.spec.residual == "block":
-            # few sources, and the partial block changes at every read: one dot product per source
-            visible = self._visible(r)
-            dots = torch.stack([torch.linalg.vecdot(v.float(), hf) for v in visible], dim=-1)  # (B, P, k)
-            dots.mul_(a["depth_weights"][:, :, r, :k])
-            torch.div(dots, norm2.unsqueeze(-1), out=a["contrib"][:, :, r, :k])
-        elif r == self.spec.n_sublayers:
+        if self.spec.residual != "prenorm":
+            return  # AttnRes: the mixers hand over their shares (hook_contrib)
+        a["depth_weights"][:, :, r, :k] = 1.0
+        if self.contributions and r == self.spec.n_sublayers:
             self._gram_contributions()  # every source is known once the final read is reached
 
     def _gram_contributions(self) -> None:
-        """Contribution shares of every read at once, from the sources' Gram matrix (Full, PreNorm).
+        """Contribution shares of every PreNorm read at once, from the sources' Gram matrix.
 
-        With h_r = sum_j a_rj v_j (a = depth weights, or 1 for PreNorm) and G_ij = <v_i, v_j>,
-        <a_ri v_i, h_r> = a_ri (G a_r)_i and |h_r|^2 = a_r' G a_r. One batched matrix product per
-        chunk of tokens replaces (L+1)(L+2)/2 separate dot products over the model width.
-        Shares describe the mixture each read computed (a hook that replaces the mixed input
-        itself is not seen here).
+        With h_r = sum_j a_rj v_j (a = 1 where source j is visible to read r) and
+        G_ij = <v_i, v_j>, <a_ri v_i, h_r> = a_ri (G a_r)_i and |h_r|^2 = a_r' G a_r. One
+        batched matrix product per chunk of tokens replaces (L+1)(L+2)/2 separate dot products
+        over the model width.
         """
         a = self._arrays
         W = a["depth_weights"]
@@ -250,17 +240,15 @@ class Recorder:
     def _on_output(self, l: int, v: torch.Tensor) -> None:
         self._arrays["rms_out"][:, :, l + 1] = _rms(v)
         spec = self.spec
-        if spec.residual != "block":
-            if self.contributions:  # sources are kept only for the contribution shares
-                self._sources.append(v)
-            if self._final_sum is not None:
-                self._final_sum = self._final_sum + v
-                if l == spec.n_sublayers - 1:  # no final-read hook: the PreNorm final read is the sum
-                    self._read(spec.n_sublayers, self._final_sum)
-                    self._final_sum = None
+        if spec.residual != "prenorm":
             return
-        if self.contributions:
-            self._partial = v if self._partial is None else self._partial + v
+        if self.contributions:  # PreNorm sources are kept only for the contribution shares
+            self._sources.append(v)
+        if self._final_sum is not None:
+            self._final_sum = self._final_sum + v
+            if l == spec.n_sublayers - 1:  # no final-read hook: the PreNorm final read is the sum
+                self._read(spec.n_sublayers, self._final_sum)
+                self._final_sum = None
 
     def finish(self) -> None:
         """Drop the references to sources once the forward is over."""

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from attnres_probe.hooks.names import (
     REQUIRED_TL_HOOKS,
+    contrib_hook_names,
     logit_hook_names,
     mixed_input_hook_names,
     output_hook_names,
@@ -40,6 +41,9 @@ class ModelSpec:
             then sums the sources itself, which is exact for PreNorm).
         output_hooks: the L sublayer outputs.
         weight_hooks / logit_hooks: per read (AttnRes only), else None.
+        contrib_hooks: per read, the mixer's contribution-share hook (AttnRes only): the
+            recorder takes the shares from the mixer, which has the sources at hand, instead
+            of keeping sources itself.
         block_starts: sublayer index where each block starts (block mode).
         sublayer_params: per sublayer, the parameters of that sublayer (and its pre-norm).
         mixer_params: per read, the depth mixer's parameters (AttnRes only).
@@ -59,6 +63,7 @@ class ModelSpec:
     n_ctx: int
     d_vocab: int
     meta: dict[str, Any] = field(default_factory=dict)
+    contrib_hooks: list[str] | None = None
 
     @property
     def n_sublayers(self) -> int:
@@ -107,6 +112,7 @@ def _spec_attnres(model, name: str | None) -> ModelSpec:
         output_hooks=output_hook_names(n),
         weight_hooks=weight_hook_names(n) if attnres else None,
         logit_hooks=logit_hook_names(n) if attnres else None,
+        contrib_hooks=contrib_hook_names(n) if attnres else None,
         block_starts=list(cfg.block_starts),
         sublayer_params=sub_params,
         mixer_params=[list(m.parameters()) for m in model.mixers] if attnres else None,

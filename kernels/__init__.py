@@ -27,6 +27,7 @@ import torch
 
 from .reference import (
     Sources,
+    contribution_shares,
     depth_attn_reference,
     inv_rms,
     phase1_reference,
@@ -40,6 +41,7 @@ BACKENDS = ("auto", "torch", "triton", "numba")
 __all__ = [
     "BACKENDS",
     "Backend",
+    "contribution_shares",
     "depth_attn",
     "depth_attn_reference",
     "inv_rms",
@@ -161,6 +163,7 @@ def depth_attn(
     inv_rms_cache=None,
     backend: str | None = None,
     trusted: bool = False,
+    return_contrib: bool = False,
 ):
     """Depth attention: a softmax over depth sources scored by one pseudo-query.
 
@@ -182,12 +185,16 @@ def depth_attn(
             with :func:`resolve_backend` (the model does, once per forward): skip both.
             This op runs once per read, so the checks are a real share of a small model's
             time.
+        return_contrib: also return each source's contribution share in the mixture,
+            ``w_i <v_i, h> / |h|^2`` [*batch, S] (no gradient; see
+            :func:`~attnres_probe.kernels.reference.contribution_shares`). The Numba backend
+            computes them in the forward pass itself, the others afterwards.
 
     Returns:
-        (mixture [*batch, d] in the sources' dtype, lse [*batch] float32) or, with
-        ``return_weights``, (mixture, lse, weights [*batch, S] float32). On the reference
-        backend float64 inputs compute and return in float64; the Triton backend rejects
-        float64 (``auto`` sends it to the reference).
+        (mixture [*batch, d] in the sources' dtype, lse [*batch] float32), then the weights
+        [*batch, S] float32 with ``return_weights``, then the shares with ``return_contrib``.
+        On the reference backend float64 inputs compute and return in float64; the Triton
+        backend rejects float64 (``auto`` sends it to the reference).
 
     Raises:
         ValueError: for a bad argument (named in the message) or an unusable backend.
@@ -198,18 +205,23 @@ def depth_attn(
         _, _, d = validate_depth_attn_args(sources, query, gain, eps)
         dtypes = (sources[0].dtype, query.dtype, None if gain is None else gain.dtype)
         chosen = resolve_backend(_device_of(sources), backend, dtypes=dtypes, d=d)
+    if chosen == "numba":
+        from .numba_depth_attn import depth_attn_numba
+
+        return depth_attn_numba(sources, query, gain, eps, return_weights, validate=False, return_contrib=return_contrib)
+    want_w = return_weights or return_contrib
     if chosen == "triton":
         from .triton_depth_attn import depth_attn_triton
 
         stacked = sources if isinstance(sources, torch.Tensor) else torch.stack(list(sources))
-        return depth_attn_triton(stacked, query, gain, eps, return_weights)
-    if chosen == "numba":
-        from .numba_depth_attn import depth_attn_numba
-
-        return depth_attn_numba(sources, query, gain, eps, return_weights, validate=False)
-    return depth_attn_reference(
-        sources, query, gain, eps, return_weights, inv_rms_cache=inv_rms_cache, validate=False
-    )
+        outs = depth_attn_triton(stacked, query, gain, eps, want_w)
+    else:
+        outs = depth_attn_reference(sources, query, gain, eps, want_w, inv_rms_cache=inv_rms_cache, validate=False)
+    if not return_contrib:
+        return outs
+    mix, lse, w = outs
+    shares = contribution_shares(sources, mix, w)
+    return (mix, lse, w, shares) if return_weights else (mix, lse, shares)
 
 
 def phase1(

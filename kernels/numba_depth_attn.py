@@ -87,14 +87,15 @@ def _row(address, m, n_rows, d, one):  # pragma: no cover - compiled
 
 
 @nb.njit(nogil=True, fastmath=_FASTMATH)
-def _forward(table, n_src, n_rows, d, eps, one, inv_d, lo, hi):  # pragma: no cover - compiled
+def _forward(table, n_src, n_rows, d, want_contrib, eps, one, inv_d, lo, hi):  # pragma: no cover - compiled
     """Token rows lo..hi-1 of the forward.
 
-    ``table`` holds addresses: the S sources ([M, d] each), then q [d], h [M, d], lse [M] and
-    w, z, inv [M, S] (all contiguous, in the compute dtype). One token row at a time: its S
-    source rows are read for the norms and logits and read again, from cache, for the
-    mixture. ``eps``, ``one`` and ``inv_d`` (1/d) come in the compute dtype, so no arithmetic
-    is promoted to float64.
+    ``table`` holds addresses: the S sources ([M, d] each), then q [d], h [M, d], lse [M],
+    w, z, inv [M, S] and (used with ``want_contrib``) c [M, S] (all contiguous, in the compute
+    dtype). One token row at a time: its S source rows are read for the norms and logits and
+    read again, from cache, for the mixture and (``want_contrib``) for the contribution
+    shares c_i = w_i <v_i, h> / |h|^2. ``eps``, ``one`` and ``inv_d`` (1/d) come in the
+    compute dtype, so no arithmetic is promoted to float64.
     """
     q = nb.carray(_pointer(table[n_src], one), (d,))
     h = nb.carray(_pointer(table[n_src + 1], one), (n_rows, d))
@@ -102,6 +103,7 @@ def _forward(table, n_src, n_rows, d, eps, one, inv_d, lo, hi):  # pragma: no co
     w = nb.carray(_pointer(table[n_src + 3], one), (n_rows, n_src))
     z = nb.carray(_pointer(table[n_src + 4], one), (n_rows, n_src))
     inv = nb.carray(_pointer(table[n_src + 5], one), (n_rows, n_src))
+    c = nb.carray(_pointer(table[n_src + 6], one), (n_rows if want_contrib else 0, n_src))
     zero = one - one
     for m in range(lo, hi):
         z_max = zero
@@ -140,6 +142,16 @@ def _forward(table, n_src, n_rows, d, eps, one, inv_d, lo, hi):  # pragma: no co
             v = _row(table[i], m, n_rows, d, one)
             for k in range(d):
                 out[k] += wi * v[k]
+        if want_contrib:
+            hh = zero
+            for k in range(d):
+                hh += out[k] * out[k]
+            for i in range(n_src):
+                v = _row(table[i], m, n_rows, d, one)
+                dot = zero
+                for k in range(d):
+                    dot += v[k] * out[k]
+                c[m, i] = w[m, i] * dot / hh
 
 
 @nb.njit(nogil=True, fastmath=_FASTMATH)
@@ -255,15 +267,18 @@ def _run_chunks(kernel, args: tuple, chunks: list[tuple[int, int]], dq: torch.Te
 
 
 class DepthAttnNumbaFunction(torch.autograd.Function):
-    """Autograd join of the Numba forward and backward; inputs are (q, eps, return_weights, *sources).
+    """Autograd join of the Numba forward and backward.
 
-    ``q`` is the gain-folded query [d]; every source is [*batch, d], contiguous, in q's
-    dtype. Gradients flow to every source and to q (the gain gets its gradient from autograd
-    through ``q = query * gain``).
+    Inputs are (q, eps, return_weights, return_contrib, *sources): ``q`` is the gain-folded
+    query [d]; every source is [*batch, d], contiguous, in q's dtype. Outputs are (h, lse),
+    then the weights with ``return_weights`` and the contribution shares with
+    ``return_contrib`` (an observation: no gradient flows through them). Gradients flow to
+    every source and to q (the gain gets its gradient from autograd through
+    ``q = query * gain``).
     """
 
     @staticmethod
-    def forward(ctx, q, eps, return_weights, *rows):
+    def forward(ctx, q, eps, return_weights, return_contrib, *rows):
         first = rows[0]
         batch, d = first.shape[:-1], first.shape[-1]
         n_rows, n_src = first.numel() // d, len(rows)
@@ -273,20 +288,27 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         lse = torch.empty(batch, dtype=dt)
         wzi = torch.empty((3, *batch, n_src), dtype=dt)  # weights, logits, inverse RMS
         w, z, inv = wzi.unbind(0)
-        table = _table([*rows, q, h, lse, w, z, inv])
+        c = torch.empty((*batch, n_src), dtype=dt) if return_contrib else None
+        table = _table([*rows, q, h, lse, w, z, inv, c])
         chunks = _row_chunks(n_rows, n_rows * n_src * d)
-        _run_chunks(_forward, (table, n_src, n_rows, d, one * eps, one, one / d), chunks)
+        _run_chunks(_forward, (table, n_src, n_rows, d, bool(return_contrib), one * eps, one, one / d), chunks)
         ctx.save_for_backward(q, wzi, *rows)
         ctx.set_materialize_grads(False)
+        ctx.return_weights = return_weights
+        outs = [h, lse]
         if return_weights:
-            return h, lse, w.clone()  # the saved weights stay private: a caller may edit the returned ones
-        return h, lse
+            outs.append(w.clone())  # the saved weights stay private: a caller may edit the returned ones
+        if return_contrib:
+            ctx.mark_non_differentiable(c)
+            outs.append(c)
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, dh, dlse, dw=None):
+    def backward(ctx, dh, dlse, *rest):
+        dw = rest[0] if ctx.return_weights else None
         q, wzi, *rows = ctx.saved_tensors
         if dh is None and dlse is None and dw is None:
-            return (None, None, None, *([None] * len(rows)))
+            return (None, None, None, None, *([None] * len(rows)))
         first = rows[0]
         d, n_src = first.shape[-1], len(rows)
         n_rows = first.numel() // d
@@ -299,7 +321,7 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         table = _table([*rows, q, *wzi.unbind(0), *up, dv])
         flags = tuple(t is not None for t in up)
         _run_chunks(_backward, (table, n_src, n_rows, d, *flags, one, one / d), chunks, dq)
-        return (dq.sum(0).to(dt), None, None, *dv.unbind(0))
+        return (dq.sum(0).to(dt), None, None, None, *dv.unbind(0))
 
 
 def depth_attn_numba(
@@ -309,6 +331,7 @@ def depth_attn_numba(
     eps: float = 1e-6,
     return_weights: bool = False,
     validate: bool = True,
+    return_contrib: bool = False,
 ):
     """Depth attention with the fused Numba CPU kernels (forward and backward).
 
@@ -320,11 +343,14 @@ def depth_attn_numba(
         eps: RMS epsilon.
         return_weights: also return the softmax weights the kernel used.
         validate: check the arguments (callers that already did may skip it).
+        return_contrib: also return each source's contribution share
+            ``w_i <v_i, h> / |h|^2`` [*batch, S], computed in the same pass (no gradient).
 
     Returns:
         As :func:`~attnres_probe.kernels.depth_attn`: (mixture [*batch, d] in the sources'
-        dtype, lse [*batch]) or, with ``return_weights``, (mixture, lse, weights [*batch, S]);
-        lse and weights in the compute dtype (float64 if any input is float64, else float32).
+        dtype, lse [*batch]), then the weights [*batch, S] with ``return_weights``, then the
+        shares with ``return_contrib``; lse, weights and shares in the compute dtype (float64
+        if any input is float64, else float32).
 
     Raises:
         ValueError: non-CPU tensors, or a dtype other than float32/float64 (named).
@@ -340,10 +366,24 @@ def depth_attn_numba(
     if first.dtype != dt or not all(s.is_contiguous() for s in src):
         src = [s.to(dt).contiguous() for s in src]  # no reshape: a view would add an autograd node per source
     if first.numel() == 0:
-        return depth_attn_reference(sources, query, gain, eps, return_weights, validate=False)
-    outs = DepthAttnNumbaFunction.apply(q, float(eps), bool(return_weights), *src)
+        outs = depth_attn_reference(sources, query, gain, eps, True, validate=False)
+        return _select(outs, return_weights, return_contrib, src)
+    outs = DepthAttnNumbaFunction.apply(q, float(eps), bool(return_weights), bool(return_contrib), *src)
     h = outs[0] if first.dtype == dt else outs[0].to(first.dtype)  # the mixture in the sources' dtype
     return (h, *outs[1:])
+
+
+def _select(outs, return_weights: bool, return_contrib: bool, src) -> tuple:
+    """(mix, lse[, weights][, shares]) from a reference result that has the weights."""
+    from .reference import contribution_shares
+
+    mix, lse, w = outs
+    picked = [mix, lse]
+    if return_weights:
+        picked.append(w)
+    if return_contrib:
+        picked.append(contribution_shares(src, mix, w))
+    return tuple(picked)
 
 
 def _check_supported(*tensors: torch.Tensor | None) -> None:

@@ -28,6 +28,7 @@ Sources = Union[torch.Tensor, Sequence[torch.Tensor]]
 __all__ = [
     "Sources",
     "compute_dtype",
+    "contribution_shares",
     "depth_attn_reference",
     "inv_rms",
     "phase1_reference",
@@ -135,6 +136,21 @@ def weighted_sum(weights: torch.Tensor, src: list[torch.Tensor], dtype: torch.dt
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` in ``dtype`` (no call at all when it already is: this runs once per source per read)."""
     return t if t.dtype == dtype else t.to(dtype)
+
+
+def contribution_shares(sources: Sources, h: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Share of each source in the mixture h = sum_i w_i v_i: ``w_i <v_i, h> / |h|^2`` [*batch, S].
+
+    The shares of a row sum to one (they may be negative, or above one, when sources point
+    against each other). Computed without gradient, in the weights' dtype. ``h`` must be the
+    mixture the weights produced (after any intervention).
+    """
+    with torch.no_grad():
+        src = _as_list(sources)
+        dt = weights.dtype
+        hf = _as(h, dt)
+        dots = torch.stack([torch.linalg.vecdot(_as(v, dt), hf) for v in src], dim=-1)
+        return dots.mul_(weights).div_(torch.linalg.vecdot(hf, hf).unsqueeze(-1))
 
 
 def depth_attn_reference(

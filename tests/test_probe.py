@@ -83,6 +83,52 @@ def test_gradient_norms_match_autograd(residual):
     assert trace.meta["mean_loss"] == pytest.approx(float(loss), rel=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["numba", "torch", "triton"])
+@pytest.mark.parametrize("residual, kw", [("full", {}), ("block", {"block_size": 3}), ("prenorm", {})])
+def test_contribution_shares_equal_the_definition(residual, kw, backend):
+    """c_ri = w_ri <v_i, h_r> / |h_r|^2 with sources and mixed inputs rebuilt from the cache."""
+    model = tiny_model(residual, n_layers=3, **kw)
+    model.backend = backend
+    tokens = sample_tokens(10)
+    trace = Probe(model).run(tokens, backward=False)
+    model.backend = "torch"
+    _, cache = model.run_with_cache(tokens)
+    srcs = sources_of_reads(model, cache)
+    for r, hname in enumerate(mixed_input_names(model)):
+        h = cache[hname] if hname in cache else sum(srcs[r])  # the PreNorm final read is the sum
+        w = torch.ones(len(srcs[r])) if residual == "prenorm" else torch.from_numpy(trace.depth_weights[:, :, r, : len(srcs[r])])
+        dots = torch.stack([torch.linalg.vecdot(v, h) for v in srcs[r]], -1)
+        want = w * dots / torch.linalg.vecdot(h, h).unsqueeze(-1)
+        got = torch.from_numpy(trace.contrib[:, :, r])
+        torch.testing.assert_close(got[..., : len(srcs[r])], want, atol=2e-5, rtol=1e-4)
+        assert torch.isnan(got[..., len(srcs[r]) :]).all()
+
+
+def test_contribution_shares_describe_the_mixture_after_an_intervention():
+    model = tiny_model("full", n_layers=2)
+    tokens = sample_tokens(9)
+    seen = {}
+
+    def keep_embed_only(w, hook):
+        out = torch.zeros_like(w)
+        out[..., 0] = 1.0
+        return torch.where(torch.isnan(w), w, out)
+
+    name = weight_hook_names(model)[3]
+    cname = name.replace("hook_weights", "hook_contrib")
+    model.add_hook(name, keep_embed_only)
+    model.add_hook(cname, lambda c, hook: seen.setdefault("c", c.clone()))
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        model.reset_hooks()
+    c = seen["c"]
+    torch.testing.assert_close(c[..., 0], torch.ones_like(c[..., 0]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(c[..., 1:4], torch.zeros_like(c[..., 1:4]), atol=1e-6, rtol=0)
+    assert torch.isnan(c[..., 4:]).all()
+
+
 @pytest.mark.parametrize("residual", ["prenorm", "full", "block"])
 def test_contribution_shares_sum_to_one_per_read(residual):
     trace = Probe(tiny_model(residual, n_layers=3)).run(sample_tokens(11), backward=False)
