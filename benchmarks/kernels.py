@@ -1,4 +1,4 @@
-"""Depth-attention speed: the Triton op vs the eager reference vs torch.compile(reference).
+"""Depth-attention speed: the Triton op (GPU) or the Numba op (CPU) vs the eager reference vs torch.compile(reference).
 
 For every shape (M token rows, S sources, width d) it measures, in one run:
 
@@ -17,8 +17,9 @@ Before timing a shape it checks that the Triton result (mixture, lse, gradients 
 query and gain) matches the reference; a mismatching shape gets "MISMATCH" instead of timings
 and ratios, so no speed-up is ever reported for a wrong kernel.
 
-Without CUDA, only the eager and the compiled reference are measured, on a small grid, and the
-script says so ("GPU rows not measured: no CUDA device").
+Without CUDA, the Numba kernels (the CPU backend; float32 only), the eager and the compiled
+reference are measured on a small grid, and the script says so ("GPU rows not measured: no CUDA
+device"). The Numba rows are checked against the reference the same way.
 
 Usage:
     python benchmarks/kernels.py                                  # default grid for the device
@@ -85,10 +86,10 @@ def _rrms(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
-def check_triton(x, q, g, dmix) -> str | None:
-    """None when Triton matches the reference on these inputs, else what mismatched."""
+def check_backend(x, q, g, dmix, fused: str = "triton") -> str | None:
+    """None when the fused backend matches the reference on these inputs, else what mismatched."""
     results = []
-    for backend in ("triton", "torch"):
+    for backend in (fused, "torch"):
         xs, qs, gs = (t.detach().clone().requires_grad_(True) for t in (x, q, g))
         mix, lse = depth_attn(xs, qs, gs, backend=backend)
         grads = torch.autograd.grad(mix, (xs, qs, gs), dmix)
@@ -116,13 +117,14 @@ def bench_shape(m: int, s: int, d: int, dtype: torch.dtype, device: torch.device
     impls: dict[str, Callable] = {"eager": lambda *a: depth_attn_reference(*a, validate=False)}
     if compiled is not None:
         impls["compiled"] = compiled
-    if device.type == "cuda":
-        problem = check_triton(x, q, g, dmix)
-        row["check"] = "ok" if problem is None else f"MISMATCH: {problem}"
+    fused = "triton" if device.type == "cuda" else "numba" if dtype in (torch.float32, torch.float64) else None
+    if fused is not None:
+        problem = check_backend(x, q, g, dmix, fused)
+        row["check"] = f"{fused} ok" if problem is None else f"{fused} MISMATCH: {problem}"
         if problem is None:
-            impls = {"triton": lambda *a: depth_attn(*a, backend="triton"), **impls}
+            impls = {fused: lambda *a: depth_attn(*a, backend=fused), **impls}
     else:
-        row["check"] = "n/a (no CUDA)"
+        row["check"] = "n/a (no fused backend for this dtype here)"
 
     xg, qg, gg = (t.detach().clone().requires_grad_(True) for t in (x, q, g))
 
@@ -164,6 +166,10 @@ def bench_shape(m: int, s: int, d: int, dtype: torch.dtype, device: torch.device
     ratio("eager/triton fwd+bwd", "eager fwd+bwd ms", "triton fwd+bwd ms")
     ratio("compiled/triton fwd+bwd", "compiled fwd+bwd ms", "triton fwd+bwd ms")
     ratio("eager/compiled fwd+bwd", "eager fwd+bwd ms", "compiled fwd+bwd ms")
+    ratio("numba fwd BW / copy BW", "numba fwd GB/s", "copy GB/s")
+    ratio("eager/numba fwd", "eager fwd ms", "numba fwd ms")
+    ratio("eager/numba fwd+bwd", "eager fwd+bwd ms", "numba fwd+bwd ms")
+    ratio("compiled/numba fwd+bwd", "compiled fwd+bwd ms", "numba fwd+bwd ms")
     return row
 
 
@@ -212,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     header = f"device: {where}; torch {torch.__version__}; dtype {args.dtype}"
     print(header)
     if not cuda:
-        print("GPU rows not measured: no CUDA device (eager vs compiled reference only)")
+        print("GPU rows not measured: no CUDA device (Numba kernels vs eager and compiled reference)")
     copy_gbs = copy_bandwidth_gbs(device, args.warmup, args.reps)
     print(f"{'device-to-device' if cuda else 'host'} copy bandwidth: {copy_gbs:.1f} GB/s")
 
