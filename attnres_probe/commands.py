@@ -8,10 +8,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-DEFAULT_TEXT = (
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
-    "    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
-)
+# Short enough (under 128 bytes) for the demo models' context; with another model the default
+# is cut to its context, while a text the user gives is never cut without --truncate.
+DEFAULT_TEXT = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -49,6 +48,11 @@ def _text(args: argparse.Namespace) -> str:
     return args.text if args.text is not None else DEFAULT_TEXT
 
 
+def _truncate(args: argparse.Namespace) -> bool:
+    """Cut the text to the context: on request, or when it is the built-in default."""
+    return bool(args.truncate) or (args.text is None and not getattr(args, "file", None))
+
+
 def layer_summary(trace) -> pd.DataFrame:
     """One row per read: RMS of the mixed input, gradient norm, embedding weight/share, top source."""
     w = trace.weights().to_numpy()  # (R, S) mean over tokens
@@ -70,7 +74,7 @@ def layer_summary(trace) -> pd.DataFrame:
 
 def _run_record(args: argparse.Namespace) -> int:
     probe = _load(args)
-    trace = probe.run(_text(args), backward=not args.no_backward, truncate=args.truncate)
+    trace = probe.run(_text(args), backward=not args.no_backward, truncate=_truncate(args))
     out = trace.save(args.out)
     print(repr(trace))
     print(f"saved to {out}")
@@ -79,7 +83,7 @@ def _run_record(args: argparse.Namespace) -> int:
 
 def _run_summary(args: argparse.Namespace) -> int:
     probe = _load(args)
-    trace = probe.run(_text(args), backward=True, truncate=args.truncate)
+    trace = probe.run(_text(args), backward=True, truncate=_truncate(args))
     print(repr(trace))
     with pd.option_context("display.width", 120, "display.float_format", "{:.4g}".format):
         print(layer_summary(trace).to_string())

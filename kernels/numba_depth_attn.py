@@ -40,8 +40,12 @@ Conventions and limits:
   elements is split by token rows over ``torch.get_num_threads()`` threads (each range writes
   its own rows and its own partial query gradient); smaller calls run on the caller's
   thread. Concurrent callers (the dashboard's server threads) share no state.
-- They are compiled on first use in each process (about a second per dtype; nothing is
-  cached to disk, so no compiled artefact is ever loaded from a file).
+- They are compiled on first use (about two seconds for the forward and the backward per
+  dtype) and Numba caches the machine code on disk, next to this module in ``__pycache__``
+  (or under ``NUMBA_CACHE_DIR``), so later processes start in a fraction of a second. Like
+  Python's own ``.pyc`` files, that cache is written and read only by this library on this
+  machine (Numba's index format uses pickle); ``ATTNRES_NUMBA_CACHE=0`` compiles in memory
+  in every process instead and never reads or writes it.
 - Phase 1 and phase 2 of the two-phase Block schedule have no Numba kernels: on the CPU the
   model uses the sequential schedule, and ``phase1``/``phase2`` with this backend run the
   reference.
@@ -49,6 +53,7 @@ Conventions and limits:
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -67,6 +72,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64)
 # Reassociation lets LLVM vectorise the row reductions; no flag that assumes finite values,
 # so NaN and inf propagate exactly as in the reference.
 _FASTMATH = {"reassoc", "contract", "nsz"}
+# Numba's on-disk cache of these kernels (see the module docstring); ATTNRES_NUMBA_CACHE=0 turns it off.
+_CACHE = os.environ.get("ATTNRES_NUMBA_CACHE", "1").strip() not in ("0", "false", "no", "off")
 
 
 @intrinsic
@@ -80,13 +87,13 @@ def _pointer(typingctx, address, scalar):
     return ptr_t(types.int64, scalar), codegen
 
 
-@nb.njit(nogil=True, fastmath=_FASTMATH)
+@nb.njit(nogil=True, fastmath=_FASTMATH, cache=_CACHE)
 def _row(address, m, n_rows, d, one):  # pragma: no cover - compiled
     """Row m ([d]) of a contiguous [n_rows, d] array at ``address``, in ``one``'s dtype."""
     return nb.carray(_pointer(address, one), (n_rows, d))[m]
 
 
-@nb.njit(nogil=True, fastmath=_FASTMATH)
+@nb.njit(nogil=True, fastmath=_FASTMATH, cache=_CACHE)
 def _forward(table, n_src, n_rows, d, want_contrib, eps, one, inv_d, lo, hi):  # pragma: no cover - compiled
     """Token rows lo..hi-1 of the forward.
 
@@ -154,7 +161,7 @@ def _forward(table, n_src, n_rows, d, want_contrib, eps, one, inv_d, lo, hi):  #
                 c[m, i] = w[m, i] * dot / hh
 
 
-@nb.njit(nogil=True, fastmath=_FASTMATH)
+@nb.njit(nogil=True, fastmath=_FASTMATH, cache=_CACHE)
 def _backward(table, n_src, n_rows, d, has_dh, has_dlse, has_dw, one, inv_d, dq_address, lo, hi):  # pragma: no cover
     """Gradients of :func:`_forward` for token rows lo..hi-1.
 

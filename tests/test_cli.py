@@ -49,3 +49,21 @@ def test_unknown_subcommand_exits_with_usage():
     with pytest.raises(SystemExit) as err:
         main(["frobnicate"])
     assert err.value.code == 2
+
+
+def test_summary_of_a_demo_model_with_the_default_text(capsys):
+    """The built-in text fits the demo models' context (it used to be 138 bytes for 128)."""
+    assert main(["summary", "--demo", "block"]) == 0
+    out = capsys.readouterr().out
+    assert "L0.attn" in out and "final" in out and "error" not in out
+
+
+def test_output_into_a_closed_pipe_is_not_an_error():
+    import subprocess
+    import sys
+
+    code = "import sys; from attnres_probe.cli import main; sys.exit(main(['summary', '--demo', 'block']))"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before anything is written, like `| head -0`
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0 and "Traceback" not in err, err

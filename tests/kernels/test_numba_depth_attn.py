@@ -135,3 +135,24 @@ def test_concurrent_callers_get_their_own_results():
         got = list(pool.map(lambda c: depth_attn(*c, backend="numba")[0], cases * 3))
     for i, g in enumerate(got):
         assert_close(g, want[i % len(cases)], f"call {i}")
+
+
+@pytest.mark.parametrize("cache", ["1", "0"])
+def test_the_on_disk_kernel_cache_is_used_or_switched_off(tmp_path, cache):
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from attnres_probe.kernels import depth_attn\n"
+        "x = torch.randn(3, 5, 8, requires_grad=True)\n"
+        "depth_attn(x, torch.randn(8), backend='numba')[0].sum().backward()\n"
+    )
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "nb"), "ATTNRES_NUMBA_CACHE": cache}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    written = sorted(p.suffix for p in (tmp_path / "nb").rglob("*") if p.is_file())
+    if cache == "1":
+        assert ".nbi" in written and ".nbc" in written
+    else:
+        assert written == []
