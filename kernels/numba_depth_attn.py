@@ -166,8 +166,8 @@ def _backward(table, n_src, n_rows, d, has_dh, has_dlse, has_dw, one, inv_d, dq_
     """Gradients of :func:`_forward` for token rows lo..hi-1.
 
     ``table`` holds addresses: the S sources, then q [d], w, z, inv [M, S] (saved by the
-    forward), the upstream dh [M, d], dlse [M], dw [M, S] (0 where absent) and the output
-    dv [S, M, d], which is written. The query gradient of these rows is summed in the
+    forward), the upstream dh [M, d], dlse [M], dw [M, S] (0 where absent) and the S
+    outputs dv_i [M, d], which are written. The query gradient of these rows is summed in the
     compute dtype over chunks of rows and added to the float64 [d] array at ``dq_address``.
     """
     q = nb.carray(_pointer(table[n_src], one), (d,))
@@ -177,7 +177,6 @@ def _backward(table, n_src, n_rows, d, has_dh, has_dlse, has_dw, one, inv_d, dq_
     dh = nb.carray(_pointer(table[n_src + 4], one), (n_rows if has_dh else 0, d))
     dlse = nb.carray(_pointer(table[n_src + 5], one), (n_rows if has_dlse else 0,))
     dw = nb.carray(_pointer(table[n_src + 6], one), (n_rows if has_dw else 0, n_src))
-    dv = nb.carray(_pointer(table[n_src + 7], one), (n_src, n_rows, d))
     dq = nb.carray(_pointer(dq_address, np.float64(0.0)), (d,))
     zero = one - one
     dz = np.empty(n_src, w.dtype)
@@ -200,7 +199,7 @@ def _backward(table, n_src, n_rows, d, has_dh, has_dlse, has_dw, one, inv_d, dq_
             a = wi * (dz[i] - big_d + extra) * inv[m, i]  # dz_i * r_i
             c = -a * z[m, i] * inv[m, i] * inv_d
             v = _row(table[i], m, n_rows, d, one)
-            out = dv[i, m]
+            out = _row(table[n_src + 7 + i], m, n_rows, d, one)  # dv_i, written
             if has_dh:
                 for k in range(d):
                     x = v[k]
@@ -321,14 +320,16 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         n_rows = first.numel() // d
         dt = q.dtype
         one = np.float32(1) if dt == torch.float32 else np.float64(1)
-        dv = torch.empty((n_src, *first.shape), dtype=dt)
+        # one buffer per source: autograd can then accumulate into it in place (views of one
+        # shared buffer would force an out-of-place add for every later read of the source)
+        dv = [torch.empty_like(first, dtype=dt) for _ in range(n_src)]
         chunks = _row_chunks(n_rows, n_rows * n_src * d)
         dq = torch.zeros((len(chunks), d), dtype=torch.float64)  # one partial sum per chunk
         up = [None if t is None else t.contiguous() for t in (dh, dlse, dw)]
-        table = _table([*rows, q, *wzi.unbind(0), *up, dv])
+        table = _table([*rows, q, *wzi.unbind(0), *up, *dv])
         flags = tuple(t is not None for t in up)
         _run_chunks(_backward, (table, n_src, n_rows, d, *flags, one, one / d), chunks, dq)
-        return (dq.sum(0).to(dt), None, None, None, *dv.unbind(0))
+        return (dq.sum(0).to(dt), None, None, None, *dv)
 
 
 def depth_attn_numba(
