@@ -83,7 +83,7 @@ def _run_record(args: argparse.Namespace) -> int:
 
 def _run_summary(args: argparse.Namespace) -> int:
     probe = _load(args)
-    trace = probe.run(_text(args), backward=True, truncate=_truncate(args))
+    trace = probe.run(_text(args), backward=not args.no_backward, truncate=_truncate(args))
     print(repr(trace))
     with pd.option_context("display.width", 120, "display.float_format", "{:.4g}".format):
         print(layer_summary(trace).to_string())
@@ -124,6 +124,7 @@ def add_record_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 def add_summary_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("summary", help="print a per-layer summary of a model on a text")
     _add_model_args(p)
+    p.add_argument("--no-backward", action="store_true", help="skip the backward pass (no gradient norms; allows 1-token texts)")
     p.set_defaults(func=_run_summary)
     return p
 

@@ -134,7 +134,10 @@ class Probe:
     ) -> DepthTrace:
         """Record already-validated tokens [batch, pos] with a right-padding ``mask``."""
         if backward and int(mask[:, 1:].sum()) == 0:
-            raise ValueError("a backward pass needs at least two tokens (the loss predicts token t+1); pass backward=False")
+            raise ValueError(
+                "a backward pass needs at least two tokens (the loss predicts token t+1); pass backward=False "
+                "(--no-backward on the command line)"
+            )
         spec = self.spec
         rec = Recorder(self.model, spec, contributions=contributions, gradients=backward)
         params = [p for p in self._params if p.requires_grad] if backward else []
@@ -190,6 +193,8 @@ class Probe:
         """Split texts into n_ctx-token windows and yield right-padded batches (tokens, mask, str_tokens)."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}")
+        if isinstance(texts, (str, torch.Tensor)):
+            texts = [texts]  # one text (or one tensor of ids), not a sequence of characters
         n_ctx = self.spec.n_ctx
         pending: list[torch.Tensor] = []
         for text in texts:
@@ -236,7 +241,7 @@ class Probe:
         Memory is that of one batch plus the aggregates, whatever the corpus size.
 
         Args:
-            texts: strings (or token-id sequences).
+            texts: strings (or token-id sequences); a single string counts as one text.
             batch_size: windows per forward pass.
             backward: also aggregate gradient norms (one backward per batch).
             contributions: aggregate contribution shares.

@@ -84,6 +84,13 @@ class CorpusStats:
     def empty(cls, meta: dict[str, Any]) -> CorpusStats:
         return cls(meta=dict(meta))
 
+    def __repr__(self) -> str:
+        name = self.meta.get("name", "?")
+        return (
+            f"CorpusStats(name={name!r}, sequences={self.n_sequences}, tokens={self.n_tokens}, "
+            f"batches={self.n_batches}; .mean(name), .var(name), .frame(name), .to_trace() for the aggregates)"
+        )
+
     def update(self, trace: DepthTrace) -> None:
         """Fold one trace's real tokens into the aggregates."""
         m = trace.mask

@@ -312,6 +312,10 @@ class DepthTrace:
         from attnres_probe.checkpoint import atomic_write
 
         directory = Path(directory)
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(
+                f"{directory} is a file; a DepthTrace is saved as a folder (Parquet tables + {META_FILE}): give a folder path"
+            )
         directory.mkdir(parents=True, exist_ok=True)
         hashes = {}
         for fname, names in FILES.items():

@@ -109,7 +109,7 @@ def run_prompt(ex: Explorer, n_clicks: Any, text: Any) -> dict:
         return {"key": no_update, "status": f"the models failed on this text: {exc}", "status_class": "status error"}
     result = ex.result(key)
     n = result.first.n_tokens
-    return {"key": key, "status": f"Ran {n} tokens through {', '.join(result.traces)}.", "status_class": "status ok"}
+    return {"key": key, "status": f"Ran {n} token{'s' if n != 1 else ''} through {', '.join(result.traces)}.", "status_class": "status ok"}
 
 
 # -- token strip ------------------------------------------------------------------------------

@@ -67,3 +67,19 @@ def test_output_into_a_closed_pipe_is_not_an_error():
     proc.stdout.close()  # the reader is gone before anything is written, like `| head -0`
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 0 and "Traceback" not in err, err
+
+
+def test_summary_of_a_one_character_text_without_backward(tmp_path, capsys):
+    tiny_model("full").save(tmp_path / "m")
+    assert main(["summary", "--model", str(tmp_path / "m"), "--text", "a"]) == 2
+    assert "--no-backward" in capsys.readouterr().err
+    assert main(["summary", "--model", str(tmp_path / "m"), "--text", "a", "--no-backward"]) == 0
+    assert "final" in capsys.readouterr().out
+
+
+def test_record_onto_an_existing_file_is_a_one_line_error(tmp_path, capsys):
+    tiny_model("full").save(tmp_path / "m")
+    (tmp_path / "t.json").write_text("x")
+    assert main(["record", "--model", str(tmp_path / "m"), "--text", "abc", "--out", str(tmp_path / "t.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnres-probe record: error:") and "give a folder path" in err and "Traceback" not in err

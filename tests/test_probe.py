@@ -371,3 +371,22 @@ def test_recording_without_contributions_keeps_everything_else(residual):
     assert np.isnan(lean.contrib).all()
     for name in ("depth_weights", "logits", "rms_in", "rms_out", "grad_in", "param_grad", "loss"):
         np.testing.assert_array_equal(getattr(lean, name), getattr(full, name))
+
+
+def test_run_corpus_takes_a_single_string_as_one_text():
+    probe = Probe(tiny_model("block", n_layers=2))
+    one = probe.run_corpus("The cat sat on the mat.", batch_size=4, progress=False)
+    listed = probe.run_corpus(["The cat sat on the mat."], batch_size=4, progress=False)
+    assert one.n_sequences == 1 and one.n_tokens == len("The cat sat on the mat.")
+    np.testing.assert_array_equal(one.mean("depth_weights"), listed.mean("depth_weights"))
+    text = repr(one)
+    assert text.startswith("CorpusStats(") and "tokens=23" in text and len(text) < 300
+
+
+def test_saving_a_trace_onto_a_file_says_it_needs_a_folder(tmp_path):
+    trace = Probe(tiny_model("full", n_layers=1)).run(TEXT, backward=False)
+    target = tmp_path / "trace.json"
+    target.write_text("keep me")
+    with pytest.raises(NotADirectoryError, match="is a file; a DepthTrace is saved as a folder"):
+        trace.save(target)
+    assert target.read_text() == "keep me"
