@@ -275,16 +275,17 @@ def _run_chunks(kernel, args: tuple, chunks: list[tuple[int, int]], dq: torch.Te
 class DepthAttnNumbaFunction(torch.autograd.Function):
     """Autograd join of the Numba forward and backward.
 
-    Inputs are (q, eps, return_weights, return_contrib, *sources): ``q`` is the gain-folded
-    query [d]; every source is [*batch, d], contiguous, in q's dtype. Outputs are (h, lse),
-    then the weights with ``return_weights`` and the contribution shares with
-    ``return_contrib`` (an observation: no gradient flows through them). Gradients flow to
-    every source and to q (the gain gets its gradient from autograd through
-    ``q = query * gain``).
+    Inputs are (query, gain, eps, return_weights, return_contrib, *sources): ``query`` and
+    ``gain`` [d] (gain may be None), every source [*batch, d], all contiguous in one dtype.
+    Outputs are (h, lse), then the weights with ``return_weights`` and the contribution
+    shares with ``return_contrib`` (an observation: no gradient flows through them).
+    Gradients flow to every source, the query and the gain; the gain is folded into the
+    query here (``q = query * gain``), so a read adds one autograd node, not three.
     """
 
     @staticmethod
-    def forward(ctx, q, eps, return_weights, return_contrib, *rows):
+    def forward(ctx, query, gain, eps, return_weights, return_contrib, *rows):
+        q = (query if gain is None else query * gain).contiguous()
         first = rows[0]
         batch, d = first.shape[:-1], first.shape[-1]
         n_rows, n_src = first.numel() // d, len(rows)
@@ -298,7 +299,7 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         table = _table([*rows, q, h, lse, w, z, inv, c])
         chunks = _row_chunks(n_rows, n_rows * n_src * d)
         _run_chunks(_forward, (table, n_src, n_rows, d, bool(return_contrib), one * eps, one, one / d), chunks)
-        ctx.save_for_backward(q, wzi, *rows)
+        ctx.save_for_backward(query, gain, q, wzi, *rows)
         ctx.set_materialize_grads(False)
         ctx.return_weights = return_weights
         outs = [h, lse]
@@ -312,9 +313,9 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh, dlse, *rest):
         dw = rest[0] if ctx.return_weights else None
-        q, wzi, *rows = ctx.saved_tensors
+        query, gain, q, wzi, *rows = ctx.saved_tensors
         if dh is None and dlse is None and dw is None:
-            return (None, None, None, None, *([None] * len(rows)))
+            return (None, None, None, None, None, *([None] * len(rows)))
         first = rows[0]
         d, n_src = first.shape[-1], len(rows)
         n_rows = first.numel() // d
@@ -329,7 +330,10 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         table = _table([*rows, q, *wzi.unbind(0), *up, *dv])
         flags = tuple(t is not None for t in up)
         _run_chunks(_backward, (table, n_src, n_rows, d, *flags, one, one / d), chunks, dq)
-        return (dq.sum(0).to(dt), None, None, None, *dv)
+        dq = dq[0] if len(chunks) == 1 else dq.sum(0)  # float64 [d], gradient of q = query * gain
+        d_query = (dq if gain is None else dq * gain).to(dt)
+        d_gain = None if gain is None else (dq * query).to(dt)
+        return (d_query, d_gain, None, None, None, *dv)
 
 
 def depth_attn_numba(
@@ -369,14 +373,14 @@ def depth_attn_numba(
     first = src[0]
     _check_supported(first, query, gain)
     dt = torch.float64 if torch.float64 in (first.dtype, query.dtype, None if gain is None else gain.dtype) else torch.float32
-    q = query if gain is None else query * gain
-    q = q.to(dt).contiguous()
+    query = query.to(dt).contiguous()
+    gain = None if gain is None else gain.to(dt).contiguous()
     if first.dtype != dt or not all(s.is_contiguous() for s in src):
         src = [s.to(dt).contiguous() for s in src]  # no reshape: a view would add an autograd node per source
     if first.numel() == 0:
         outs = depth_attn_reference(sources, query, gain, eps, True, validate=False)
         return _select(outs, return_weights, return_contrib, src)
-    outs = DepthAttnNumbaFunction.apply(q, float(eps), bool(return_weights), bool(return_contrib), *src)
+    outs = DepthAttnNumbaFunction.apply(query, gain, float(eps), bool(return_weights), bool(return_contrib), *src)
     h = outs[0] if first.dtype == dt else outs[0].to(first.dtype)  # the mixture in the sources' dtype
     return (h, *outs[1:])
 
