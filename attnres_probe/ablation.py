@@ -93,7 +93,6 @@ def ablate(
     base_loss = base.meta["mean_loss"]
     counts = visible_counts(spec)
     read_ids = _resolve_reads(reads, spec, counts)
-    src_labels = spec.source_labels
     mass = base.weights().to_numpy()  # (R, S) mean weight over tokens
     share = base.weights(kind="contrib").to_numpy()
 

@@ -229,19 +229,6 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-# Calls that touch at least this many source elements are split by rows over up to
-# torch.get_num_threads() threads (the kernels release the GIL); smaller ones are not worth
-# a thread hand-off.
-PARALLEL_MIN_ELEMENTS = 1 << 20
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _flat(t: torch.Tensor, *shape: int) -> np.ndarray:
-    """A NumPy view of contiguous ``t`` with the batch dims flattened (no autograd node)."""
-    return t.detach().numpy().reshape(shape)
-
-
 def _row_chunks(n_rows: int, work: int) -> list[tuple[int, int]]:
     """Row ranges to run in parallel: one per thread for big calls, else one."""
     threads = torch.get_num_threads()

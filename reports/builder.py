@@ -469,7 +469,7 @@ def _explorer_model(trace: DepthTrace, name: str, positions: list[tuple[int, int
     last = np.where(finite.any(-1), S - np.argmax(finite[..., ::-1], axis=-1), 0)  # (N, 3, R)
     flat = [_num(v, digits) for v in picked.ravel().tolist()]
     lens = last.ravel().tolist()
-    parts, off = [], 0
+    parts = []
     for n in range(N):
         per_kind = []
         for k in range(K):
