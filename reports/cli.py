@@ -35,7 +35,13 @@ def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--models", nargs="+", metavar="DIR", help="checkpoint directories (config.json + model.safetensors)")
     src.add_argument("--traces", nargs="+", metavar="DIR", help="saved DepthTrace directories (DepthTrace.save)")
-    src.add_argument("--demo", action="store_true", help="the bundled demo models: prenorm, full, block")
+    src.add_argument(
+        "--demo",
+        nargs="*",
+        choices=("prenorm", "full", "block"),
+        metavar="NAME",
+        help="bundled demo models: prenorm, full, block (bare --demo: all three)",
+    )
     text = p.add_mutually_exclusive_group()
     text.add_argument("--text", help="the text to record (with --models / --demo; --demo defaults to a 256-token sample)")
     text.add_argument("--text-file", metavar="FILE", help="read the text from FILE (UTF-8)")
@@ -87,11 +93,11 @@ def run_report(args: argparse.Namespace) -> int:
         if text is not None:
             print("note: --text is ignored with --traces (the traces carry their own tokens)", file=sys.stderr)
         traces = _load_traces(args.traces, args.names)
-    elif args.demo:
+    elif args.demo is not None:
         if args.names:
             raise _user_error("--names does not apply to --demo (the demo models are prenorm, full, block)")
         text = text if text is not None else SAMPLE_TEXT
-        traces = record_demos(text, backward=backward)
+        traces = record_demos(text, names=_demo_names(args), backward=backward)
     else:
         if text is None:
             raise _user_error("--models needs the text to record: pass --text TEXT or --text-file FILE")
@@ -111,14 +117,20 @@ def run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_names(args: argparse.Namespace) -> tuple[str, ...]:
+    """The demo models asked for, in the canonical order, each once (bare --demo: all three)."""
+    asked = set(args.demo) or {"prenorm", "full", "block"}
+    return tuple(n for n in ("prenorm", "full", "block") if n in asked)
+
+
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this report (rebuilt from the parsed arguments)."""
     parts = ["attnres-probe", "report"]
     for flag in ("models", "traces", "names"):
         if getattr(args, flag):
             parts += [f"--{flag}", *map(str, getattr(args, flag))]
-    if args.demo:
-        parts.append("--demo")
+    if args.demo is not None:
+        parts += ["--demo", *args.demo]
     if args.text_file:
         parts += ["--text-file", args.text_file]
     elif args.text is not None:
@@ -161,6 +173,6 @@ def _ablations(args: argparse.Namespace, traces, text: str | None, model_dirs: l
     for i, t in enumerate(traces):
         if t.residual == "prenorm":
             continue  # no softmax weights to ablate
-        model = load_demo(t.name)[0] if args.demo else AttnResTransformer.load(model_dirs[i]).eval()
+        model = load_demo(t.name)[0] if args.demo is not None else AttnResTransformer.load(model_dirs[i]).eval()
         out[t.name] = Probe(model, name=t.name).ablate(text, sources=args.ablate, mode=args.ablate_mode, truncate=True)
     return out

@@ -64,3 +64,16 @@ def test_ablate_with_traces_exits_2(tmp_path, capsys):
 def test_a_source_is_required():
     with pytest.raises(SystemExit):
         main(["report", "--out", "r.html"])
+
+
+def test_demo_takes_names_like_the_other_commands(tmp_path, capsys):
+    out = tmp_path / "r.html"
+    assert main(["report", "--demo", "block", "prenorm", "--text", "x = 1\n", "--out", str(out), "--no-backward"]) == 0
+    html = out.read_text()
+    assert "attnres-probe report --demo block prenorm" in html  # the reproducing command keeps the choice
+    assert "attnres-probe report: prenorm, block" in html  # two models, in the canonical order
+    assert "wrote" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["report", "--demo", "nope", "--out", str(out)])
+    assert exc.value.code == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
