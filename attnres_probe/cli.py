@@ -14,16 +14,18 @@ from collections.abc import Sequence
 
 from attnres_probe._version import __version__
 
-# (module, function) pairs that each add one subcommand; optional ones are skipped if absent.
-SUBCOMMANDS: list[tuple[str, str]] = [
-    ("attnres_probe.train", "add_train_parser"),
-    ("attnres_probe.commands", "add_record_parser"),
-    ("attnres_probe.commands", "add_summary_parser"),
-    ("attnres_probe.dashboards.cli", "add_dash_parser"),
-    ("attnres_probe.reports.cli", "add_report_parser"),
-    ("attnres_probe.commands", "add_demo_parser"),
-    ("attnres_probe.demo", "add_demo_models_parser"),
-    ("attnres_probe.study", "add_study_parser"),
+# (name, module, function, help): each function adds its subcommand to the parser. Only the
+# module of the command being run is imported (the others cost seconds: torch, Dash); the
+# top-level --help lists every command from this table.
+SUBCOMMANDS: list[tuple[str, str, str, str]] = [
+    ("train", "attnres_probe.train", "add_train_parser", "train a model on an offline byte corpus"),
+    ("record", "attnres_probe.commands", "add_record_parser", "record a text through a model and save the DepthTrace"),
+    ("summary", "attnres_probe.commands", "add_summary_parser", "print a per-layer summary of a model on a text"),
+    ("dash", "attnres_probe.dashboards.cli", "add_dash_parser", "open the interactive depth-routing explorer (Dash)"),
+    ("report", "attnres_probe.reports.cli", "add_report_parser", "export a self-contained HTML report (opens offline)"),
+    ("demo", "attnres_probe.commands", "add_demo_parser", "open the dashboard on the bundled demo models"),
+    ("demo-models", "attnres_probe.demo", "add_demo_models_parser", "regenerate the bundled demo models (PreNorm, Full, Block)"),
+    ("study", "attnres_probe.study", "add_study_parser", "run the reproduction study on the bundled demo models"),
 ]
 
 
@@ -31,14 +33,25 @@ class UserError(Exception):
     """An error caused by the command's arguments; printed without a traceback."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None, *, every: bool = True) -> argparse.ArgumentParser:
+    """The command-line parser.
+
+    Args:
+        command: build this subcommand's full parser (importing its module).
+        every: with no ``command``, build every subcommand's full parser (importing them
+            all); ``every=False`` lists them by name and help only, which is what the
+            top-level ``--help`` needs.
+    """
     parser = argparse.ArgumentParser(
         prog="attnres-probe",
         description="See how Attention Residuals transformers route information across depth.",
     )
     parser.add_argument("--version", action="version", version=f"attnres-probe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module, func in SUBCOMMANDS:
+    for name, module, func, help_text in SUBCOMMANDS:
+        if name != command and not (command is None and every):
+            sub.add_parser(name, help=help_text)  # listed only; never parsed
+            continue
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -51,9 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first word that is one), if any."""
+    names = {name for name, *_ in SUBCOMMANDS}
+    return next((a for a in argv if not a.startswith("-")), None) if any(a in names for a in argv) else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = _command_of(argv)
+    parser = build_parser(command, every=False)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -83,3 +83,23 @@ def test_record_onto_an_existing_file_is_a_one_line_error(tmp_path, capsys):
     assert main(["record", "--model", str(tmp_path / "m"), "--text", "abc", "--out", str(tmp_path / "t.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("attnres-probe record: error:") and "give a folder path" in err and "Traceback" not in err
+
+
+def test_top_level_help_is_fast_and_lists_what_each_command_says_of_itself():
+    """--help imports no subcommand module; its one-line helps match the commands' own."""
+    import argparse
+
+    from attnres_probe.cli import SUBCOMMANDS, build_parser
+
+    probe = (
+        "import sys\n"
+        "from attnres_probe.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m in ('torch', 'dash', 'transformer_lens')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("[]"), out.stdout[-200:] + out.stderr[-500:]
+    full = build_parser()
+    sub = next(a for a in full._actions if isinstance(a, argparse._SubParsersAction))
+    own = {a.dest: a.help for a in sub._choices_actions}
+    assert own == {name: help_text for name, _, _, help_text in SUBCOMMANDS}
