@@ -65,9 +65,8 @@ def build_parser(command: str | None = None, *, every: bool = True) -> argparse.
 
 
 def _command_of(argv: Sequence[str]) -> str | None:
-    """The subcommand named in ``argv`` (the first word that is one), if any."""
-    names = {name for name, *_ in SUBCOMMANDS}
-    return next((a for a in argv if not a.startswith("-")), None) if any(a in names for a in argv) else None
+    """The first word of ``argv`` that is not an option: the subcommand, if the line names one."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

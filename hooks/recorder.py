@@ -201,9 +201,7 @@ class Recorder:
     def _read(self, r: int, h: torch.Tensor) -> None:
         a = self._arrays
         k = self.counts[r]
-        hf = h.float()
-        norm2 = torch.linalg.vecdot(hf, hf)  # (B, P) = |h|^2
-        torch.sqrt(norm2 / h.shape[-1], out=a["rms_in"][:, :, r])
+        a["rms_in"][:, :, r] = _rms(h)
         if self.spec.residual != "prenorm":
             return  # AttnRes: the mixers hand over their shares (hook_contrib)
         a["depth_weights"][:, :, r, :k] = 1.0

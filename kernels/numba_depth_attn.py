@@ -63,7 +63,7 @@ import torch
 from numba import types
 from numba.extending import intrinsic
 
-from .reference import depth_attn_reference, validate_depth_attn_args
+from .reference import validate_depth_attn_args
 
 __all__ = ["SUPPORTED_DTYPES", "depth_attn_numba"]
 
@@ -364,25 +364,9 @@ def depth_attn_numba(
     gain = None if gain is None else gain.to(dt).contiguous()
     if first.dtype != dt or not all(s.is_contiguous() for s in src):
         src = [s.to(dt).contiguous() for s in src]  # no reshape: a view would add an autograd node per source
-    if first.numel() == 0:
-        outs = depth_attn_reference(sources, query, gain, eps, True, validate=False)
-        return _select(outs, return_weights, return_contrib, src)
     outs = DepthAttnNumbaFunction.apply(query, gain, float(eps), bool(return_weights), bool(return_contrib), *src)
     h = outs[0] if first.dtype == dt else outs[0].to(first.dtype)  # the mixture in the sources' dtype
     return (h, *outs[1:])
-
-
-def _select(outs, return_weights: bool, return_contrib: bool, src) -> tuple:
-    """(mix, lse[, weights][, shares]) from a reference result that has the weights."""
-    from .reference import contribution_shares
-
-    mix, lse, w = outs
-    picked = [mix, lse]
-    if return_weights:
-        picked.append(w)
-    if return_contrib:
-        picked.append(contribution_shares(src, mix, w))
-    return tuple(picked)
 
 
 def _check_supported(*tensors: torch.Tensor | None) -> None:

@@ -55,3 +55,16 @@ def weight_hook_names(model: AttnResTransformer) -> list[str]:
     for i in range(model.cfg.n_layers):
         names += [f"blocks.{i}.attn_res.hook_weights", f"blocks.{i}.mlp_res.hook_weights"]
     return [*names, "out_res.hook_weights"]
+
+
+# Chromium flags every browser test uses: no sandbox (tests run as root), nothing on the
+# network (this machine's network is closed), no first-run work.
+CHROME_FLAGS = (
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+)

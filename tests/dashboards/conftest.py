@@ -12,6 +12,7 @@ import shutil
 import pytest
 
 from dash_helpers import NAMES, TEXT, make_model
+from helpers import CHROME_FLAGS
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -53,18 +54,7 @@ def pytest_setup_options():
     options = Options()
     if os.path.exists(CHROMIUM):
         options.binary_location = CHROMIUM
-    for arg in (
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-extensions",
-        "--disable-default-apps",
-        "--no-first-run",
-        "--window-size=1400,1000",
-    ):
+    for arg in (*CHROME_FLAGS, "--disable-extensions", "--disable-default-apps", "--window-size=1400,1000"):
         options.add_argument(arg)
     if not os.environ.get("DISPLAY"):
         options.add_argument("--headless=new")

@@ -9,20 +9,13 @@ import shutil
 import numpy as np
 import pytest
 
+from helpers import CHROME_FLAGS
+
 pytestmark = pytest.mark.browser
 
 CHROMIUM = os.environ.get("ATTNRES_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("ATTNRES_CHROMEDRIVER", "/usr/bin/chromedriver")
-FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-)
+FLAGS = ("--headless", *CHROME_FLAGS)
 Z_OF = """
 const gd = document.getElementById(arguments[0]);
 const z = gd.data[0].z._inputArray || gd.data[0].z;  // plotly keeps typed-array specs decoded here
