@@ -13,10 +13,15 @@ a Block AttnRes training step took 1.3x a PreNorm step with the reference. These
 do each read in two passes over its sources (one for norms and logits, one for the mixture)
 and the backward in two more, with no intermediate tensor of the sources' size.
 
-Forward (``_forward``): pass 1 walks each source once and computes its RMS and logit per row
-(the sum of squares and the dot product share the load); a per-row softmax gives the weights
-and the lse; pass 2 accumulates the mixture. The logits and inverse RMS are kept ([M, S],
-small) for the backward.
+Forward (``_forward``), by tiles of 32 token rows: pass 1 walks each source row once and
+computes its sum of squares and its dot product with q (they share the load). The tile's
+norms, logits, softmax and lse are then computed on small source-major scratch arrays
+([S, 32]), so that each step is a loop over rows that LLVM vectorises (square roots,
+divisions, and exp through ``_exp_f32``, a Cephes-style float32 exp, since libm's ``expf``
+is a scalar call; float64 uses libm's). Pass 2 reads the tile's source rows again, from
+cache, for the mixture. The logits and inverse RMS are kept ([M, S], small) for the
+backward. The kernels use NumPy's error model: a division by zero gives inf/NaN, as in
+PyTorch, instead of raising.
 
 Backward (``_backward``), with upstream gradients ``dh`` (mixture), ``dlse`` and ``dw``
 (weights, when they were returned):
@@ -36,12 +41,17 @@ Conventions and limits:
   CPU tensors to the reference, and forcing this backend on them raises a ValueError.
 - CPU tensors only. Sources are used in place when contiguous (each source is read through
   its data pointer, so a list of S tensors is never stacked); others are copied once.
+- The gain is folded into the query inside the kernels, which also write the query and gain
+  gradients, so a read is one autograd node and a handful of PyTorch calls.
 - The kernels release the GIL. A call that touches at least ``PARALLEL_MIN_ELEMENTS`` source
-  elements is split by token rows over ``torch.get_num_threads()`` threads (each range writes
-  its own rows and its own partial query gradient); smaller calls run on the caller's
-  thread. Concurrent callers (the dashboard's server threads) share no state.
-- They are compiled on first use (about two seconds for the forward and the backward per
-  dtype) and Numba caches the machine code on disk, next to this module in ``__pycache__``
+  elements is split by token rows over Numba's threads (``prange``; up to
+  ``torch.get_num_threads()`` ranges, each writing its own rows and its own float64 partial
+  query gradient, added in a fixed order). One such call runs at a time; a concurrent
+  caller that finds it busy runs on its own thread. Smaller calls always do: at the demo
+  models' size a thread hand-off costs more than it saves (measured in a training step).
+  Concurrent callers (the dashboard's server threads) share no state.
+- They are compiled on first use (a few seconds for the forward and the backward per dtype,
+  more for the threaded versions) and Numba caches the machine code on disk, next to this module in ``__pycache__``
   (or under ``NUMBA_CACHE_DIR``), so later processes start in a fraction of a second. Like
   Python's own ``.pyc`` files, that cache is written and read only by this library on this
   machine (Numba's index format uses pickle); ``ATTNRES_NUMBA_CACHE=0`` compiles in memory
@@ -55,13 +65,13 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numba as nb
 import numpy as np
 import torch
 from numba import types
-from numba.extending import intrinsic
+from llvmlite import ir
+from numba.extending import intrinsic, overload
 
 from .reference import validate_depth_attn_args
 
@@ -93,97 +103,197 @@ def _row(address, m, n_rows, d, one):  # pragma: no cover - compiled
     return nb.carray(_pointer(address, one), (n_rows, d))[m]
 
 
-@nb.njit(nogil=True, fastmath=_FASTMATH, cache=_CACHE)
-def _forward(table, n_src, n_rows, d, want_contrib, eps, one, inv_d, lo, hi):  # pragma: no cover - compiled
+@intrinsic
+def _f32_from_bits(typingctx, bits):
+    """The float32 whose IEEE bit pattern is the int32 ``bits``."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@nb.njit(nogil=True, fastmath={"nsz"}, error_model="numpy", cache=_CACHE)
+def _exp_f32(x):  # pragma: no cover - compiled
+    """exp for float32 that LLVM can vectorise (libm's ``expf`` is a scalar call).
+
+    Cephes ``expf``: ``exp(x) = 2^n exp(r)`` with ``n = round(x / ln 2)``, ``|r| <= ln2 / 2``,
+    ``r`` from a two-constant (Cody-Waite) split of ``n ln 2`` and ``exp(r)`` from a degree-6
+    polynomial; relative error about 1e-7 (float32 rounding). Compiled without ``reassoc``,
+    which would merge the split. Returns 0 below -87.34 (where float32 results are
+    subnormal or 0), inf above 88.72, NaN for NaN.
+    """
+    xc = min(max(x, np.float32(-87.33654)), np.float32(88.72283))
+    n = np.floor(xc * np.float32(1.44269504088896341) + np.float32(0.5))
+    r = xc - n * np.float32(0.693359375)
+    r = r - n * np.float32(-2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    y = p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+    if x < np.float32(-87.33654):
+        y = np.float32(0.0)
+    if x > np.float32(88.72283):
+        y = np.float32(np.inf)
+    if x != x:
+        y = x
+    return y
+
+
+def _exp(x):  # pragma: no cover - replaced by the overload inside compiled code
+    return np.exp(x)
+
+
+@overload(_exp)
+def _exp_overload(x):
+    """exp in the kernels: the vectorisable float32 version, libm's exp for float64."""
+    if x == types.float32:
+        return lambda x: _exp_f32(x)
+    return lambda x: np.exp(x)
+
+
+# Token rows per forward tile: the tile's scalars (norms, logits, softmax) are kept
+# source-major in small [S, TILE] scratch arrays, so each scalar step is a loop over the
+# tile's rows that LLVM vectorises (sqrt, divide, exp), instead of a chain of dependent
+# scalar operations per row.
+_TILE = 32
+
+
+@nb.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=_CACHE)
+def _forward(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv_d, lo, hi):  # pragma: no cover - compiled
     """Token rows lo..hi-1 of the forward.
 
-    ``table`` holds addresses: the S sources ([M, d] each), then q [d], h [M, d], lse [M],
-    w, z, inv [M, S] and (used with ``want_contrib``) c [M, S] (all contiguous, in the compute
-    dtype). One token row at a time: its S source rows are read for the norms and logits and
-    read again, from cache, for the mixture and (``want_contrib``) for the contribution
-    shares c_i = w_i <v_i, h> / |h|^2. ``eps``, ``one`` and ``inv_d`` (1/d) come in the
-    compute dtype, so no arithmetic is promoted to float64.
+    ``table`` holds addresses: the S sources ([M, d] each), then query [d], gain [d] (used
+    with ``has_gain``), h [M, d], lse [M], wzi [3, M, S] (weights, logits, inverse RMS) and
+    (used with ``want_contrib``) c [M, S] (all contiguous, in the compute dtype). Tiles of
+    rows: pass 1 reads each source row once for its sum of squares and its dot product with
+    q = query * gain; the norms, logits and softmax follow on the tile's scratch; pass 2
+    reads the tile's source rows again (from cache) for the mixture and, with
+    ``want_contrib``, the shares c_i = w_i <v_i, h> / |h|^2. ``eps``, ``one`` and ``inv_d``
+    (1/d) come in the compute dtype, so no arithmetic is promoted to float64.
     """
-    q = nb.carray(_pointer(table[n_src], one), (d,))
-    h = nb.carray(_pointer(table[n_src + 1], one), (n_rows, d))
-    lse = nb.carray(_pointer(table[n_src + 2], one), (n_rows,))
-    w = nb.carray(_pointer(table[n_src + 3], one), (n_rows, n_src))
-    z = nb.carray(_pointer(table[n_src + 4], one), (n_rows, n_src))
-    inv = nb.carray(_pointer(table[n_src + 5], one), (n_rows, n_src))
-    c = nb.carray(_pointer(table[n_src + 6], one), (n_rows if want_contrib else 0, n_src))
+    S = n_src
+    query = nb.carray(_pointer(table[S], one), (d,))
+    gain = nb.carray(_pointer(table[S + 1], one), (d if has_gain else 0,))
+    h = nb.carray(_pointer(table[S + 2], one), (n_rows, d))
+    lse = nb.carray(_pointer(table[S + 3], one), (n_rows,))
+    wzi = nb.carray(_pointer(table[S + 4], one), (3, n_rows, S))
+    c = nb.carray(_pointer(table[S + 5], one), (n_rows if want_contrib else 0, S))
     zero = one - one
-    for m in range(lo, hi):
-        z_max = zero
-        for i in range(n_src):
-            v = _row(table[i], m, n_rows, d, one)
-            ss = zero
-            dot = zero
-            for k in range(d):
-                x = v[k]
-                ss += x * x
-                dot += x * q[k]
-            r = one / np.sqrt(ss * inv_d + eps)
-            inv[m, i] = r
-            zi = dot * r
-            z[m, i] = zi
-            if i == 0 or zi > z_max or np.isnan(zi):
-                z_max = zi
-        if np.isinf(z_max):  # +-inf logits: shift by 0 so exp/log give the reference's inf/nan
-            z_max = zero
-        total = zero
-        for i in range(n_src):
-            e = np.exp(z[m, i] - z_max)
-            w[m, i] = e
-            total += e
-        scale = one / total
-        for i in range(n_src):
-            w[m, i] *= scale
-        lse[m] = z_max + np.log(total)
-        out = h[m]
-        wi = w[m, 0]
-        v = _row(table[0], m, n_rows, d, one)
-        for k in range(d):
-            out[k] = wi * v[k]
-        for i in range(1, n_src):
-            wi = w[m, i]
-            v = _row(table[i], m, n_rows, d, one)
-            for k in range(d):
-                out[k] += wi * v[k]
-        if want_contrib:
-            hh = zero
-            for k in range(d):
-                hh += out[k] * out[k]
-            for i in range(n_src):
-                v = _row(table[i], m, n_rows, d, one)
+    q = np.empty(d, query.dtype)
+    for k in range(d):
+        q[k] = query[k] * gain[k] if has_gain else query[k]
+    r_t = np.empty((S, _TILE), query.dtype)  # sum of squares, then 1/rms
+    z_t = np.empty((S, _TILE), query.dtype)  # dot products, then logits
+    e_t = np.empty((S, _TILE), query.dtype)  # exp(z - max), then weights
+    z_max = np.empty(_TILE, query.dtype)
+    total = np.empty(_TILE, query.dtype)
+    for m0 in range(lo, hi, _TILE):
+        T = min(_TILE, hi - m0)
+        for i in range(S):
+            v = nb.carray(_pointer(table[i], one), (n_rows, d))
+            for t in range(T):
+                ss = zero
                 dot = zero
                 for k in range(d):
-                    dot += v[k] * out[k]
-                c[m, i] = w[m, i] * dot / hh
+                    x = v[m0 + t, k]
+                    ss += x * x
+                    dot += x * q[k]
+                r_t[i, t] = ss
+                z_t[i, t] = dot
+        for i in range(S):
+            for t in range(T):
+                r = one / np.sqrt(r_t[i, t] * inv_d + eps)
+                r_t[i, t] = r
+                z_t[i, t] *= r
+        for t in range(T):
+            z_max[t] = z_t[0, t]
+        for i in range(1, S):  # a NaN logit makes the row's max NaN, as in the reference
+            for t in range(T):
+                zi = z_t[i, t]
+                z_max[t] = zi if (zi > z_max[t] or zi != zi) else z_max[t]
+        for t in range(T):  # +-inf max: shift by 0 so exp/log give the reference's inf/nan
+            z_max[t] = zero if np.isinf(z_max[t]) else z_max[t]
+            total[t] = zero
+        for i in range(S):
+            for t in range(T):
+                e = _exp(z_t[i, t] - z_max[t])
+                e_t[i, t] = e
+                total[t] += e
+        for t in range(T):
+            lse[m0 + t] = z_max[t] + np.log(total[t])
+            total[t] = one / total[t]
+        for i in range(S):
+            for t in range(T):
+                e_t[i, t] *= total[t]
+        for t in range(T):
+            for i in range(S):
+                wzi[0, m0 + t, i] = e_t[i, t]
+                wzi[1, m0 + t, i] = z_t[i, t]
+                wzi[2, m0 + t, i] = r_t[i, t]
+        v = nb.carray(_pointer(table[0], one), (n_rows, d))
+        for t in range(T):
+            wi = e_t[0, t]
+            for k in range(d):
+                h[m0 + t, k] = wi * v[m0 + t, k]
+        for i in range(1, S):
+            v = nb.carray(_pointer(table[i], one), (n_rows, d))
+            for t in range(T):
+                wi = e_t[i, t]
+                for k in range(d):
+                    h[m0 + t, k] += wi * v[m0 + t, k]
+        if want_contrib:
+            for t in range(T):
+                m = m0 + t
+                hh = zero
+                for k in range(d):
+                    hh += h[m, k] * h[m, k]
+                for i in range(S):
+                    v = nb.carray(_pointer(table[i], one), (n_rows, d))
+                    dot = zero
+                    for k in range(d):
+                        dot += v[m, k] * h[m, k]
+                    c[m, i] = e_t[i, t] * dot / hh
 
 
-@nb.njit(nogil=True, fastmath=_FASTMATH, cache=_CACHE)
-def _backward(table, n_src, n_rows, d, has_dh, has_dlse, has_dw, one, inv_d, dq_address, lo, hi):  # pragma: no cover
+@nb.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=_CACHE)
+def _backward(
+    table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_dw, one, inv_d, dq_address, finalize, lo, hi
+):  # pragma: no cover - compiled
     """Gradients of :func:`_forward` for token rows lo..hi-1.
 
-    ``table`` holds addresses: the S sources, then q [d], w, z, inv [M, S] (saved by the
-    forward), the upstream dh [M, d], dlse [M], dw [M, S] (0 where absent) and the S
-    outputs dv_i [M, d], which are written. The query gradient of these rows is summed in the
-    compute dtype over chunks of rows and added to the float64 [d] array at ``dq_address``.
+    ``table`` holds addresses: the S sources, then query [d], gain [d] (used with
+    ``has_gain``), wzi [3, M, S] (saved by the forward), the upstream dh [M, d], dlse [M],
+    dw [M, S] (0 where absent), the S outputs dv_i [M, d] and dqg [2, d], which are written.
+    The gradient of q = query * gain for these rows is summed in the compute dtype over
+    chunks of rows into the float64 [d] array at ``dq_address`` (zeroed here). With
+    ``finalize`` (the call covers every row) the query and gain gradients are written to
+    dqg: ``dq * gain`` and ``dq * query``, computed in float64 and rounded once.
     """
-    q = nb.carray(_pointer(table[n_src], one), (d,))
-    w = nb.carray(_pointer(table[n_src + 1], one), (n_rows, n_src))
-    z = nb.carray(_pointer(table[n_src + 2], one), (n_rows, n_src))
-    inv = nb.carray(_pointer(table[n_src + 3], one), (n_rows, n_src))
-    dh = nb.carray(_pointer(table[n_src + 4], one), (n_rows if has_dh else 0, d))
-    dlse = nb.carray(_pointer(table[n_src + 5], one), (n_rows if has_dlse else 0,))
-    dw = nb.carray(_pointer(table[n_src + 6], one), (n_rows if has_dw else 0, n_src))
+    S = n_src
+    query = nb.carray(_pointer(table[S], one), (d,))
+    gain = nb.carray(_pointer(table[S + 1], one), (d if has_gain else 0,))
+    wzi = nb.carray(_pointer(table[S + 2], one), (3, n_rows, S))
+    w, z, inv = wzi[0], wzi[1], wzi[2]
+    dh = nb.carray(_pointer(table[S + 3], one), (n_rows if has_dh else 0, d))
+    dlse = nb.carray(_pointer(table[S + 4], one), (n_rows if has_dlse else 0,))
+    dw = nb.carray(_pointer(table[S + 5], one), (n_rows if has_dw else 0, S))
+    dqg = nb.carray(_pointer(table[2 * S + 6], one), (2, d))
     dq = nb.carray(_pointer(dq_address, np.float64(0.0)), (d,))
     zero = one - one
-    dz = np.empty(n_src, w.dtype)
-    dq_part = np.zeros(d, w.dtype)
+    q = np.empty(d, query.dtype)
+    for k in range(d):
+        q[k] = query[k] * gain[k] if has_gain else query[k]
+        dq[k] = 0.0
+    dz = np.empty(S, query.dtype)
+    dq_part = np.zeros(d, query.dtype)
     for m in range(lo, hi):
         big_d = zero
-        for i in range(n_src):  # dalpha_i = dh . v_i (+ dw_i)
+        for i in range(S):  # dalpha_i = dh . v_i (+ dw_i)
             acc = zero
             if has_dh:
                 v = _row(table[i], m, n_rows, d, one)
@@ -194,12 +304,12 @@ def _backward(table, n_src, n_rows, d, has_dh, has_dlse, has_dw, one, inv_d, dq_
             dz[i] = acc
             big_d += w[m, i] * acc
         extra = dlse[m] if has_dlse else zero
-        for i in range(n_src):
+        for i in range(S):
             wi = w[m, i]
             a = wi * (dz[i] - big_d + extra) * inv[m, i]  # dz_i * r_i
             c = -a * z[m, i] * inv[m, i] * inv_d
             v = _row(table[i], m, n_rows, d, one)
-            out = _row(table[n_src + 7 + i], m, n_rows, d, one)  # dv_i, written
+            out = _row(table[S + 6 + i], m, n_rows, d, one)  # dv_i, written
             if has_dh:
                 for k in range(d):
                     x = v[k]
@@ -214,6 +324,58 @@ def _backward(table, n_src, n_rows, d, has_dh, has_dlse, has_dw, one, inv_d, dq_
             for k in range(d):
                 dq[k] += dq_part[k]
                 dq_part[k] = zero
+    if finalize:
+        _finish_dq(table, n_src, d, has_gain, one, dq_address)
+
+
+@nb.njit(nogil=True, error_model="numpy", cache=_CACHE)
+def _finish_dq(table, n_src, d, has_gain, one, dq_address):  # pragma: no cover - compiled
+    """Write the query and gain gradients (dqg, table entry 2S+6) from dq, the gradient of q = query * gain."""
+    S = n_src
+    query = nb.carray(_pointer(table[S], one), (d,))
+    gain = nb.carray(_pointer(table[S + 1], one), (d if has_gain else 0,))
+    dqg = nb.carray(_pointer(table[2 * S + 6], one), (2, d))
+    dq = nb.carray(_pointer(dq_address, np.float64(0.0)), (d,))
+    for k in range(d):
+        dqg[0, k] = dq[k] * gain[k] if has_gain else dq[k]
+        dqg[1, k] = dq[k] * query[k] if has_gain else 0.0
+
+
+@nb.njit(nogil=True, parallel=True, cache=_CACHE)
+def _forward_parallel(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv_d, n_chunks):  # pragma: no cover
+    """:func:`_forward` over every row, split into ``n_chunks`` row ranges run by Numba's threads."""
+    step = (n_rows + n_chunks - 1) // n_chunks
+    for ci in nb.prange(n_chunks):
+        lo = ci * step
+        hi = min(lo + step, n_rows)
+        if lo < hi:
+            _forward(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv_d, lo, hi)
+
+
+@nb.njit(nogil=True, parallel=True, cache=_CACHE)
+def _backward_parallel(
+    table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_dw, one, inv_d, dq_address, n_chunks
+):  # pragma: no cover
+    """:func:`_backward` over every row in ``n_chunks`` row ranges run by Numba's threads.
+
+    Each range sums its query gradient into its own float64 row of the [n_chunks, d] array at
+    ``dq_address``; the rows are then added in a fixed order and the gradients written.
+    """
+    step = (n_rows + n_chunks - 1) // n_chunks
+    for ci in nb.prange(n_chunks):
+        lo = ci * step
+        hi = min(lo + step, n_rows)
+        address = dq_address + ci * d * 8
+        if lo < hi:
+            _backward(table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_dw, one, inv_d, address, False, lo, hi)
+        else:
+            dq_c = nb.carray(_pointer(address, np.float64(0.0)), (d,))
+            dq_c[:] = 0.0
+    dq = nb.carray(_pointer(dq_address, np.float64(0.0)), (n_chunks, d))
+    for ci in range(1, n_chunks):
+        for k in range(d):
+            dq[0, k] += dq[ci, k]
+    _finish_dq(table, n_src, d, has_gain, one, dq_address)
 
 
 def _table(tensors) -> np.ndarray:
@@ -221,42 +383,39 @@ def _table(tensors) -> np.ndarray:
     return np.array([0 if t is None else t.data_ptr() for t in tensors], dtype=np.int64)
 
 
-# Calls that touch at least this many source elements are split by rows over up to
-# torch.get_num_threads() threads (the kernels release the GIL); smaller ones are not worth
-# a thread hand-off.
+# Calls that touch at least this many source elements run on Numba's threads (row ranges
+# in a prange, one per thread, up to torch.get_num_threads()); smaller ones on the caller's
+# thread, where a thread hand-off would cost more than it saves.
 PARALLEL_MIN_ELEMENTS = 1 << 20
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+# One threaded call at a time (Numba's "workqueue" threading layer, its fallback when neither
+# TBB nor OpenMP is present, must not be entered from two threads at once); a caller that
+# finds it taken runs on its own thread instead of waiting.
+_parallel_lock = threading.Lock()
 
 
-def _row_chunks(n_rows: int, work: int) -> list[tuple[int, int]]:
-    """Row ranges to run in parallel: one per thread for big calls, else one."""
-    threads = torch.get_num_threads()
+def _n_chunks(n_rows: int, work: int) -> int:
+    """How many row ranges to run in parallel (1: run on the caller's thread)."""
+    threads = min(torch.get_num_threads(), nb.config.NUMBA_NUM_THREADS)
     if threads < 2 or work < PARALLEL_MIN_ELEMENTS or n_rows < 2 * threads:
-        return [(0, n_rows)]
-    step = -(-n_rows // threads)
-    return [(lo, min(lo + step, n_rows)) for lo in range(0, n_rows, step)]
+        return 1
+    return threads
 
 
-def _run_chunks(kernel, args: tuple, chunks: list[tuple[int, int]], dq: torch.Tensor | None = None) -> None:
-    """Run ``kernel(*args, [address of dq[i]], lo, hi)`` for every chunk i; the first on this thread."""
-    global _pool
-
-    def call(i: int, lo: int, hi: int):
-        extra = () if dq is None else (dq[i].data_ptr(),)
-        return kernel(*args, *extra, lo, hi)
-
-    if len(chunks) == 1:
-        call(0, *chunks[0])
+def _launch(serial, parallel, args: tuple, n_rows: int, n_chunks: int, dq: torch.Tensor | None = None) -> None:
+    """Run a kernel over every row: ``parallel(*args, [dq address], n_chunks)`` or ``serial(*args, [dq address, True], 0, n_rows)``."""
+    extra = () if dq is None else (dq.data_ptr(),)
+    if n_chunks > 1 and _parallel_lock.acquire(blocking=False):
+        try:
+            if nb.get_num_threads() != n_chunks:
+                nb.set_num_threads(n_chunks)
+            parallel(*args, *extra, n_chunks)
+        finally:
+            _parallel_lock.release()
         return
-    with _pool_lock:
-        if _pool is None or _pool._max_workers < len(chunks) - 1:
-            _pool = ThreadPoolExecutor(max_workers=len(chunks) - 1, thread_name_prefix="attnres-numba")
-        pool = _pool
-    futures = [pool.submit(call, i, lo, hi) for i, (lo, hi) in enumerate(chunks[1:], start=1)]
-    call(0, *chunks[0])
-    for f in futures:
-        f.result()
+    serial(*args, *extra, *(() if dq is None else (True,)), 0, n_rows)
+
+
+_ONE = {torch.float32: np.float32(1), torch.float64: np.float64(1)}
 
 
 class DepthAttnNumbaFunction(torch.autograd.Function):
@@ -266,32 +425,32 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
     ``gain`` [d] (gain may be None), every source [*batch, d], all contiguous in one dtype.
     Outputs are (h, lse), then the weights with ``return_weights`` and the contribution
     shares with ``return_contrib`` (an observation: no gradient flows through them).
-    Gradients flow to every source, the query and the gain; the gain is folded into the
-    query here (``q = query * gain``), so a read adds one autograd node, not three.
+    Gradients flow to every source, the query and the gain. The kernels fold the gain into
+    the query themselves (``q = query * gain``) and write the query and gain gradients, so
+    a read costs one autograd node and few PyTorch calls (at the demo models' size those
+    calls, not the arithmetic, are most of a read's time).
     """
 
     @staticmethod
     def forward(ctx, query, gain, eps, return_weights, return_contrib, *rows):
-        q = (query if gain is None else query * gain).contiguous()
         first = rows[0]
         batch, d = first.shape[:-1], first.shape[-1]
         n_rows, n_src = first.numel() // d, len(rows)
-        dt = q.dtype
-        one = np.float32(1) if dt == torch.float32 else np.float64(1)
-        h = torch.empty_like(first, dtype=dt)
+        dt = query.dtype
+        one = _ONE[dt]
+        h = torch.empty_like(first)
         lse = torch.empty(batch, dtype=dt)
         wzi = torch.empty((3, *batch, n_src), dtype=dt)  # weights, logits, inverse RMS
-        w, z, inv = wzi.unbind(0)
         c = torch.empty((*batch, n_src), dtype=dt) if return_contrib else None
-        table = _table([*rows, q, h, lse, w, z, inv, c])
-        chunks = _row_chunks(n_rows, n_rows * n_src * d)
-        _run_chunks(_forward, (table, n_src, n_rows, d, bool(return_contrib), one * eps, one, one / d), chunks)
-        ctx.save_for_backward(query, gain, q, wzi, *rows)
+        table = _table([*rows, query, gain, h, lse, wzi, c])
+        args = (table, n_src, n_rows, d, gain is not None, bool(return_contrib), one * eps, one, one / d)
+        _launch(_forward, _forward_parallel, args, n_rows, _n_chunks(n_rows, n_rows * n_src * d))
+        ctx.save_for_backward(query, gain, wzi, *rows)
         ctx.set_materialize_grads(False)
         ctx.return_weights = return_weights
         outs = [h, lse]
         if return_weights:
-            outs.append(w.clone())  # the saved weights stay private: a caller may edit the returned ones
+            outs.append(wzi[0].clone())  # the saved weights stay private: a caller may edit the returned ones
         if return_contrib:
             ctx.mark_non_differentiable(c)
             outs.append(c)
@@ -300,27 +459,26 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh, dlse, *rest):
         dw = rest[0] if ctx.return_weights else None
-        query, gain, q, wzi, *rows = ctx.saved_tensors
+        query, gain, wzi, *rows = ctx.saved_tensors
         if dh is None and dlse is None and dw is None:
             return (None, None, None, None, None, *([None] * len(rows)))
         first = rows[0]
         d, n_src = first.shape[-1], len(rows)
         n_rows = first.numel() // d
-        dt = q.dtype
-        one = np.float32(1) if dt == torch.float32 else np.float64(1)
+        dt = query.dtype
+        one = _ONE[dt]
         # one buffer per source: autograd can then accumulate into it in place (views of one
         # shared buffer would force an out-of-place add for every later read of the source)
-        dv = [torch.empty_like(first, dtype=dt) for _ in range(n_src)]
-        chunks = _row_chunks(n_rows, n_rows * n_src * d)
-        dq = torch.zeros((len(chunks), d), dtype=torch.float64)  # one partial sum per chunk
+        dv = [torch.empty_like(first) for _ in range(n_src)]
+        n_chunks = _n_chunks(n_rows, n_rows * n_src * d)
+        dq = torch.empty((n_chunks, d), dtype=torch.float64)  # float64 sums of the q gradient, one per row range
+        dqg = torch.empty((2, d), dtype=dt)  # the query and gain gradients, written by the kernel
         up = [None if t is None else t.contiguous() for t in (dh, dlse, dw)]
-        table = _table([*rows, q, *wzi.unbind(0), *up, *dv])
+        table = _table([*rows, query, gain, wzi, *up, *dv, dqg])
         flags = tuple(t is not None for t in up)
-        _run_chunks(_backward, (table, n_src, n_rows, d, *flags, one, one / d), chunks, dq)
-        dq = dq[0] if len(chunks) == 1 else dq.sum(0)  # float64 [d], gradient of q = query * gain
-        d_query = (dq if gain is None else dq * gain).to(dt)
-        d_gain = None if gain is None else (dq * query).to(dt)
-        return (d_query, d_gain, None, None, None, *dv)
+        args = (table, n_src, n_rows, d, gain is not None, *flags, one, one / d)
+        _launch(_backward, _backward_parallel, args, n_rows, n_chunks, dq)
+        return (dqg[0], None if gain is None else dqg[1], None, None, None, *dv)
 
 
 def depth_attn_numba(

@@ -156,3 +156,47 @@ def test_the_on_disk_kernel_cache_is_used_or_switched_off(tmp_path, cache):
         assert ".nbi" in written and ".nbc" in written
     else:
         assert written == []
+
+
+def test_nan_inf_zero_rows_and_saturated_logits_match_the_reference():
+    """NaN/inf in a source row poison that row only, as in the reference; a zero row and
+    logits large enough that most weights underflow (the float32 exp is the kernels' own)
+    agree with the reference."""
+    sources, query, gain = _inputs(5, 64, batch=(70,))
+    sources[1, 3, 7] = float("nan")
+    sources[2, 40, 0] = float("inf")
+    sources[:, 11] = 0.0
+    numba, ref = _both(sources, query, gain, upstream_for=("mix", "lse"))
+    for name, a, b in zip(NAMES, [*numba[0], *numba[1]], [*ref[0], *ref[1]]):
+        assert torch.equal(a.isnan(), b.isnan()), f"{name}: NaN positions differ"
+        keep = ~b.isnan()
+        assert_close(a[keep], b[keep], name)
+    assert numba[0][0][3].isnan().all() and not numba[0][0][2].isnan().any()
+    big = _inputs(9, 64, batch=(70,))
+    _check(*_both(big[0], big[1] * 60, big[2]))  # logits of order +-100: near one-hot weights
+
+
+def test_rows_split_over_threads_match_the_reference(monkeypatch):
+    """Big calls run on Numba's threads (row ranges, per-range float64 query-gradient sums);
+    a caller that finds the threaded path busy runs on its own thread. Both match the reference."""
+    import attnres_probe.kernels.numba_depth_attn as nbk
+
+    calls = []
+    for name in ("_forward_parallel", "_backward_parallel"):
+        kernel = getattr(nbk, name)
+        monkeypatch.setattr(nbk, name, lambda *a, _k=kernel, _n=name: calls.append((_n, a[-1])) or _k(*a))
+    monkeypatch.setattr(nbk, "PARALLEL_MIN_ELEMENTS", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        n = nbk._n_chunks(301, 10**9)
+        assert n == min(2, nbk.nb.config.NUMBA_NUM_THREADS)
+        inputs = _inputs(6, 48, batch=(301,))
+        _check(*_both(*inputs))
+        assert calls == ([("_forward_parallel", 2), ("_backward_parallel", 2)] if n == 2 else [])
+        with nbk._parallel_lock:  # busy: the same call runs on the caller's thread
+            _check(*_both(*inputs))
+        _check(*_both(*_inputs(3, 16, batch=(3,))))  # fewer rows than two per thread: one range
+        assert len(calls) == (2 if n == 2 else 0)
+    finally:
+        torch.set_num_threads(threads)
