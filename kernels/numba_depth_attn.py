@@ -164,7 +164,7 @@ _TILE = 32
 
 
 @nb.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=_CACHE)
-def _forward(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv_d, lo, hi):  # pragma: no cover - compiled
+def _forward_rows(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv_d, lo, hi):  # pragma: no cover - compiled
     """Token rows lo..hi-1 of the forward.
 
     ``table`` holds addresses: the S sources ([M, d] each), then query [d], gain [d] (used
@@ -261,18 +261,16 @@ def _forward(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv_d, l
 
 
 @nb.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=_CACHE)
-def _backward(
-    table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_dw, one, inv_d, dq_address, finalize, lo, hi
+def _backward_rows(
+    table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_dw, one, inv_d, dq, lo, hi
 ):  # pragma: no cover - compiled
     """Gradients of :func:`_forward` for token rows lo..hi-1.
 
     ``table`` holds addresses: the S sources, then query [d], gain [d] (used with
     ``has_gain``), wzi [3, M, S] (saved by the forward), the upstream dh [M, d], dlse [M],
-    dw [M, S] (0 where absent), the S outputs dv_i [M, d] and dqg [2, d], which are written.
-    The gradient of q = query * gain for these rows is summed in the compute dtype over
-    chunks of rows into the float64 [d] array at ``dq_address`` (zeroed here). With
-    ``finalize`` (the call covers every row) the query and gain gradients are written to
-    dqg: ``dq * gain`` and ``dq * query``, computed in float64 and rounded once.
+    dw [M, S] (0 where absent), the S outputs dv_i [M, d] (written) and dqg [2, d] (see
+    :func:`_finish_dq`). The gradient of q = query * gain for these rows is summed in the
+    compute dtype over chunks of rows into the float64 [d] array ``dq`` (zeroed here).
     """
     S = n_src
     query = nb.carray(_pointer(table[S], one), (d,))
@@ -282,8 +280,6 @@ def _backward(
     dh = nb.carray(_pointer(table[S + 3], one), (n_rows if has_dh else 0, d))
     dlse = nb.carray(_pointer(table[S + 4], one), (n_rows if has_dlse else 0,))
     dw = nb.carray(_pointer(table[S + 5], one), (n_rows if has_dw else 0, S))
-    dqg = nb.carray(_pointer(table[2 * S + 6], one), (2, d))
-    dq = nb.carray(_pointer(dq_address, np.float64(0.0)), (d,))
     zero = one - one
     q = np.empty(d, query.dtype)
     for k in range(d):
@@ -324,58 +320,64 @@ def _backward(
             for k in range(d):
                 dq[k] += dq_part[k]
                 dq_part[k] = zero
-    if finalize:
-        _finish_dq(table, n_src, d, has_gain, one, dq_address)
 
 
 @nb.njit(nogil=True, error_model="numpy", cache=_CACHE)
-def _finish_dq(table, n_src, d, has_gain, one, dq_address):  # pragma: no cover - compiled
-    """Write the query and gain gradients (dqg, table entry 2S+6) from dq, the gradient of q = query * gain."""
+def _finish_dq(table, n_src, d, has_gain, one, dq):  # pragma: no cover - compiled
+    """Write the query and gain gradients into dqg [2, d] (table entry 2S+6) from the float64
+    gradient ``dq`` of q = query * gain: ``dq * gain`` and ``dq * query``, rounded once."""
     S = n_src
     query = nb.carray(_pointer(table[S], one), (d,))
     gain = nb.carray(_pointer(table[S + 1], one), (d if has_gain else 0,))
     dqg = nb.carray(_pointer(table[2 * S + 6], one), (2, d))
-    dq = nb.carray(_pointer(dq_address, np.float64(0.0)), (d,))
     for k in range(d):
         dqg[0, k] = dq[k] * gain[k] if has_gain else dq[k]
         dqg[1, k] = dq[k] * query[k] if has_gain else 0.0
 
 
+@nb.njit(nogil=True, error_model="numpy", cache=_CACHE)
+def _forward(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv_d):  # pragma: no cover - compiled
+    """:func:`_forward_rows` over every row, on the caller's thread."""
+    _forward_rows(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv_d, 0, n_rows)
+
+
 @nb.njit(nogil=True, parallel=True, cache=_CACHE)
 def _forward_parallel(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv_d, n_chunks):  # pragma: no cover
-    """:func:`_forward` over every row, split into ``n_chunks`` row ranges run by Numba's threads."""
+    """:func:`_forward_rows` over every row, split into ``n_chunks`` row ranges run by Numba's threads."""
     step = (n_rows + n_chunks - 1) // n_chunks
     for ci in nb.prange(n_chunks):
         lo = ci * step
         hi = min(lo + step, n_rows)
         if lo < hi:
-            _forward(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv_d, lo, hi)
+            _forward_rows(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv_d, lo, hi)
+
+
+@nb.njit(nogil=True, error_model="numpy", cache=_CACHE)
+def _backward(table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_dw, one, inv_d):  # pragma: no cover
+    """:func:`_backward_rows` over every row on the caller's thread, then :func:`_finish_dq`."""
+    dq = np.empty(d, np.float64)
+    _backward_rows(table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_dw, one, inv_d, dq, 0, n_rows)
+    _finish_dq(table, n_src, d, has_gain, one, dq)
 
 
 @nb.njit(nogil=True, parallel=True, cache=_CACHE)
-def _backward_parallel(
-    table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_dw, one, inv_d, dq_address, n_chunks
-):  # pragma: no cover
-    """:func:`_backward` over every row in ``n_chunks`` row ranges run by Numba's threads.
+def _backward_parallel(table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_dw, one, inv_d, n_chunks):  # pragma: no cover
+    """:func:`_backward_rows` in ``n_chunks`` row ranges run by Numba's threads.
 
-    Each range sums its query gradient into its own float64 row of the [n_chunks, d] array at
-    ``dq_address``; the rows are then added in a fixed order and the gradients written.
+    Each range sums its query gradient into its own float64 row; the rows are then added in
+    a fixed order and the gradients written.
     """
     step = (n_rows + n_chunks - 1) // n_chunks
+    dq = np.zeros((n_chunks, d), np.float64)
     for ci in nb.prange(n_chunks):
         lo = ci * step
         hi = min(lo + step, n_rows)
-        address = dq_address + ci * d * 8
         if lo < hi:
-            _backward(table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_dw, one, inv_d, address, False, lo, hi)
-        else:
-            dq_c = nb.carray(_pointer(address, np.float64(0.0)), (d,))
-            dq_c[:] = 0.0
-    dq = nb.carray(_pointer(dq_address, np.float64(0.0)), (n_chunks, d))
+            _backward_rows(table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_dw, one, inv_d, dq[ci], lo, hi)
     for ci in range(1, n_chunks):
         for k in range(d):
             dq[0, k] += dq[ci, k]
-    _finish_dq(table, n_src, d, has_gain, one, dq_address)
+    _finish_dq(table, n_src, d, has_gain, one, dq[0])
 
 
 def _table(tensors) -> np.ndarray:
@@ -386,7 +388,7 @@ def _table(tensors) -> np.ndarray:
 # Calls that touch at least this many source elements run on Numba's threads (row ranges
 # in a prange, one per thread, up to torch.get_num_threads()); smaller ones on the caller's
 # thread, where a thread hand-off would cost more than it saves.
-PARALLEL_MIN_ELEMENTS = 1 << 20
+PARALLEL_MIN_ELEMENTS = 1 << 16
 # One threaded call at a time (Numba's "workqueue" threading layer, its fallback when neither
 # TBB nor OpenMP is present, must not be entered from two threads at once); a caller that
 # finds it taken runs on its own thread instead of waiting.
@@ -401,18 +403,17 @@ def _n_chunks(n_rows: int, work: int) -> int:
     return threads
 
 
-def _launch(serial, parallel, args: tuple, n_rows: int, n_chunks: int, dq: torch.Tensor | None = None) -> None:
-    """Run a kernel over every row: ``parallel(*args, [dq address], n_chunks)`` or ``serial(*args, [dq address, True], 0, n_rows)``."""
-    extra = () if dq is None else (dq.data_ptr(),)
+def _launch(serial, parallel, args: tuple, n_chunks: int) -> None:
+    """Run a kernel over every row: ``parallel(*args, n_chunks)`` on Numba's threads, or ``serial(*args)``."""
     if n_chunks > 1 and _parallel_lock.acquire(blocking=False):
         try:
             if nb.get_num_threads() != n_chunks:
                 nb.set_num_threads(n_chunks)
-            parallel(*args, *extra, n_chunks)
+            parallel(*args, n_chunks)
         finally:
             _parallel_lock.release()
         return
-    serial(*args, *extra, *(() if dq is None else (True,)), 0, n_rows)
+    serial(*args)
 
 
 _ONE = {torch.float32: np.float32(1), torch.float64: np.float64(1)}
@@ -444,7 +445,7 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         c = torch.empty((*batch, n_src), dtype=dt) if return_contrib else None
         table = _table([*rows, query, gain, h, lse, wzi, c])
         args = (table, n_src, n_rows, d, gain is not None, bool(return_contrib), one * eps, one, one / d)
-        _launch(_forward, _forward_parallel, args, n_rows, _n_chunks(n_rows, n_rows * n_src * d))
+        _launch(_forward, _forward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
         ctx.save_for_backward(query, gain, wzi, *rows)
         ctx.set_materialize_grads(False)
         ctx.return_weights = return_weights
@@ -470,15 +471,13 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         # one buffer per source: autograd can then accumulate into it in place (views of one
         # shared buffer would force an out-of-place add for every later read of the source)
         dv = [torch.empty_like(first) for _ in range(n_src)]
-        n_chunks = _n_chunks(n_rows, n_rows * n_src * d)
-        dq = torch.empty((n_chunks, d), dtype=torch.float64)  # float64 sums of the q gradient, one per row range
-        dqg = torch.empty((2, d), dtype=dt)  # the query and gain gradients, written by the kernel
+        d_query, d_gain = torch.empty((2, d), dtype=dt).unbind(0)  # written by the kernel
         up = [None if t is None else t.contiguous() for t in (dh, dlse, dw)]
-        table = _table([*rows, query, gain, wzi, *up, *dv, dqg])
+        table = _table([*rows, query, gain, wzi, *up, *dv, d_query])
         flags = tuple(t is not None for t in up)
         args = (table, n_src, n_rows, d, gain is not None, *flags, one, one / d)
-        _launch(_backward, _backward_parallel, args, n_rows, n_chunks, dq)
-        return (dqg[0], None if gain is None else dqg[1], None, None, None, *dv)
+        _launch(_backward, _backward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
+        return (d_query, None if gain is None else d_gain, None, None, None, *dv)
 
 
 def depth_attn_numba(
