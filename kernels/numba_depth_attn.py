@@ -47,11 +47,12 @@ Conventions and limits:
   elements is split by token rows over Numba's threads (``prange``; up to
   ``torch.get_num_threads()`` ranges, each writing its own rows and its own float64 partial
   query gradient, added in a fixed order). One such call runs at a time; a concurrent
-  caller that finds it busy runs on its own thread. Smaller calls always do: at the demo
-  models' size a thread hand-off costs more than it saves (measured in a training step).
-  Concurrent callers (the dashboard's server threads) share no state.
-- They are compiled on first use (a few seconds for the forward and the backward per dtype,
-  more for the threaded versions) and Numba caches the machine code on disk, next to this module in ``__pycache__``
+  caller that finds it busy runs on its own thread, as do smaller calls. With two threads a
+  demo-size Block AttnRes training step is about 7 ms faster than on one
+  (``benchmarks/numba_threads.py``). Concurrent callers (the dashboard's server threads)
+  share no state.
+- They are compiled on first use (a few seconds per kernel and dtype, more for the threaded
+  versions) and Numba caches the machine code on disk, next to this module in ``__pycache__``
   (or under ``NUMBA_CACHE_DIR``), so later processes start in a fraction of a second. Like
   Python's own ``.pyc`` files, that cache is written and read only by this library on this
   machine (Numba's index format uses pickle); ``ATTNRES_NUMBA_CACHE=0`` compiles in memory
@@ -69,8 +70,8 @@ import threading
 import numba as nb
 import numpy as np
 import torch
-from numba import types
 from llvmlite import ir
+from numba import types
 from numba.extending import intrinsic, overload
 
 from .reference import validate_depth_attn_args
@@ -139,7 +140,7 @@ def _exp_f32(x):  # pragma: no cover - compiled
         y = np.float32(0.0)
     if x > np.float32(88.72283):
         y = np.float32(np.inf)
-    if x != x:
+    if np.isnan(x):
         y = x
     return y
 
@@ -215,7 +216,7 @@ def _forward_rows(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv
         for i in range(1, S):  # a NaN logit makes the row's max NaN, as in the reference
             for t in range(T):
                 zi = z_t[i, t]
-                z_max[t] = zi if (zi > z_max[t] or zi != zi) else z_max[t]
+                z_max[t] = zi if (zi > z_max[t] or np.isnan(zi)) else z_max[t]
         for t in range(T):  # +-inf max: shift by 0 so exp/log give the reference's inf/nan
             z_max[t] = zero if np.isinf(z_max[t]) else z_max[t]
             total[t] = zero
@@ -386,8 +387,8 @@ def _table(tensors) -> np.ndarray:
 
 
 # Calls that touch at least this many source elements run on Numba's threads (row ranges
-# in a prange, one per thread, up to torch.get_num_threads()); smaller ones on the caller's
-# thread, where a thread hand-off would cost more than it saves.
+# in a prange, one per thread, up to torch.get_num_threads()); smaller ones on the
+# caller's thread, where a thread hand-off would cost about what it saves.
 PARALLEL_MIN_ELEMENTS = 1 << 16
 # One threaded call at a time (Numba's "workqueue" threading layer, its fallback when neither
 # TBB nor OpenMP is present, must not be entered from two threads at once); a caller that
