@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at exit
         return status
-    except (UserError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as exc:
+    except (UserError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as exc:
         print(f"attnres-probe {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -73,9 +73,12 @@ def layer_summary(trace) -> pd.DataFrame:
 
 
 def _run_record(args: argparse.Namespace) -> int:
+    from attnres_probe.trace import check_save_target
+
+    check_save_target(args.out, overwrite=args.force)  # before the model runs: fail fast
     probe = _load(args)
     trace = probe.run(_text(args), backward=not args.no_backward, truncate=_truncate(args))
-    out = trace.save(args.out)
+    out = trace.save(args.out, overwrite=args.force)
     print(repr(trace))
     print(f"saved to {out}")
     return 0
@@ -115,7 +118,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 def add_record_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("record", help="record a text through a model and save the DepthTrace")
     _add_model_args(p)
-    p.add_argument("--out", required=True, metavar="DIR", help="where to save the trace (Parquet + JSON)")
+    p.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder for the trace (Parquet + JSON)")
+    p.add_argument("--force", action="store_true", help="replace the trace already saved in --out")
     p.add_argument("--no-backward", action="store_true", help="skip the backward pass (no gradient norms)")
     p.set_defaults(func=_run_record)
     return p

@@ -189,8 +189,17 @@ def add_demo_models_parser(subparsers: argparse._SubParsersAction) -> argparse.A
 
 
 def _run_demo_models(args: argparse.Namespace) -> int:
+    from attnres_probe.cli import UserError
+
+    if args.steps is not None and args.steps < 1:
+        raise UserError(f"--steps is {args.steps}; it must be a positive step count")
+    if args.steps and Path(args.out).resolve() == (Path(__file__).parent / "demo_models").resolve():
+        raise UserError(
+            f"--steps {args.steps} trains smoke models, and --out {args.out} holds the shipped demo models, "
+            "which they would replace: give --out a folder of your own"
+        )
     overrides = {"steps": args.steps, "warmup_steps": min(100, args.steps // 10), "eval_every": 0} if args.steps else {}
     losses = build_demo_models(args.out, tuple(args.only), threads=args.threads, backend=args.backend, **overrides)
     for name, loss in losses.items():
-        print(f"{name:8s} shipped val loss {loss:.4f}  -> {Path(args.out) / name}")
+        print(f"{name:8s} val loss of the fp16 weights {loss:.4f}  -> {Path(args.out) / name}")
     return 0

@@ -38,7 +38,7 @@ import pandas as pd
 from attnres_probe._version import __version__
 from attnres_probe.checkpoint import sha256_file
 
-__all__ = ["DepthTrace", "TraceError", "SCHEMA_VERSION", "token_mean"]
+__all__ = ["DepthTrace", "TraceError", "SCHEMA_VERSION", "check_save_target", "token_mean"]
 
 SCHEMA_VERSION = 1
 META_FILE = "trace.json"
@@ -65,6 +65,32 @@ DTYPES = {"tokens": np.int64, "mask": np.bool_}
 
 class TraceError(ValueError):
     """A trace directory is missing, corrupt, or from a newer schema."""
+
+
+def check_save_target(directory: str | Path, overwrite: bool = False) -> Path:
+    """Check that a trace may be saved into ``directory`` (see :meth:`DepthTrace.save`); return it as a Path.
+
+    Raises:
+        FileExistsError: the folder holds a trace (without ``overwrite``) or other files.
+        NotADirectoryError: ``directory`` is a file.
+    """
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(
+            f"{directory} is a file; a DepthTrace is saved as a folder (Parquet tables + {META_FILE}): give a folder path"
+        )
+    entries = list(directory.iterdir()) if directory.is_dir() else []
+    if any(p.name not in {META_FILE, *FILES} for p in entries):
+        raise FileExistsError(
+            f"{directory} is not empty and does not hold a saved DepthTrace; "
+            "save into a new or empty folder (nothing was written)"
+        )
+    if entries and not overwrite:
+        raise FileExistsError(
+            f"{directory} already holds a saved DepthTrace; pass overwrite=True "
+            "(attnres-probe record --force) to replace it, or choose another folder (nothing was written)"
+        )
+    return directory
 
 
 @dataclasses.dataclass(eq=False)
@@ -307,15 +333,20 @@ class DepthTrace:
         return list(self.meta.get("flags", []))
 
     # -- persistence ---------------------------------------------------------------------
-    def save(self, directory: str | Path) -> Path:
-        """Write the trace into ``directory``: Parquet tables + ``trace.json`` (schema, shapes, hashes)."""
+    def save(self, directory: str | Path, overwrite: bool = False) -> Path:
+        """Write the trace into ``directory``: Parquet tables + ``trace.json`` (schema, shapes, hashes).
+
+        ``directory`` must be new or empty. A folder that already holds a saved trace is
+        replaced only with ``overwrite=True``; a folder holding anything else is never
+        written into (its files could share a name with the trace's).
+
+        Raises:
+            FileExistsError: the folder holds a trace (without ``overwrite``) or other files.
+            NotADirectoryError: ``directory`` is a file.
+        """
         from attnres_probe.checkpoint import atomic_write
 
-        directory = Path(directory)
-        if directory.exists() and not directory.is_dir():
-            raise NotADirectoryError(
-                f"{directory} is a file; a DepthTrace is saved as a folder (Parquet tables + {META_FILE}): give a folder path"
-            )
+        directory = check_save_target(directory, overwrite)
         directory.mkdir(parents=True, exist_ok=True)
         hashes = {}
         for fname, names in FILES.items():

@@ -103,3 +103,42 @@ def test_top_level_help_is_fast_and_lists_what_each_command_says_of_itself():
     sub = next(a for a in full._actions if isinstance(a, argparse._SubParsersAction))
     own = {a.dest: a.help for a in sub._choices_actions}
     assert own == {name: help_text for name, _, _, help_text in SUBCOMMANDS}
+
+
+def test_record_never_overwrites_what_is_already_in_out(tmp_path, capsys):
+    """A second record into the same folder is refused before the model runs; --force replaces
+    the trace; a folder holding anything else is never written into."""
+    tiny_model("full").save(tmp_path / "m")
+    base = ["record", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "t")]
+    assert main([*base, "--text", "first"]) == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "t").iterdir()}
+    capsys.readouterr()
+    assert main([*base, "--text", "second"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnres-probe record: error:") and "already holds a saved DepthTrace" in err and "--force" in err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "t").iterdir()} == before
+    assert main([*base, "--text", "second", "--force"]) == 0
+    assert DepthTrace.load(tmp_path / "t").str_tokens[0] == list("second")
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    assert main(["record", "--model", str(tmp_path / "m"), "--text", "x", "--out", str(other), "--force"]) == 2
+    assert "not empty and does not hold a saved DepthTrace" in capsys.readouterr().err
+    assert sorted(p.name for p in other.iterdir()) == ["keep.txt"] and (other / "keep.txt").read_text() == "mine"
+
+
+def test_demo_models_smoke_runs_never_replace_the_shipped_models(tmp_path, capsys):
+    from attnres_probe.demo import demo_dir
+
+    shipped = demo_dir("block") / "model.safetensors"
+    before = shipped.read_bytes()
+    assert main(["demo-models", "--steps", "3", "--only", "block", "--out", str(demo_dir("block").parent)]) == 2
+    err = capsys.readouterr().err
+    assert "would replace" in err and "--out a folder of your own" in err and "Traceback" not in err
+    assert shipped.read_bytes() == before
+    assert main(["demo-models", "--steps", "0", "--out", str(tmp_path)]) == 2
+    assert "positive step count" in capsys.readouterr().err
+    assert main(["demo-models", "--steps", "2", "--only", "block", "--threads", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "val loss of the fp16 weights" in out and "shipped" not in out
+    assert (tmp_path / "block" / "model.safetensors").is_file()

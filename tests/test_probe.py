@@ -390,3 +390,21 @@ def test_saving_a_trace_onto_a_file_says_it_needs_a_folder(tmp_path):
     with pytest.raises(NotADirectoryError, match="is a file; a DepthTrace is saved as a folder"):
         trace.save(target)
     assert target.read_text() == "keep me"
+
+
+def test_saving_never_replaces_a_trace_or_writes_into_a_foreign_folder(tmp_path):
+    first = Probe(tiny_model("full", n_layers=1)).run("first", backward=False)
+    second = Probe(tiny_model("full", n_layers=1)).run("second", backward=False)
+    (tmp_path / "empty").mkdir()
+    first.save(tmp_path / "empty")  # an existing empty folder is fine
+    with pytest.raises(FileExistsError, match="already holds a saved DepthTrace; pass overwrite=True"):
+        second.save(tmp_path / "empty")
+    assert DepthTrace.load(tmp_path / "empty").str_tokens[0] == list("first")
+    second.save(tmp_path / "empty", overwrite=True)
+    assert DepthTrace.load(tmp_path / "empty").str_tokens[0] == list("second")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "cube.parquet").write_text("not a trace")
+    (tmp_path / "mine" / "notes.md").write_text("keep")
+    with pytest.raises(FileExistsError, match="not empty and does not hold a saved DepthTrace"):
+        first.save(tmp_path / "mine", overwrite=True)
+    assert (tmp_path / "mine" / "cube.parquet").read_text() == "not a trace"
