@@ -76,7 +76,7 @@ from numba.extending import intrinsic, overload
 
 from .reference import validate_depth_attn_args
 
-__all__ = ["SUPPORTED_DTYPES", "depth_attn_numba"]
+__all__ = ["SUPPORTED_DTYPES", "depth_attn_numba", "mixture"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
@@ -516,15 +516,34 @@ def depth_attn_numba(
         validate_depth_attn_args(sources, query, gain, eps)
     src = list(sources.unbind(0)) if isinstance(sources, torch.Tensor) else list(sources)
     first = src[0]
-    _check_supported(first, query, gain)
-    dt = torch.float64 if torch.float64 in (first.dtype, query.dtype, None if gain is None else gain.dtype) else torch.float32
+    _check_supported(*src, query, gain)
+    dtypes = {s.dtype for s in src} | {query.dtype, None if gain is None else gain.dtype}
+    dt = torch.float64 if torch.float64 in dtypes else torch.float32
     query = query.to(dt).contiguous()
     gain = None if gain is None else gain.to(dt).contiguous()
-    if first.dtype != dt or not all(s.is_contiguous() for s in src):
+    if any(s.dtype != dt or not s.is_contiguous() for s in src):
         src = [s.to(dt).contiguous() for s in src]  # no reshape: a view would add an autograd node per source
     outs = DepthAttnNumbaFunction.apply(query, gain, float(eps), bool(return_weights), bool(return_contrib), *src)
     h = outs[0] if first.dtype == dt else outs[0].to(first.dtype)  # the mixture in the sources' dtype
     return (h, *outs[1:])
+
+
+def mixture(sources, query: torch.Tensor, gain: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The mixture alone, for a caller that already resolved this backend (the model's unhooked reads).
+
+    Goes straight to the autograd op when every source is a contiguous CPU tensor in the
+    query's dtype (float32 or float64), as a model's sources are; anything else takes
+    :func:`depth_attn_numba`'s general path (conversion, or a clear error). At the demo
+    models' size the checks this skips are a measurable part of a training step.
+    """
+    dt = query.dtype
+    if dt in SUPPORTED_DTYPES and (gain is None or gain.dtype == dt):
+        for s in sources:
+            if s.dtype != dt or not s.is_contiguous() or s.device.type != "cpu":
+                break
+        else:
+            return DepthAttnNumbaFunction.apply(query, gain, float(eps), False, False, *sources)[0]
+    return depth_attn_numba(sources, query, gain, eps, validate=False)[0]
 
 
 def _check_supported(*tensors: torch.Tensor | None) -> None:

@@ -200,3 +200,28 @@ def test_rows_split_over_threads_match_the_reference(monkeypatch):
         assert len(calls) == (2 if n == 2 else 0)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_models_direct_path_equals_the_op_and_falls_back_for_other_layouts():
+    """``mixture`` (what an unhooked model read calls) gives the op's mixture and gradients for
+    contiguous sources, converts strided or mixed-dtype ones, and refuses half precision."""
+    from attnres_probe.kernels.numba_depth_attn import mixture
+
+    sources, query, gain = _inputs(4, 48)
+    cases = {
+        "contiguous": list(sources.unbind(0)),
+        "strided": [s.t().contiguous().t() for s in sources.unbind(0)],
+        "mixed dtypes": [sources[0].double(), *sources[1:].unbind(0)],
+    }
+    for name, srcs in cases.items():
+        leaves = [s.detach().clone().requires_grad_() for s in srcs]
+        q, g = _leaves(query, gain)
+        got = mixture(leaves, q, g, 1e-6)
+        ref_leaves = [s.detach().double().requires_grad_() for s in srcs]
+        rq, rg = _leaves(query.double(), gain.double())
+        want = depth_attn(ref_leaves, rq, rg, backend="torch")[0]
+        assert_close(got, want, f"{name}: mixture")
+        up = torch.randn_like(want)
+        assert_close(torch.autograd.grad(got, leaves[1], up.to(got.dtype))[0], torch.autograd.grad(want, ref_leaves[1], up)[0], f"{name}: d source")
+    with pytest.raises(ValueError, match="float32 or float64"):
+        mixture([s.half() for s in sources.unbind(0)], query.half(), gain.half(), 1e-6)
