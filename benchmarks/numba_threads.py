@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from attnres_probe.kernels import numba_depth_attn
+from attnres_probe.train import frozen_gc
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train import SIZES, make_step  # the training benchmark's step
@@ -44,13 +45,14 @@ def main(argv=None) -> int:
         step()
     times: dict[str, list[float]] = {m: [] for m in modes}
     try:
-        for r in range(args.rounds):
-            order = list(modes) if r % 2 == 0 else list(reversed(modes))
-            for mode in order:
-                numba_depth_attn.PARALLEL_MIN_ELEMENTS = modes[mode]
-                t = time.perf_counter()
-                step()
-                times[mode].append(time.perf_counter() - t)
+        with frozen_gc():  # as the trainer's loop runs
+            for r in range(args.rounds):
+                order = list(modes) if r % 2 == 0 else list(reversed(modes))
+                for mode in order:
+                    numba_depth_attn.PARALLEL_MIN_ELEMENTS = modes[mode]
+                    t = time.perf_counter()
+                    step()
+                    times[mode].append(time.perf_counter() - t)
     finally:
         numba_depth_attn.PARALLEL_MIN_ELEMENTS = threaded
     diffs = [a - b for a, b in zip(times["threaded"], times["one thread"])]

@@ -1,7 +1,8 @@
 """Training throughput of PreNorm vs Full AttnRes vs Block AttnRes, side by side in one run.
 
 One optimizer step (AdamW, forward + backward + clip + update) of each architecture is timed in
-turn, repeatedly, so that machine noise hits all three alike. The median step time gives
+turn, repeatedly (with Python's collector set up as in the trainer's loop, see
+``attnres_probe.train.frozen_gc``), so that machine noise hits all three alike. The median step time gives
 tokens/s; the ratio to PreNorm is the median over rounds of each round's ratio (the steps of
 one round run back to back, so a slow spell of the shared machine cancels out of it). Target:
 Block <= 1.15x PreNorm's step time (Full is reported).
@@ -20,7 +21,7 @@ import time
 import torch
 
 from attnres_probe import AttnResTransformer, ModelConfig
-from attnres_probe.train import TrainConfig, lm_loss, param_groups
+from attnres_probe.train import TrainConfig, frozen_gc, lm_loss, param_groups
 
 SIZES = {
     "demo": dict(d_model=64, n_layers=8, n_heads=4, n_ctx=128, batch=16),
@@ -66,11 +67,12 @@ def main(argv=None) -> int:
             fn()
             fn()
         times: dict[str, list[float]] = {r: [] for r in RESIDUALS}
-        for _ in range(args.reps):
-            for r, (fn, _) in steps.items():
-                t = time.perf_counter()
-                fn()
-                times[r].append(time.perf_counter() - t)
+        with frozen_gc():  # as the trainer's loop runs
+            for _ in range(args.reps):
+                for r, (fn, _) in steps.items():
+                    t = time.perf_counter()
+                    fn()
+                    times[r].append(time.perf_counter() - t)
         med = {r: statistics.median(v) for r, v in times.items()}
         for r in RESIDUALS:
             ratio = statistics.median(a / b for a, b in zip(times[r], times["prenorm"]))

@@ -372,3 +372,29 @@ def test_cli_errors_are_one_line_on_stderr_with_exit_code_2(tmp_path, capsys, ex
     assert code == 2
     assert err.startswith("attnres-probe train: error: ") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_training_loop_sets_the_collectors_old_objects_aside_only_while_it_runs(tmp_path, monkeypatch):
+    """Python's collector skips the objects that predate the loop while it runs (frozen_gc);
+    afterwards they are collectable again, and a process that froze objects itself is left alone."""
+    import gc
+
+    import attnres_probe.train as train_module
+
+    seen = []
+    real = train_module.lm_loss
+    monkeypatch.setattr(train_module, "lm_loss", lambda *a, **k: seen.append(gc.get_freeze_count()) or real(*a, **k))
+    assert gc.get_freeze_count() == 0
+    train(small_model("block"), small_train(steps=2, eval_every=0), tmp_path / "a", progress=False)
+    assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
+    with pytest.raises(TrainError):  # a failing run unfreezes too
+        monkeypatch.setattr(train_module, "lm_loss", lambda *a, **k: torch.tensor(float("nan"), requires_grad=True))
+        train(small_model("block"), small_train(steps=2, eval_every=0), tmp_path / "b", progress=False)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        monkeypatch.setattr(train_module, "lm_loss", real)
+        train(small_model("block"), small_train(steps=2, eval_every=0), tmp_path / "c", progress=False)
+        assert gc.get_freeze_count() > 0  # still frozen (a count only drops as frozen objects are freed)
+    finally:
+        gc.unfreeze()
