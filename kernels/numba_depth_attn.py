@@ -165,11 +165,11 @@ _TILE = 32
 
 
 @nb.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=_CACHE)
-def _forward_rows(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv_d, lo, hi):  # pragma: no cover - compiled
+def _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps, one, inv_d, lo, hi):  # pragma: no cover - compiled
     """Token rows lo..hi-1 of the forward.
 
     ``table`` holds addresses: the S sources ([M, d] each), then query [d], gain [d] (used
-    with ``has_gain``), h [M, d], lse [M], wzi [3, M, S] (weights, logits, inverse RMS) and
+    with ``has_gain``), h [M, d], lse [M] (used with ``want_lse``), wzi [3, M, S] (weights, logits, inverse RMS) and
     (used with ``want_contrib``) c [M, S] (all contiguous, in the compute dtype). Tiles of
     rows: pass 1 reads each source row once for its sum of squares and its dot product with
     q = query * gain; the norms, logits and softmax follow on the tile's scratch; pass 2
@@ -181,7 +181,7 @@ def _forward_rows(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv
     query = nb.carray(_pointer(table[S], one), (d,))
     gain = nb.carray(_pointer(table[S + 1], one), (d if has_gain else 0,))
     h = nb.carray(_pointer(table[S + 2], one), (n_rows, d))
-    lse = nb.carray(_pointer(table[S + 3], one), (n_rows,))
+    lse = nb.carray(_pointer(table[S + 3], one), (n_rows if want_lse else 0,))
     wzi = nb.carray(_pointer(table[S + 4], one), (3, n_rows, S))
     c = nb.carray(_pointer(table[S + 5], one), (n_rows if want_contrib else 0, S))
     zero = one - one
@@ -225,8 +225,10 @@ def _forward_rows(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv
                 e = _exp(z_t[i, t] - z_max[t])
                 e_t[i, t] = e
                 total[t] += e
+        if want_lse:
+            for t in range(T):
+                lse[m0 + t] = z_max[t] + np.log(total[t])
         for t in range(T):
-            lse[m0 + t] = z_max[t] + np.log(total[t])
             total[t] = one / total[t]
         for i in range(S):
             for t in range(T):
@@ -337,20 +339,20 @@ def _finish_dq(table, n_src, d, has_gain, one, dq):  # pragma: no cover - compil
 
 
 @nb.njit(nogil=True, error_model="numpy", cache=_CACHE)
-def _forward(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv_d):  # pragma: no cover - compiled
+def _forward(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps, one, inv_d):  # pragma: no cover - compiled
     """:func:`_forward_rows` over every row, on the caller's thread."""
-    _forward_rows(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv_d, 0, n_rows)
+    _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps, one, inv_d, 0, n_rows)
 
 
 @nb.njit(nogil=True, parallel=True, cache=_CACHE)
-def _forward_parallel(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv_d, n_chunks):  # pragma: no cover
+def _forward_parallel(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps, one, inv_d, n_chunks):  # pragma: no cover
     """:func:`_forward_rows` over every row, split into ``n_chunks`` row ranges run by Numba's threads."""
     step = (n_rows + n_chunks - 1) // n_chunks
     for ci in nb.prange(n_chunks):
         lo = ci * step
         hi = min(lo + step, n_rows)
         if lo < hi:
-            _forward_rows(table, n_src, n_rows, d, has_gain, want_contrib, eps, one, inv_d, lo, hi)
+            _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps, one, inv_d, lo, hi)
 
 
 @nb.njit(nogil=True, error_model="numpy", cache=_CACHE)
@@ -423,34 +425,37 @@ _ONE = {torch.float32: np.float32(1), torch.float64: np.float64(1)}
 class DepthAttnNumbaFunction(torch.autograd.Function):
     """Autograd join of the Numba forward and backward.
 
-    Inputs are (query, gain, eps, return_weights, return_contrib, *sources): ``query`` and
-    ``gain`` [d] (gain may be None), every source [*batch, d], all contiguous in one dtype.
-    Outputs are (h, lse), then the weights with ``return_weights`` and the contribution
-    shares with ``return_contrib`` (an observation: no gradient flows through them).
-    Gradients flow to every source, the query and the gain. The kernels fold the gain into
-    the query themselves (``q = query * gain``) and write the query and gain gradients, so
-    a read costs one autograd node and few PyTorch calls (at the demo models' size those
-    calls, not the arithmetic, are most of a read's time).
+    Inputs are (query, gain, eps, return_lse, return_weights, return_contrib, *sources):
+    ``query`` and ``gain`` [d] (gain may be None), every source [*batch, d], all contiguous in
+    one dtype. Outputs are h, then the lse with ``return_lse``, the weights with
+    ``return_weights`` and the contribution shares with ``return_contrib`` (an observation:
+    no gradient flows through them). Gradients flow to every source, the query and the gain.
+    The kernels fold the gain into the query themselves (``q = query * gain``) and write the
+    query and gain gradients, so a read costs one autograd node and few PyTorch calls (at the
+    demo models' size those calls, not the arithmetic, are most of a read's time).
     """
 
     @staticmethod
-    def forward(ctx, query, gain, eps, return_weights, return_contrib, *rows):
+    def forward(ctx, query, gain, eps, return_lse, return_weights, return_contrib, *rows):
         first = rows[0]
         batch, d = first.shape[:-1], first.shape[-1]
         n_rows, n_src = first.numel() // d, len(rows)
         dt = query.dtype
         one = _ONE[dt]
         h = torch.empty_like(first)
-        lse = torch.empty(batch, dtype=dt)
+        lse = torch.empty(batch, dtype=dt) if return_lse else None
         wzi = torch.empty((3, *batch, n_src), dtype=dt)  # weights, logits, inverse RMS
         c = torch.empty((*batch, n_src), dtype=dt) if return_contrib else None
         table = _table([*rows, query, gain, h, lse, wzi, c])
-        args = (table, n_src, n_rows, d, gain is not None, bool(return_contrib), one * eps, one, one / d)
+        flags = (gain is not None, bool(return_lse), bool(return_contrib))
+        args = (table, n_src, n_rows, d, *flags, one * eps, one, one / d)
         _launch(_forward, _forward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
         ctx.save_for_backward(query, gain, wzi, *rows)
         ctx.set_materialize_grads(False)
-        ctx.return_weights = return_weights
-        outs = [h, lse]
+        ctx.return_lse, ctx.return_weights = return_lse, return_weights
+        outs = [h]
+        if return_lse:
+            outs.append(lse)
         if return_weights:
             outs.append(wzi[0].clone())  # the saved weights stay private: a caller may edit the returned ones
         if return_contrib:
@@ -459,11 +464,12 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx, dh, dlse, *rest):
-        dw = rest[0] if ctx.return_weights else None
+    def backward(ctx, dh, *rest):
+        dlse = rest[0] if ctx.return_lse else None
+        dw = rest[int(ctx.return_lse)] if ctx.return_weights else None
         query, gain, wzi, *rows = ctx.saved_tensors
         if dh is None and dlse is None and dw is None:
-            return (None, None, None, None, None, *([None] * len(rows)))
+            return (None,) * (6 + len(rows))
         first = rows[0]
         d, n_src = first.shape[-1], len(rows)
         n_rows = first.numel() // d
@@ -478,7 +484,7 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         flags = tuple(t is not None for t in up)
         args = (table, n_src, n_rows, d, gain is not None, *flags, one, one / d)
         _launch(_backward, _backward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
-        return (d_query, None if gain is None else d_gain, None, None, None, *dv)
+        return (d_query, None if gain is None else d_gain, None, None, None, None, *dv)
 
 
 def depth_attn_numba(
@@ -523,7 +529,7 @@ def depth_attn_numba(
     gain = None if gain is None else gain.to(dt).contiguous()
     if any(s.dtype != dt or not s.is_contiguous() for s in src):
         src = [s.to(dt).contiguous() for s in src]  # no reshape: a view would add an autograd node per source
-    outs = DepthAttnNumbaFunction.apply(query, gain, float(eps), bool(return_weights), bool(return_contrib), *src)
+    outs = DepthAttnNumbaFunction.apply(query, gain, float(eps), True, bool(return_weights), bool(return_contrib), *src)
     h = outs[0] if first.dtype == dt else outs[0].to(first.dtype)  # the mixture in the sources' dtype
     return (h, *outs[1:])
 
@@ -542,7 +548,7 @@ def mixture(sources, query: torch.Tensor, gain: torch.Tensor | None, eps: float)
             if s.dtype != dt or not s.is_contiguous() or s.device.type != "cpu":
                 break
         else:
-            return DepthAttnNumbaFunction.apply(query, gain, float(eps), False, False, *sources)[0]
+            return DepthAttnNumbaFunction.apply(query, gain, float(eps), False, False, False, *sources)[0]
     return depth_attn_numba(sources, query, gain, eps, validate=False)[0]
 
 
