@@ -188,16 +188,27 @@ def add_demo_models_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     return p
 
 
+def _is_full_build(folder: Path) -> bool:
+    """Whether ``folder`` holds a demo model trained for the full step count (shipped or rebuilt)."""
+    try:
+        log = json.loads((folder / "train_log.json").read_text())
+        return log["train_config"]["steps"] == DEMO_TRAIN["steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def _run_demo_models(args: argparse.Namespace) -> int:
     from attnres_probe.cli import UserError
 
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps is {args.steps}; it must be a positive step count")
-    if args.steps and Path(args.out).resolve() == (Path(__file__).parent / "demo_models").resolve():
-        raise UserError(
-            f"--steps {args.steps} trains smoke models, and --out {args.out} holds the shipped demo models, "
-            "which they would replace: give --out a folder of your own"
-        )
+    if args.steps and args.steps != DEMO_TRAIN["steps"]:
+        full = [n for n in args.only if _is_full_build(Path(args.out) / n)]
+        if full or Path(args.out).resolve() == (Path(__file__).parent / "demo_models").resolve():
+            raise UserError(
+                f"--steps {args.steps} trains smoke models, and --out {args.out} holds full demo models "
+                f"({', '.join(full) or 'the shipped ones'}), which they would replace: give --out a folder of your own"
+            )
     overrides = {"steps": args.steps, "warmup_steps": min(100, args.steps // 10), "eval_every": 0} if args.steps else {}
     losses = build_demo_models(args.out, tuple(args.only), threads=args.threads, backend=args.backend, **overrides)
     for name, loss in losses.items():

@@ -79,7 +79,8 @@ def check_save_target(directory: str | Path, overwrite: bool = False) -> Path:
         raise NotADirectoryError(
             f"{directory} is a file; a DepthTrace is saved as a folder (Parquet tables + {META_FILE}): give a folder path"
         )
-    entries = list(directory.iterdir()) if directory.is_dir() else []
+    # hidden files (a save's leftover temporary file, a desktop's index file) do not count
+    entries = [p for p in directory.iterdir() if not p.name.startswith(".")] if directory.is_dir() else []
     if any(p.name not in {META_FILE, *FILES} for p in entries):
         raise FileExistsError(
             f"{directory} is not empty and does not hold a saved DepthTrace; "
@@ -336,9 +337,11 @@ class DepthTrace:
     def save(self, directory: str | Path, overwrite: bool = False) -> Path:
         """Write the trace into ``directory``: Parquet tables + ``trace.json`` (schema, shapes, hashes).
 
-        ``directory`` must be new or empty. A folder that already holds a saved trace is
-        replaced only with ``overwrite=True``; a folder holding anything else is never
-        written into (its files could share a name with the trace's).
+        ``directory`` must be new or empty (hidden files aside). A folder that already holds a
+        saved trace is replaced only with ``overwrite=True``, file by file (each file is
+        replaced atomically, so an interrupted overwrite can leave a trace that no longer
+        loads); a folder holding anything else is never written into (its files could share
+        a name with the trace's).
 
         Raises:
             FileExistsError: the folder holds a trace (without ``overwrite``) or other files.

@@ -32,8 +32,8 @@ Backward (``_backward``), with upstream gradients ``dh`` (mixture), ``dlse`` and
     dq       = sum_rows sum_i dz_i r_i v_i.
 
 The last two lines are ``dz_i`` times the derivative of ``z_i = r_i (q . v_i)`` through both
-the dot product and the RMS (``dr_i/dv_i = -r_i^3 v_i / d``). The query gradient is
-accumulated in float64.
+the dot product and the RMS (``dr_i/dv_i = -r_i^3 v_i / d``). The query gradient is summed
+in the compute dtype over blocks of 256 rows and those sums are added in float64.
 
 Conventions and limits:
 
@@ -71,6 +71,7 @@ import numba as nb
 import numpy as np
 import torch
 from llvmlite import ir
+from torch.autograd.function import once_differentiable
 from numba import types
 from numba.extending import intrinsic, overload
 
@@ -122,7 +123,7 @@ def _exp_f32(x):  # pragma: no cover - compiled
     ``r`` from a two-constant (Cody-Waite) split of ``n ln 2`` and ``exp(r)`` from a degree-6
     polynomial; relative error about 1e-7 (float32 rounding). Compiled without ``reassoc``,
     which would merge the split. Returns 0 below -87.34 (where float32 results are
-    subnormal or 0), inf above 88.72, NaN for NaN.
+    subnormal, below 1.2e-38, or 0), inf above 88.72 (beyond float32), NaN for NaN.
     """
     xc = min(max(x, np.float32(-87.33654)), np.float32(88.72283))
     n = np.floor(xc * np.float32(1.44269504088896341) + np.float32(0.5))
@@ -135,7 +136,11 @@ def _exp_f32(x):  # pragma: no cover - compiled
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
     p = p * r * r + r + np.float32(1.0)
-    y = p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+    e = np.int32(n)
+    big = e > np.int32(127)  # n = 128 for x in (88.38, 88.72]: 2^128 is not a float32, 2 * 2^127 is
+    y = p * _f32_from_bits((e - np.int32(1) if big else e) + np.int32(127) << np.int32(23))
+    if big:
+        y = y * np.float32(2.0)
     if x < np.float32(-87.33654):
         y = np.float32(0.0)
     if x > np.float32(88.72283):
@@ -464,6 +469,7 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients are not themselves differentiable: say so if asked
     def backward(ctx, dh, *rest):
         dlse = rest[0] if ctx.return_lse else None
         dw = rest[int(ctx.return_lse)] if ctx.return_weights else None
@@ -537,19 +543,23 @@ def depth_attn_numba(
 def mixture(sources, query: torch.Tensor, gain: torch.Tensor | None, eps: float) -> torch.Tensor:
     """The mixture alone, for a caller that already resolved this backend (the model's unhooked reads).
 
-    Goes straight to the autograd op when every source is a contiguous CPU tensor in the
-    query's dtype (float32 or float64), as a model's sources are; anything else takes
-    :func:`depth_attn_numba`'s general path (conversion, or a clear error). At the demo
-    models' size the checks this skips are a measurable part of a training step.
+    Goes straight to the autograd op when the sources are contiguous CPU tensors of one shape
+    [*batch, d] and the query and gain contiguous [d], all in one dtype (float32 or float64),
+    as a model's are; anything else takes :func:`depth_attn_numba`'s validated path
+    (conversion, or a clear error). At the demo models' size the argument checks and the
+    dispatch this skips are a measurable part of a training step.
     """
     dt = query.dtype
-    if dt in SUPPORTED_DTYPES and (gain is None or gain.dtype == dt):
-        for s in sources:
-            if s.dtype != dt or not s.is_contiguous() or s.device.type != "cpu":
-                break
-        else:
+    shape = sources[0].shape
+    d = shape[-1]
+
+    def plain(t: torch.Tensor, want: tuple) -> bool:
+        return t.dtype == dt and t.shape == want and t.is_contiguous() and t.device.type == "cpu"
+
+    if dt in SUPPORTED_DTYPES and plain(query, (d,)) and (gain is None or plain(gain, (d,))):
+        if all(plain(s, shape) for s in sources):
             return DepthAttnNumbaFunction.apply(query, gain, float(eps), False, False, False, *sources)[0]
-    return depth_attn_numba(sources, query, gain, eps, validate=False)[0]
+    return depth_attn_numba(sources, query, gain, eps)[0]  # checks everything; converts or explains
 
 
 def _check_supported(*tensors: torch.Tensor | None) -> None:

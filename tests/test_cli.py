@@ -142,3 +142,16 @@ def test_demo_models_smoke_runs_never_replace_the_shipped_models(tmp_path, capsy
     out = capsys.readouterr().out
     assert "val loss of the fp16 weights" in out and "shipped" not in out
     assert (tmp_path / "block" / "model.safetensors").is_file()
+
+
+def test_demo_models_smoke_runs_never_replace_a_full_build_anywhere(tmp_path, capsys):
+    """A checkout's models (or any full rebuild) are recognised by their log, wherever --out points."""
+    import shutil
+
+    from attnres_probe.demo import demo_dir
+
+    shutil.copytree(demo_dir("full"), tmp_path / "full")
+    before = (tmp_path / "full" / "model.safetensors").read_bytes()
+    assert main(["demo-models", "--steps", "2", "--only", "full", "--threads", "1", "--out", str(tmp_path)]) == 2
+    assert "holds full demo models (full)" in capsys.readouterr().err
+    assert (tmp_path / "full" / "model.safetensors").read_bytes() == before

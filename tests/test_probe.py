@@ -402,6 +402,8 @@ def test_saving_never_replaces_a_trace_or_writes_into_a_foreign_folder(tmp_path)
     assert DepthTrace.load(tmp_path / "empty").str_tokens[0] == list("first")
     second.save(tmp_path / "empty", overwrite=True)
     assert DepthTrace.load(tmp_path / "empty").str_tokens[0] == list("second")
+    (tmp_path / "empty" / ".DS_Store").write_text("")  # hidden files do not count
+    first.save(tmp_path / "empty", overwrite=True)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "cube.parquet").write_text("not a trace")
     (tmp_path / "mine" / "notes.md").write_text("keep")
