@@ -29,6 +29,7 @@ import torch
 
 from attnres_probe.checkpoint import atomic_write
 from attnres_probe.config import ModelConfig
+from attnres_probe.kernels import BACKENDS
 from attnres_probe.model import AttnResTransformer
 from attnres_probe.tokenizer import ByteTokenizer
 
@@ -180,7 +181,7 @@ def add_demo_models_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--steps", type=int, default=None, help="override the step count (smoke runs)")
     p.add_argument(
         "--backend",
-        choices=("torch", "numba", "triton", "auto"),
+        choices=BACKENDS,
         default="torch",
         help="depth-attention backend; the shipped models were built with the reference (default: %(default)s)",
     )
@@ -204,10 +205,10 @@ def _run_demo_models(args: argparse.Namespace) -> int:
         raise UserError(f"--steps is {args.steps}; it must be a positive step count")
     if args.steps and args.steps != DEMO_TRAIN["steps"]:
         full = [n for n in args.only if _is_full_build(Path(args.out) / n)]
-        if full or Path(args.out).resolve() == (Path(__file__).parent / "demo_models").resolve():
+        if full:
             raise UserError(
                 f"--steps {args.steps} trains smoke models, and --out {args.out} holds full demo models "
-                f"({', '.join(full) or 'the shipped ones'}), which they would replace: give --out a folder of your own"
+                f"({', '.join(full)}), which they would replace: give --out a folder of your own"
             )
     overrides = {"steps": args.steps, "warmup_steps": min(100, args.steps // 10), "eval_every": 0} if args.steps else {}
     losses = build_demo_models(args.out, tuple(args.only), threads=args.threads, backend=args.backend, **overrides)

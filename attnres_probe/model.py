@@ -75,19 +75,6 @@ class MLP(nn.Module):
         return self.W_out(self.hook_post(F.gelu(self.W_in(x))))
 
 
-_numba_mixture_fn = None
-
-
-def _numba_mixture():
-    """:func:`attnres_probe.kernels.numba_depth_attn.mixture`, imported on first use (Numba loads slowly)."""
-    global _numba_mixture_fn
-    if _numba_mixture_fn is None:
-        from attnres_probe.kernels.numba_depth_attn import mixture
-
-        _numba_mixture_fn = mixture
-    return _numba_mixture_fn
-
-
 class DepthMixer(nn.Module):
     """One AttnRes read: softmax over depth sources scored by a learned pseudo-query.
 
@@ -132,7 +119,9 @@ class DepthMixer(nn.Module):
         """Mix ``sources`` (k tensors [batch, pos, d], columns 0..k-1) into [batch, pos, d]."""
         hooked = self.hooked
         if backend == "numba" and not hooked:  # the model resolved the backend: the op directly
-            return _numba_mixture()(sources, self.query, self.norm.weight, self.eps)
+            from attnres_probe.kernels.numba_depth_attn import mixture  # Numba loads on first use
+
+            return mixture(sources, self.query, self.norm.weight, self.eps)
         want_contrib = bool(self.hook_contrib._forward_hooks)
         out = kernels.depth_attn(
             sources,

@@ -38,6 +38,7 @@ from attnres_probe._version import __version__
 from attnres_probe.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, atomic_write, sha256_file
 from attnres_probe.config import RESIDUALS, ConfigError, ModelConfig, dataclass_from_dict
 from attnres_probe.data import NAMED_CORPORA, DataError, load_corpus, sample_batch, validation_batches
+from attnres_probe.kernels import BACKENDS
 from attnres_probe.model import AttnResTransformer, DepthMixer, RMSNorm
 
 __all__ = [
@@ -696,7 +697,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     r.add_argument("--device", default="cpu", help="torch device (default cpu)")
     r.add_argument(
         "--backend",
-        choices=("auto", "torch", "triton", "numba"),
+        choices=BACKENDS,
         help="depth-attention backend (default: ATTNRES_BACKEND, else auto: numba on CPU, triton on CUDA)",
     )
     r.add_argument("--quiet", action="store_true", help="no progress bar")

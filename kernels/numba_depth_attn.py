@@ -105,6 +105,17 @@ def _row(address, m, n_rows, d, one):  # pragma: no cover - compiled
     return nb.carray(_pointer(address, one), (n_rows, d))[m]
 
 
+@nb.njit(nogil=True, cache=_CACHE)
+def _folded_query(table, n_src, d, has_gain, one):  # pragma: no cover - compiled
+    """q = query * gain [d] (query at table entry S, gain at S+1 when ``has_gain``)."""
+    query = nb.carray(_pointer(table[n_src], one), (d,))
+    gain = nb.carray(_pointer(table[n_src + 1], one), (d if has_gain else 0,))
+    q = np.empty(d, query.dtype)
+    for k in range(d):
+        q[k] = query[k] * gain[k] if has_gain else query[k]
+    return q
+
+
 @intrinsic
 def _f32_from_bits(typingctx, bits):
     """The float32 whose IEEE bit pattern is the int32 ``bits``."""
@@ -183,21 +194,17 @@ def _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps
     (1/d) come in the compute dtype, so no arithmetic is promoted to float64.
     """
     S = n_src
-    query = nb.carray(_pointer(table[S], one), (d,))
-    gain = nb.carray(_pointer(table[S + 1], one), (d if has_gain else 0,))
+    q = _folded_query(table, S, d, has_gain, one)
     h = nb.carray(_pointer(table[S + 2], one), (n_rows, d))
     lse = nb.carray(_pointer(table[S + 3], one), (n_rows if want_lse else 0,))
     wzi = nb.carray(_pointer(table[S + 4], one), (3, n_rows, S))
     c = nb.carray(_pointer(table[S + 5], one), (n_rows if want_contrib else 0, S))
     zero = one - one
-    q = np.empty(d, query.dtype)
-    for k in range(d):
-        q[k] = query[k] * gain[k] if has_gain else query[k]
-    r_t = np.empty((S, _TILE), query.dtype)  # sum of squares, then 1/rms
-    z_t = np.empty((S, _TILE), query.dtype)  # dot products, then logits
-    e_t = np.empty((S, _TILE), query.dtype)  # exp(z - max), then weights
-    z_max = np.empty(_TILE, query.dtype)
-    total = np.empty(_TILE, query.dtype)
+    r_t = np.empty((S, _TILE), q.dtype)  # sum of squares, then 1/rms
+    z_t = np.empty((S, _TILE), q.dtype)  # dot products, then logits
+    e_t = np.empty((S, _TILE), q.dtype)  # exp(z - max), then weights
+    z_max = np.empty(_TILE, q.dtype)
+    total = np.empty(_TILE, q.dtype)
     for m0 in range(lo, hi, _TILE):
         T = min(_TILE, hi - m0)
         for i in range(S):
@@ -281,20 +288,16 @@ def _backward_rows(
     compute dtype over chunks of rows into the float64 [d] array ``dq`` (zeroed here).
     """
     S = n_src
-    query = nb.carray(_pointer(table[S], one), (d,))
-    gain = nb.carray(_pointer(table[S + 1], one), (d if has_gain else 0,))
+    q = _folded_query(table, S, d, has_gain, one)
     wzi = nb.carray(_pointer(table[S + 2], one), (3, n_rows, S))
     w, z, inv = wzi[0], wzi[1], wzi[2]
     dh = nb.carray(_pointer(table[S + 3], one), (n_rows if has_dh else 0, d))
     dlse = nb.carray(_pointer(table[S + 4], one), (n_rows if has_dlse else 0,))
     dw = nb.carray(_pointer(table[S + 5], one), (n_rows if has_dw else 0, S))
     zero = one - one
-    q = np.empty(d, query.dtype)
-    for k in range(d):
-        q[k] = query[k] * gain[k] if has_gain else query[k]
-        dq[k] = 0.0
-    dz = np.empty(S, query.dtype)
-    dq_part = np.zeros(d, query.dtype)
+    dq[:] = 0.0
+    dz = np.empty(S, q.dtype)
+    dq_part = np.zeros(d, q.dtype)
     for m in range(lo, hi):
         big_d = zero
         for i in range(S):  # dalpha_i = dh . v_i (+ dw_i)
