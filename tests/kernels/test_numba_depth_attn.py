@@ -221,7 +221,11 @@ def test_the_models_direct_path_equals_the_op_and_falls_back_for_other_layouts()
         want = depth_attn(ref_leaves, rq, rg, backend="torch")[0]
         assert_close(got, want, f"{name}: mixture")
         up = torch.randn_like(want)
-        assert_close(torch.autograd.grad(got, leaves[1], up.to(got.dtype))[0], torch.autograd.grad(want, ref_leaves[1], up)[0], f"{name}: d source")
+        grads = torch.autograd.grad(got, [*leaves, q, g], up.to(got.dtype))
+        ref_grads = torch.autograd.grad(want, [*ref_leaves, rq, rg], up)
+        for i, (a, b) in enumerate(zip(grads, ref_grads)):
+            what = f"d source {i}" if i < len(leaves) else ("d query", "d gain")[i - len(leaves)]
+            assert_close(a, b, f"{name}: {what}")
     with pytest.raises(ValueError, match="every source must be"):
         mixture([sources[0].double(), *sources[1:].unbind(0)], query, gain, 1e-6)
     with pytest.raises(ValueError, match="float32 or float64"):
