@@ -19,7 +19,7 @@ norms, logits, softmax and lse are then computed on small source-major scratch a
 ([S, 32]), so that each step is a loop over rows that LLVM vectorises (square roots,
 divisions, and exp through ``_exp_f32``, a Cephes-style float32 exp, since libm's ``expf``
 is a scalar call; float64 uses libm's). Pass 2 reads the tile's source rows again, from
-cache, for the mixture. The logits and inverse RMS are kept ([M, S], small) for the
+cache, for the mixture (two sources at a time). The logits and inverse RMS are kept ([M, S], small) for the
 backward. The kernels use NumPy's error model: a division by zero gives inf/NaN, as in
 PyTorch, instead of raising.
 
@@ -189,7 +189,7 @@ def _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps
     (used with ``want_contrib``) c [M, S] (all contiguous, in the compute dtype). Tiles of
     rows: pass 1 reads each source row once for its sum of squares and its dot product with
     q = query * gain; the norms, logits and softmax follow on the tile's scratch; pass 2
-    reads the tile's source rows again (from cache) for the mixture and, with
+    reads the tile's source rows again (from cache) for the mixture, two sources at a time, and, with
     ``want_contrib``, the shares c_i = w_i <v_i, h> / |h|^2. ``eps``, ``one`` and ``inv_d``
     (1/d) come in the compute dtype, so no arithmetic is promoted to float64.
     """
@@ -250,17 +250,29 @@ def _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps
                 wzi[0, m0 + t, i] = e_t[i, t]
                 wzi[1, m0 + t, i] = z_t[i, t]
                 wzi[2, m0 + t, i] = r_t[i, t]
-        v = nb.carray(_pointer(table[0], one), (n_rows, d))
+        # pass 2, two sources at a time (half the stores into h); an odd source 0 goes alone
+        first = 2 - S % 2
+        va = nb.carray(_pointer(table[0], one), (n_rows, d))
+        vb = nb.carray(_pointer(table[first - 1], one), (n_rows, d))
         for t in range(T):
-            wi = e_t[0, t]
-            for k in range(d):
-                h[m0 + t, k] = wi * v[m0 + t, k]
-        for i in range(1, S):
-            v = nb.carray(_pointer(table[i], one), (n_rows, d))
-            for t in range(T):
-                wi = e_t[i, t]
+            m = m0 + t
+            wa = e_t[0, t]
+            if first == 1:
                 for k in range(d):
-                    h[m0 + t, k] += wi * v[m0 + t, k]
+                    h[m, k] = wa * va[m, k]
+            else:
+                wb = e_t[1, t]
+                for k in range(d):
+                    h[m, k] = wa * va[m, k] + wb * vb[m, k]
+        for i in range(first, S, 2):
+            va = nb.carray(_pointer(table[i], one), (n_rows, d))
+            vb = nb.carray(_pointer(table[i + 1], one), (n_rows, d))
+            for t in range(T):
+                m = m0 + t
+                wa = e_t[i, t]
+                wb = e_t[i + 1, t]
+                for k in range(d):
+                    h[m, k] += wa * va[m, k] + wb * vb[m, k]
         if want_contrib:
             for t in range(T):
                 m = m0 + t
