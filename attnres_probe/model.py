@@ -106,6 +106,20 @@ class DepthMixer(nn.Module):
         return self.query * self.norm.weight
 
     @property
+    def plain(self) -> bool:
+        """Whether nothing watches this read: no hook on its logits, weights or shares, and
+        none on the module itself (so the model may call :meth:`fused` in place of it)."""
+        return not (self.hooked or self._forward_hooks or self._forward_pre_hooks)
+
+    def fused(self, sources: Sequence[torch.Tensor], partial: torch.Tensor, out: torch.Tensor):
+        """Block AttnRes on the Numba backend: (mixture over ``[*sources, partial + out]``,
+        ``partial + out``), the partial-block sum formed by the read's kernel as it reads it.
+        For :attr:`plain` reads (hooks see the ordinary path)."""
+        from attnres_probe.kernels.numba_depth_attn import fused_mixture  # Numba loads on first use
+
+        return fused_mixture(sources, partial, out, self.query, self.norm.weight, self.eps)
+
+    @property
     def hooked(self) -> bool:
         """Whether any forward hook is attached to this mixer's logits, weights or shares."""
         return bool(self.hook_logits._forward_hooks or self.hook_weights._forward_hooks or self.hook_contrib._forward_hooks)
@@ -435,26 +449,49 @@ class AttnResTransformer(HookedRootModule):
         blocks = [v0]
         inv = [kernels.inv_rms(v0, eps, cdt)] if cache else None
         partial: torch.Tensor | None = None
+        # Numba, sequential: the partial-block sum partial + out is left to the next read,
+        # whose kernel forms it as it reads it (one op instead of an add and a read).
+        fuse = backend == "numba" and schedule == "sequential"
+        pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (partial, out), not yet added
         phase: dict[int, tuple] = {}  # two-phase: read -> (o_bar, lse, weights or None)
         for l, block, which in self._sublayers():
-            if l in starts and l > 0:  # the previous block is complete
-                blocks.append(partial)
-                if cache:
-                    inv.append(kernels.inv_rms(partial, eps, cdt))
-                partial = None
             mixer = block.mixer(which)
-            if schedule == "sequential":
-                if partial is None:
-                    h = mixer(blocks, inv, backend)
-                else:
-                    p_inv = [kernels.inv_rms(partial, eps, cdt)] if cache else None
-                    h = mixer([*blocks, partial], inv + p_inv if cache else None, backend)
+            complete = l in starts and l > 0  # the previous block is complete
+            if pending is not None and not mixer.plain:  # a hooked read sees ordinary sources
+                partial, pending = pending[0] + pending[1], None
+            if pending is not None:
+                h, partial = mixer.fused(blocks, *pending)
+                pending = None
+                if complete:
+                    blocks.append(partial)
+                    partial = None
             else:
-                if l in starts:
-                    phase = self._phase1(l, blocks, inv, backend)
-                h = self._phase2(mixer, phase[l], blocks, partial, backend)
+                if complete:
+                    blocks.append(partial)
+                    if cache:
+                        inv.append(kernels.inv_rms(partial, eps, cdt))
+                    partial = None
+                if schedule == "sequential":
+                    if partial is None:
+                        h = mixer(blocks, inv, backend)
+                    else:
+                        p_inv = [kernels.inv_rms(partial, eps, cdt)] if cache else None
+                        h = mixer([*blocks, partial], inv + p_inv if cache else None, backend)
+                else:
+                    if l in starts:
+                        phase = self._phase1(l, blocks, inv, backend)
+                    h = self._phase2(mixer, phase[l], blocks, partial, backend)
             out = block.sublayer(which, h)
-            partial = out if partial is None else partial + out
+            if partial is None:
+                partial = out
+            elif fuse:
+                partial, pending = None, (partial, out)
+            else:
+                partial = partial + out
+        if pending is not None and self.out_res.plain:
+            return self.out_res.fused(blocks, *pending)[0]
+        if pending is not None:
+            partial = pending[0] + pending[1]
         blocks.append(partial)
         if cache:
             inv.append(kernels.inv_rms(partial, eps, cdt))

@@ -77,7 +77,7 @@ from numba.extending import intrinsic, overload
 
 from .reference import validate_depth_attn_args
 
-__all__ = ["SUPPORTED_DTYPES", "depth_attn_numba", "mixture"]
+__all__ = ["SUPPORTED_DTYPES", "depth_attn_numba", "fused_mixture", "mixture"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
@@ -192,9 +192,17 @@ def _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps
     reads the tile's source rows again (from cache) for the mixture, two sources at a time, and, with
     ``want_contrib``, the shares c_i = w_i <v_i, h> / |h|^2. ``eps``, ``one`` and ``inv_d``
     (1/d) come in the compute dtype, so no arithmetic is promoted to float64.
+
+    Entries S+6 and S+7, when not 0, are the addresses of two [M, d] arrays a and b whose sum
+    is the last source: each tile first writes a + b into source S-1's array (the fused
+    partial-block sum of Block AttnRes), then goes on as above.
     """
     S = n_src
     q = _folded_query(table, S, d, has_gain, one)
+    fuse = table[S + 6] != 0
+    add_a = nb.carray(_pointer(table[S + 6], one), (n_rows if fuse else 0, d))
+    add_b = nb.carray(_pointer(table[S + 7], one), (n_rows if fuse else 0, d))
+    fused_sum = nb.carray(_pointer(table[S - 1], one), (n_rows, d))
     h = nb.carray(_pointer(table[S + 2], one), (n_rows, d))
     lse = nb.carray(_pointer(table[S + 3], one), (n_rows if want_lse else 0,))
     wzi = nb.carray(_pointer(table[S + 4], one), (3, n_rows, S))
@@ -207,6 +215,10 @@ def _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps
     total = np.empty(_TILE, q.dtype)
     for m0 in range(lo, hi, _TILE):
         T = min(_TILE, hi - m0)
+        if fuse:
+            for t in range(T):
+                for k in range(d):
+                    fused_sum[m0 + t, k] = add_a[m0 + t, k] + add_b[m0 + t, k]
         for i in range(S):
             v = nb.carray(_pointer(table[i], one), (n_rows, d))
             for t in range(T):
@@ -296,10 +308,14 @@ def _backward_rows(
     ``table`` holds addresses: the S sources, then query [d], gain [d] (used with
     ``has_gain``), wzi [3, M, S] (saved by the forward), the upstream dh [M, d], dlse [M],
     dw [M, S] (0 where absent), the S outputs dv_i [M, d] (written) and dqg [2, d] (see
-    :func:`_finish_dq`). The gradient of q = query * gain for these rows is summed in the
-    compute dtype over chunks of rows into the float64 [d] array ``dq`` (zeroed here).
+    :func:`_finish_dq`), then, when not 0, the address of an [M, d] gradient added into
+    dv_{S-1} (the fused partial-block sum's gradient from its other uses). The gradient of
+    q = query * gain for these rows is summed in the compute dtype over chunks of rows into
+    the float64 [d] array ``dq`` (zeroed here).
     """
     S = n_src
+    has_extra = table[2 * S + 7] != 0
+    extra_dv = nb.carray(_pointer(table[2 * S + 7], one), (n_rows if has_extra else 0, d))
     q = _folded_query(table, S, d, has_gain, one)
     wzi = nb.carray(_pointer(table[S + 2], one), (3, n_rows, S))
     w, z, inv = wzi[0], wzi[1], wzi[2]
@@ -339,6 +355,9 @@ def _backward_rows(
                     x = v[k]
                     out[k] = a * q[k] + c * x
                     dq_part[k] += a * x
+            if has_extra and i == S - 1:
+                for k in range(d):
+                    out[k] += extra_dv[m, k]
         if (m - lo) % 256 == 255 or m == hi - 1:
             for k in range(d):
                 dq[k] += dq_part[k]
@@ -466,7 +485,7 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         lse = torch.empty(batch, dtype=dt) if return_lse else None
         wzi = torch.empty((3, *batch, n_src), dtype=dt)  # weights, logits, inverse RMS
         c = torch.empty((*batch, n_src), dtype=dt) if return_contrib else None
-        table = _table([*rows, query, gain, h, lse, wzi, c])
+        table = _table([*rows, query, gain, h, lse, wzi, c, None, None])
         flags = (gain is not None, bool(return_lse), bool(return_contrib))
         args = (table, n_src, n_rows, d, *flags, one * eps, one, one / d)
         _launch(_forward, _forward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
@@ -501,30 +520,34 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         dv = [torch.empty_like(first) for _ in range(n_src)]
         d_query, d_gain = torch.empty((2, d), dtype=dt).unbind(0)  # written by the kernel
         up = [None if t is None else t.contiguous() for t in (dh, dlse, dw)]
-        table = _table([*rows, query, gain, wzi, *up, *dv, d_query])
+        table = _table([*rows, query, gain, wzi, *up, *dv, d_query, None])
         flags = tuple(t is not None for t in up)
         args = (table, n_src, n_rows, d, gain is not None, *flags, one, one / d)
         _launch(_backward, _backward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
         return (d_query, None if gain is None else d_gain, None, None, None, None, *dv)
 
 
-def _mixture_backward(ctx, dh):
+def _mixture_backward(ctx, dh, d_total=None):
     query, gain, wzi, *rows = ctx.saved_tensors
     first = rows[0]
     d, n_src = first.shape[-1], len(rows)
     n_rows = first.numel() // d
     one = _ONE[query.dtype]
-    dh = dh.contiguous()
+    dh = torch.zeros_like(first) if dh is None else dh.contiguous()
     dv = [torch.empty_like(first) for _ in range(n_src)]  # one buffer per source (see DepthAttnNumbaFunction)
     dqg = torch.empty((2, d), dtype=query.dtype)
+    extra = 0 if d_total is None else d_total.contiguous()
     table = np.array(
         [*[r.data_ptr() for r in rows], query.data_ptr(), gain.data_ptr(), wzi.data_ptr(), dh.data_ptr(), 0, 0]
-        + [t.data_ptr() for t in dv] + [dqg.data_ptr()],
+        + [t.data_ptr() for t in dv]
+        + [dqg.data_ptr(), 0 if d_total is None else extra.data_ptr()],
         dtype=np.int64,
     )
     args = (table, n_src, n_rows, d, True, True, False, False, one, one / d)
     _launch(_backward, _backward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
-    return (dqg[0], dqg[1], None, *dv)
+    if ctx.fused:  # the last source is a + b: both get its gradient
+        return (dqg[0], dqg[1], None, None, *dv, dv[-1])
+    return (dqg[0], dqg[1], None, None, *dv)
 
 
 _mixture_backward_once = once_differentiable(_mixture_backward)
@@ -533,34 +556,48 @@ _mixture_backward_once = once_differentiable(_mixture_backward)
 class _MixtureFunction(torch.autograd.Function):
     """The model's unhooked read: the mixture alone, for inputs :func:`mixture` has checked.
 
-    Inputs are (query, gain, eps, *sources), all contiguous CPU tensors of one dtype, with a
-    gain. The same kernels as :class:`DepthAttnNumbaFunction`, with as little Python around
-    them as a read allows: at the demo models' size the Python of a read costs as much as its
-    kernels (measured: 2.5 ms less per Block AttnRes training step).
+    Inputs are (query, gain, eps, fused, *sources), all contiguous CPU tensors of one dtype,
+    with a gain. With ``fused`` the last two inputs are a and b and the last source is their
+    sum, formed inside the kernel (Block AttnRes's partial-block sum, which the next read
+    uses anyway); the op then returns (mixture, a + b) instead of the mixture alone. The same
+    kernels as :class:`DepthAttnNumbaFunction`, with as little Python around them as a read
+    allows: at the demo models' size the Python of a read costs as much as its kernels.
     """
 
     @staticmethod
-    def forward(ctx, query, gain, eps, *rows):
+    def forward(ctx, query, gain, eps, fused, *rows):
         first = rows[0]
-        d, n_src = first.shape[-1], len(rows)
+        d = first.shape[-1]
         n_rows = first.numel() // d
         one = _ONE[query.dtype]
+        if fused:
+            total = torch.empty_like(first)
+            add = [rows[-2].data_ptr(), rows[-1].data_ptr()]
+            rows = (*rows[:-2], total)
+        n_src = len(rows)
         h = torch.empty_like(first)
         wzi = torch.empty((3, n_rows, n_src), dtype=query.dtype)  # weights, logits, inverse RMS
         table = np.array(
-            [*[r.data_ptr() for r in rows], query.data_ptr(), gain.data_ptr(), h.data_ptr(), 0, wzi.data_ptr(), 0],
+            [*[r.data_ptr() for r in rows], query.data_ptr(), gain.data_ptr(), h.data_ptr(), 0, wzi.data_ptr(), 0]
+            + (add if fused else [0, 0]),
             dtype=np.int64,
         )
         args = (table, n_src, n_rows, d, True, False, False, one * eps, one, one / d)
         _launch(_forward, _forward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
         ctx.save_for_backward(query, gain, wzi, *rows)
+        ctx.fused = fused
+        if fused:
+            ctx.set_materialize_grads(False)
+            return h, total
         return h
 
     @staticmethod
-    def backward(ctx, dh):
+    def backward(ctx, dh, d_total=None):
+        if dh is None and d_total is None:
+            return (None,) * (len(ctx.saved_tensors) + 1 + int(ctx.fused))  # every input: 4 + sources
         if torch.is_grad_enabled():  # create_graph=True: these gradients cannot be differentiated again; say so if asked
-            return _mixture_backward_once(ctx, dh)
-        return _mixture_backward(ctx, dh)
+            return _mixture_backward_once(ctx, dh, d_total)
+        return _mixture_backward(ctx, dh, d_total)
 
 
 def depth_attn_numba(
@@ -620,9 +657,30 @@ def mixture(sources, query: torch.Tensor, gain: torch.Tensor | None, eps: float)
     models' size the argument checks, options and dispatch this skips are a measurable part of
     a training step.
     """
+    if _plain(sources, query, gain):
+        return _MixtureFunction.apply(query, gain, float(eps), False, *sources)
+    return depth_attn_numba(sources, query, gain, eps)[0]  # checks everything; converts or explains
+
+
+def fused_mixture(sources, a: torch.Tensor, b: torch.Tensor, query: torch.Tensor, gain: torch.Tensor | None, eps: float):
+    """The mixture over ``[*sources, a + b]`` and the sum ``a + b``: a Block AttnRes read after
+    a sublayer, whose partial-block sum (previous partial ``a`` plus the sublayer's output
+    ``b``) the kernel forms as it reads it, instead of a separate add. Returns (mixture,
+    a + b); gradients flow to every source, a, b, the query and the gain. Takes the lean op
+    under :func:`mixture`'s conditions (a and b included), else adds and calls :func:`mixture`.
+    """
+    if _plain([*sources, a, b], query, gain):
+        return _MixtureFunction.apply(query, gain, float(eps), True, *sources, a, b)
+    total = a + b
+    return mixture([*sources, total], query, gain, eps), total
+
+
+def _plain(sources, query: torch.Tensor, gain: torch.Tensor | None) -> bool:
+    """Whether the lean op takes these inputs as they are: contiguous CPU sources of one shape
+    [*batch, d], a contiguous query and gain [d], all float32 or all float64."""
     dt = query.dtype
     shape = sources[0].shape
-    if (
+    return (
         dt in _ONE
         and gain is not None
         and gain.dtype == dt
@@ -632,9 +690,7 @@ def mixture(sources, query: torch.Tensor, gain: torch.Tensor | None, eps: float)
         and query.is_cpu
         and gain.is_cpu
         and all(s.dtype == dt and s.shape == shape and s.is_contiguous() and s.is_cpu for s in sources)
-    ):
-        return _MixtureFunction.apply(query, gain, float(eps), *sources)
-    return depth_attn_numba(sources, query, gain, eps)[0]  # checks everything; converts or explains
+    )
 
 
 def _check_supported(*tensors: torch.Tensor | None) -> None:

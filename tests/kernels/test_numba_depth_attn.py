@@ -266,3 +266,48 @@ def test_the_direct_path_checks_the_query_and_gain_too_and_is_differentiable_onc
     (g,) = torch.autograd.grad(mix.pow(2).sum(), x, create_graph=True)  # dh depends on x
     with pytest.raises(RuntimeError, match="once_differentiable|twice"):
         g.sum().backward()
+
+
+@pytest.mark.parametrize("upstream", ["both", "mixture", "sum"])
+@pytest.mark.parametrize("n_src, d, threaded", [(1, 16, False), (3, 64, False), (5, 48, True), (9, 64, True)])
+def test_the_fused_partial_sum_read_matches_the_reference(n_src, d, threaded, upstream, monkeypatch):
+    """``fused_mixture(sources, a, b, ...)`` (a Block AttnRes read that forms the partial-block
+    sum a + b itself) gives the reference's mixture over [*sources, a + b], the sum, and every
+    gradient: sources, a, b, query and gain, with upstream gradients on either output or both,
+    on the caller's thread and on Numba's threads."""
+    import attnres_probe.kernels.numba_depth_attn as nbk
+
+    if threaded:
+        monkeypatch.setattr(nbk, "PARALLEL_MIN_ELEMENTS", 0)
+    sources, query, gain = _inputs(n_src + 1, d, batch=(3, 29))
+    a, b = sources[-1], torch.randn_like(sources[-1])
+    up_h, up_t = torch.randn_like(a), torch.randn_like(a)
+    results = []
+    for fused in (True, False):
+        leaves = [t.detach().clone().requires_grad_() for t in (*sources[:-1].unbind(0), a, b)]
+        q, g = _leaves(query, gain)
+        if fused:
+            h, total = nbk.fused_mixture(leaves[:-2], leaves[-2], leaves[-1], q, g, 1e-6)
+        else:
+            total = leaves[-2] + leaves[-1]
+            h = depth_attn([*leaves[:-2], total], q, g, backend="torch")[0]
+        outs = {"both": [(h, up_h), (total, up_t)], "mixture": [(h, up_h)], "sum": [(total, up_t)]}[upstream]
+        grads = torch.autograd.grad([o for o, _ in outs], [*leaves, q, g], [u for _, u in outs], allow_unused=True)
+        results.append(([h, total], [torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads, [*leaves, q, g])]))
+    (outs_f, grads_f), (outs_r, grads_r) = results
+    names = ["mix", "sum", *[f"d source {i}" for i in range(n_src - 1)], "d a", "d b", "d query", "d gain"]
+    for name, x, y in zip(names, [*outs_f, *grads_f], [*outs_r, *grads_r]):
+        assert_close(x, y, name, atol=1e-5, rrms=1e-5)
+
+
+def test_the_fused_read_takes_the_plain_path_for_other_layouts_and_refuses_bad_input():
+    from attnres_probe.kernels.numba_depth_attn import fused_mixture
+
+    sources, query, gain = _inputs(3, 16)
+    a = sources[2].t().contiguous().t()  # strided: a + b is formed outside the kernel
+    h, total = fused_mixture(list(sources[:2].unbind(0)), a, sources[1], query, gain, 1e-6)
+    want = depth_attn([*sources[:2].unbind(0), a + sources[1]], query, gain, backend="torch")[0]
+    assert_close(h, want, "mixture")
+    assert torch.equal(total, a + sources[1])
+    with pytest.raises(ValueError, match="float32 or float64"):
+        fused_mixture([s.half() for s in sources[:2].unbind(0)], a.half(), a.half(), query.half(), gain.half(), 1e-6)
