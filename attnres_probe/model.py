@@ -111,13 +111,13 @@ class DepthMixer(nn.Module):
         none on the module itself (so the model may call :meth:`fused` in place of it)."""
         return not (self.hooked or self._forward_hooks or self._forward_pre_hooks)
 
-    def fused(self, sources: Sequence[torch.Tensor], partial: torch.Tensor, out: torch.Tensor):
+    def fused(self, sources: Sequence[torch.Tensor], partial: torch.Tensor, out: torch.Tensor, slots=None):
         """Block AttnRes on the Numba backend: (mixture over ``[*sources, partial + out]``,
         ``partial + out``), the partial-block sum formed by the read's kernel as it reads it.
-        For :attr:`plain` reads (hooks see the ordinary path)."""
+        For :attr:`plain` reads (hooks see the ordinary path); ``slots`` as for :meth:`forward`."""
         from attnres_probe.kernels.numba_depth_attn import fused_mixture  # Numba loads on first use
 
-        return fused_mixture(sources, partial, out, self.query, self.norm.weight, self.eps)
+        return fused_mixture(sources, partial, out, self.query, self.norm.weight, self.eps, slots)
 
     @property
     def hooked(self) -> bool:
@@ -129,13 +129,18 @@ class DepthMixer(nn.Module):
         sources: Sequence[torch.Tensor],
         inv_rms_cache: Sequence[torch.Tensor] | None = None,
         backend: str | None = None,
+        slots: Sequence | None = None,
     ) -> torch.Tensor:
-        """Mix ``sources`` (k tensors [batch, pos, d], columns 0..k-1) into [batch, pos, d]."""
+        """Mix ``sources`` (k tensors [batch, pos, d], columns 0..k-1) into [batch, pos, d].
+
+        ``slots``: the model's gradient slots for an unhooked read on the Numba backend (see
+        :class:`~attnres_probe.kernels.numba_depth_attn.GradSlot`); ignored otherwise.
+        """
         hooked = self.hooked
         if backend == "numba" and not hooked:  # the model resolved the backend: the op directly
             from attnres_probe.kernels.numba_depth_attn import mixture  # Numba loads on first use
 
-            return mixture(sources, self.query, self.norm.weight, self.eps)
+            return mixture(sources, self.query, self.norm.weight, self.eps, slots)
         want_contrib = bool(self.hook_contrib._forward_hooks)
         out = kernels.depth_attn(
             sources,
@@ -233,6 +238,41 @@ def _sinusoidal(n_ctx: int, d: int) -> torch.Tensor:
     pe[:, 0::2] = torch.sin(pos * freq)
     pe[:, 1::2] = torch.cos(pos * freq)
     return pe
+
+
+class _Slots:
+    """Gradient slots of a forward's shared sources (Full: every source; Block: completed
+    blocks), for the unhooked reads on the Numba backend while autograd records.
+
+    A source's first reader owns its slot when that read is unhooked; a source first read by
+    a hooked read gets none (its gradients all go through autograd). See
+    :class:`~attnres_probe.kernels.numba_depth_attn.GradSlot`.
+    """
+
+    def __init__(self, backend: str | None):
+        self.on = backend == "numba" and torch.is_grad_enabled()
+        self.slots: list = []  # per shared source: a GradSlot, or False (its first reader was hooked)
+
+    def entries(self, n: int, mixer: DepthMixer, last: bool | None = None) -> list | None:
+        """Entries for a read of the first ``n`` shared sources, then, unless ``last`` is
+        None, one more source: not shared (False) or becoming shared with this read (True)."""
+        if not self.on:
+            return None
+        plain = mixer.plain
+        grow = n + int(bool(last))
+        from attnres_probe.kernels.numba_depth_attn import GradSlot
+
+        out = []
+        for j in range(grow):
+            if j == len(self.slots):  # first read of this source
+                self.slots.append(GradSlot() if plain else False)
+                out.append((self.slots[j], True) if plain else None)
+            else:
+                slot = self.slots[j]
+                out.append((slot, False) if slot is not False else None)
+        if last is False:
+            out.append(None)
+        return out if plain else None
 
 
 class AttnResTransformer(HookedRootModule):
@@ -432,13 +472,15 @@ class AttnResTransformer(HookedRootModule):
         cdt = kernels.reference.compute_dtype(v0)
         sources = [v0]
         inv = [kernels.inv_rms(v0, eps, cdt)] if cache else None
+        slots = _Slots(backend)
         for _, block, which in self._sublayers():
-            h = block.mixer(which)(sources, inv, backend)
+            mixer = block.mixer(which)
+            h = mixer(sources, inv, backend, slots.entries(len(sources), mixer))
             out = block.sublayer(which, h)
             sources.append(out)
             if cache:
                 inv.append(kernels.inv_rms(out, eps, cdt))
-        return self.out_res(sources, inv, backend)
+        return self.out_res(sources, inv, backend, slots.entries(len(sources), self.out_res))
 
     def _forward_block(self, v0: torch.Tensor) -> torch.Tensor:
         backend, schedule = self._resolve(v0)
@@ -454,13 +496,15 @@ class AttnResTransformer(HookedRootModule):
         fuse = backend == "numba" and schedule == "sequential"
         pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (partial, out), not yet added
         phase: dict[int, tuple] = {}  # two-phase: read -> (o_bar, lse, weights or None)
+        slots = _Slots(backend if schedule == "sequential" else None)  # completed blocks' gradient slots
         for l, block, which in self._sublayers():
             mixer = block.mixer(which)
             complete = l in starts and l > 0  # the previous block is complete
             if pending is not None and not mixer.plain:  # a hooked read sees ordinary sources
                 partial, pending = pending[0] + pending[1], None
             if pending is not None:
-                h, partial = mixer.fused(blocks, *pending)
+                # the sum becomes a completed block when this read starts a new block
+                h, partial = mixer.fused(blocks, *pending, slots.entries(len(blocks), mixer, last=complete))
                 pending = None
                 if complete:
                     blocks.append(partial)
@@ -473,10 +517,13 @@ class AttnResTransformer(HookedRootModule):
                     partial = None
                 if schedule == "sequential":
                     if partial is None:
-                        h = mixer(blocks, inv, backend)
+                        h = mixer(blocks, inv, backend, slots.entries(len(blocks), mixer))
                     else:
                         p_inv = [kernels.inv_rms(partial, eps, cdt)] if cache else None
-                        h = mixer([*blocks, partial], inv + p_inv if cache else None, backend)
+                        h = mixer(
+                            [*blocks, partial], inv + p_inv if cache else None, backend,
+                            slots.entries(len(blocks), mixer, last=False),
+                        )
                 else:
                     if l in starts:
                         phase = self._phase1(l, blocks, inv, backend)
@@ -489,13 +536,13 @@ class AttnResTransformer(HookedRootModule):
             else:
                 partial = partial + out
         if pending is not None and self.out_res.plain:
-            return self.out_res.fused(blocks, *pending)[0]
+            return self.out_res.fused(blocks, *pending, slots.entries(len(blocks), self.out_res, last=False))[0]
         if pending is not None:
             partial = pending[0] + pending[1]
         blocks.append(partial)
         if cache:
             inv.append(kernels.inv_rms(partial, eps, cdt))
-        return self.out_res(blocks, inv, backend)
+        return self.out_res(blocks, inv, backend, slots.entries(len(blocks), self.out_res))
 
     def _phase1(self, start: int, blocks, inv, backend) -> dict[int, tuple]:
         """Two-phase schedule, phase 1: every read of the block starting at ``start`` at once."""

@@ -77,7 +77,7 @@ from numba.extending import intrinsic, overload
 
 from .reference import validate_depth_attn_args
 
-__all__ = ["SUPPORTED_DTYPES", "depth_attn_numba", "fused_mixture", "mixture"]
+__all__ = ["SUPPORTED_DTYPES", "GradSlot", "depth_attn_numba", "fused_mixture", "mixture"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
@@ -309,7 +309,8 @@ def _backward_rows(
     ``has_gain``), wzi [3, M, S] (saved by the forward), the upstream dh [M, d], dlse [M],
     dw [M, S] (0 where absent), the S outputs dv_i [M, d] (written) and dqg [2, d] (see
     :func:`_finish_dq`), then, when not 0, the address of an [M, d] gradient added into
-    dv_{S-1} (the fused partial-block sum's gradient from its other uses). The gradient of
+    dv_{S-1} (the fused partial-block sum's gradient from its other uses), then S flags: where
+    flag i is not 0, dv_i already holds a gradient and this read's is added to it. The gradient of
     q = query * gain for these rows is summed in the compute dtype over chunks of rows into
     the float64 [d] array ``dq`` (zeroed here).
     """
@@ -345,7 +346,18 @@ def _backward_rows(
             c = -a * z[m, i] * inv[m, i] * inv_d
             v = _row(table[i], m, n_rows, d, one)
             out = _row(table[S + 6 + i], m, n_rows, d, one)  # dv_i, written
-            if has_dh:
+            if table[2 * S + 8 + i] != 0:  # add into dv_i (a gradient other reads of v_i started)
+                if has_dh:
+                    for k in range(d):
+                        x = v[k]
+                        out[k] += wi * dh[m, k] + a * q[k] + c * x
+                        dq_part[k] += a * x
+                else:
+                    for k in range(d):
+                        x = v[k]
+                        out[k] += a * q[k] + c * x
+                        dq_part[k] += a * x
+            elif has_dh:
                 for k in range(d):
                     x = v[k]
                     out[k] = wi * dh[m, k] + a * q[k] + c * x
@@ -520,11 +532,32 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         dv = [torch.empty_like(first) for _ in range(n_src)]
         d_query, d_gain = torch.empty((2, d), dtype=dt).unbind(0)  # written by the kernel
         up = [None if t is None else t.contiguous() for t in (dh, dlse, dw)]
-        table = _table([*rows, query, gain, wzi, *up, *dv, d_query, None])
+        table = _table([*rows, query, gain, wzi, *up, *dv, d_query, None, *[None] * n_src])
         flags = tuple(t is not None for t in up)
         args = (table, n_src, n_rows, d, gain is not None, *flags, one, one / d)
         _launch(_backward, _backward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
         return (d_query, None if gain is None else d_gain, None, None, None, None, *dv)
+
+
+class GradSlot:
+    """One source's gradient, shared by the model's unhooked Numba reads of that source.
+
+    The read that mixes the source first (in the forward) owns the slot. In the backward,
+    every later read adds its gradient for the source into the slot's buffer inside its
+    kernel and gives autograd nothing for it; the owner runs last (every later read depends
+    on its output), adds its own and returns the sum. That replaces a fresh buffer per read
+    and autograd's add for every later read with one accumulation in the kernels. A buffer
+    belongs to the autograd pass that started it, so another backward over the same graph
+    starts afresh; a read that runs after the owner in the same pass (which the model's
+    graphs do not produce) returns its gradient to autograd as usual.
+    """
+
+    __slots__ = ("grad", "task", "closed")
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None
+        self.task: int | None = None  # the pass whose gradient is in ``grad``
+        self.closed: int | None = None  # the last pass whose owner has run
 
 
 def _mixture_backward(ctx, dh, d_total=None):
@@ -534,20 +567,41 @@ def _mixture_backward(ctx, dh, d_total=None):
     n_rows = first.numel() // d
     one = _ONE[query.dtype]
     dh = torch.zeros_like(first) if dh is None else dh.contiguous()
-    dv = [torch.empty_like(first) for _ in range(n_src)]  # one buffer per source (see DepthAttnNumbaFunction)
+    slots = ctx.slots
+    if slots is None:
+        dv = [torch.empty_like(first) for _ in range(n_src)]  # one buffer per source (see DepthAttnNumbaFunction)
+        add, grads = [0] * n_src, dv
+    else:
+        dv, add, grads = [], [], []
+        task = torch._C._current_graph_task_id()
+        for entry in slots:
+            slot, owner = entry if entry is not None else (None, False)
+            held = slot is not None and slot.task == task and slot.grad is not None
+            buf = slot.grad if held else torch.empty_like(first)
+            dv.append(buf)
+            add.append(int(held))
+            if slot is None or slot.closed == task:  # no slot, or its owner already ran: autograd adds
+                grads.append(buf)
+            elif owner:  # every later read has added its share: hand the sum to autograd
+                slot.grad, slot.task, slot.closed = None, None, task
+                grads.append(buf)
+            else:
+                slot.grad, slot.task = buf, task
+                grads.append(None)
     dqg = torch.empty((2, d), dtype=query.dtype)
-    extra = 0 if d_total is None else d_total.contiguous()
+    extra = None if d_total is None else d_total.contiguous()
     table = np.array(
         [*[r.data_ptr() for r in rows], query.data_ptr(), gain.data_ptr(), wzi.data_ptr(), dh.data_ptr(), 0, 0]
         + [t.data_ptr() for t in dv]
-        + [dqg.data_ptr(), 0 if d_total is None else extra.data_ptr()],
+        + [dqg.data_ptr(), 0 if extra is None else extra.data_ptr()]
+        + add,
         dtype=np.int64,
     )
     args = (table, n_src, n_rows, d, True, True, False, False, one, one / d)
     _launch(_backward, _backward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
     if ctx.fused:  # the last source is a + b: both get its gradient
-        return (dqg[0], dqg[1], None, None, *dv, dv[-1])
-    return (dqg[0], dqg[1], None, None, *dv)
+        return (dqg[0], dqg[1], None, None, None, *grads, grads[-1])
+    return (dqg[0], dqg[1], None, None, None, *grads)
 
 
 _mixture_backward_once = once_differentiable(_mixture_backward)
@@ -556,16 +610,18 @@ _mixture_backward_once = once_differentiable(_mixture_backward)
 class _MixtureFunction(torch.autograd.Function):
     """The model's unhooked read: the mixture alone, for inputs :func:`mixture` has checked.
 
-    Inputs are (query, gain, eps, fused, *sources), all contiguous CPU tensors of one dtype,
-    with a gain. With ``fused`` the last two inputs are a and b and the last source is their
-    sum, formed inside the kernel (Block AttnRes's partial-block sum, which the next read
-    uses anyway); the op then returns (mixture, a + b) instead of the mixture alone. The same
-    kernels as :class:`DepthAttnNumbaFunction`, with as little Python around them as a read
-    allows: at the demo models' size the Python of a read costs as much as its kernels.
+    Inputs are (query, gain, eps, fused, slots, *sources), all contiguous CPU tensors of one
+    dtype, with a gain. With ``fused`` the last two inputs are a and b and the last source is
+    their sum, formed inside the kernel (Block AttnRes's partial-block sum, which the next
+    read uses anyway); the op then returns (mixture, a + b) instead of the mixture alone.
+    ``slots`` is None or, per source (the sum counting as one), None or a
+    (:class:`GradSlot`, owner) pair. The same kernels as :class:`DepthAttnNumbaFunction`,
+    with as little Python around them as a read allows: at the demo models' size the Python
+    of a read costs as much as its kernels.
     """
 
     @staticmethod
-    def forward(ctx, query, gain, eps, fused, *rows):
+    def forward(ctx, query, gain, eps, fused, slots, *rows):
         first = rows[0]
         d = first.shape[-1]
         n_rows = first.numel() // d
@@ -585,7 +641,7 @@ class _MixtureFunction(torch.autograd.Function):
         args = (table, n_src, n_rows, d, True, False, False, one * eps, one, one / d)
         _launch(_forward, _forward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
         ctx.save_for_backward(query, gain, wzi, *rows)
-        ctx.fused = fused
+        ctx.fused, ctx.slots = fused, slots
         if fused:
             ctx.set_materialize_grads(False)
             return h, total
@@ -594,7 +650,7 @@ class _MixtureFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh, d_total=None):
         if dh is None and d_total is None:
-            return (None,) * (len(ctx.saved_tensors) + 1 + int(ctx.fused))  # every input: 4 + sources
+            return (None,) * (len(ctx.saved_tensors) + 2 + int(ctx.fused))  # every input: 5 + sources
         if torch.is_grad_enabled():  # create_graph=True: these gradients cannot be differentiated again; say so if asked
             return _mixture_backward_once(ctx, dh, d_total)
         return _mixture_backward(ctx, dh, d_total)
@@ -647,7 +703,7 @@ def depth_attn_numba(
     return (h, *outs[1:])
 
 
-def mixture(sources, query: torch.Tensor, gain: torch.Tensor | None, eps: float) -> torch.Tensor:
+def mixture(sources, query: torch.Tensor, gain: torch.Tensor | None, eps: float, slots=None) -> torch.Tensor:
     """The mixture alone, for a caller that already resolved this backend (the model's unhooked reads).
 
     Goes straight to a lean autograd op (one output, no options) when the sources are
@@ -656,23 +712,39 @@ def mixture(sources, query: torch.Tensor, gain: torch.Tensor | None, eps: float)
     :func:`depth_attn_numba`'s validated path (conversion, or a clear error). At the demo
     models' size the argument checks, options and dispatch this skips are a measurable part of
     a training step.
+
+    ``slots`` (the model's, one entry per source: None or a (:class:`GradSlot`, owner) pair)
+    lets the reads of a source sum its gradient inside their kernels; it needs the lean op.
     """
     if _plain(sources, query, gain):
-        return _MixtureFunction.apply(query, gain, float(eps), False, *sources)
+        return _MixtureFunction.apply(query, gain, float(eps), False, slots, *sources)
+    _no_slots(slots)
     return depth_attn_numba(sources, query, gain, eps)[0]  # checks everything; converts or explains
 
 
-def fused_mixture(sources, a: torch.Tensor, b: torch.Tensor, query: torch.Tensor, gain: torch.Tensor | None, eps: float):
+def fused_mixture(
+    sources, a: torch.Tensor, b: torch.Tensor, query: torch.Tensor, gain: torch.Tensor | None, eps: float, slots=None
+):
     """The mixture over ``[*sources, a + b]`` and the sum ``a + b``: a Block AttnRes read after
     a sublayer, whose partial-block sum (previous partial ``a`` plus the sublayer's output
     ``b``) the kernel forms as it reads it, instead of a separate add. Returns (mixture,
     a + b); gradients flow to every source, a, b, the query and the gain. Takes the lean op
     under :func:`mixture`'s conditions (a and b included), else adds and calls :func:`mixture`.
+    ``slots`` as for :func:`mixture`, the sum a + b counting as the last source.
     """
     if _plain([*sources, a, b], query, gain):
-        return _MixtureFunction.apply(query, gain, float(eps), True, *sources, a, b)
+        return _MixtureFunction.apply(query, gain, float(eps), True, slots, *sources, a, b)
+    _no_slots(slots)
     total = a + b
     return mixture([*sources, total], query, gain, eps), total
+
+
+def _no_slots(slots) -> None:
+    if slots is not None and any(s is not None for s in slots):
+        raise ValueError(
+            "gradient slots need the lean op's inputs: contiguous CPU sources of one shape and dtype "
+            "(float32 or float64), with a contiguous query and gain of that dtype"
+        )
 
 
 def _plain(sources, query: torch.Tensor, gain: torch.Tensor | None) -> bool:

@@ -111,3 +111,34 @@ def test_a_hooked_read_between_fused_ones_sees_its_ordinary_sources():
     torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=0)
     for a, b in zip(grads, grads_ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("residual, kw", [("full", {}), ("block", {"block_size": 2}), ("block", {"block_boundaries": [1, 4]})])
+def test_gradient_slots_sum_in_the_kernels_across_repeated_and_partial_backward_passes(residual, kw, monkeypatch):
+    """Reads of a shared source add its gradient inside their kernels (a spy sees accumulating
+    backward calls); a second backward over the same graph, and a backward after a partial
+    one (autograd.grad of one parameter), still give the reference's gradients."""
+    import attnres_probe.kernels.numba_depth_attn as nbk
+
+    accumulating = []
+    kernel = nbk._backward
+
+    def spy(table, n_src, *rest):
+        accumulating.append(int(table[2 * n_src + 8 : 3 * n_src + 8].sum()))
+        return kernel(table, n_src, *rest)
+
+    monkeypatch.setattr(nbk, "_backward", spy)
+    monkeypatch.setattr(nbk, "PARALLEL_MIN_ELEMENTS", 1 << 62)  # every call through the spied serial kernel
+    model = tiny_model(residual, n_layers=3, **kw)
+    tokens = sample_tokens(6, batch=2)
+    _, want = _loss_and_grads(_twin(model, backend="torch"), tokens)
+    fast = _twin(model, backend="numba")
+    params = list(fast.parameters())
+    loss = fast.loss(tokens)
+    mid = params[len(params) // 2]
+    torch.autograd.grad(loss, [mid], retain_graph=True)  # a partial pass: some owners do not run
+    for _ in range(2):
+        got = torch.autograd.grad(loss, params, retain_graph=True)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert sum(accumulating) > 0
