@@ -1,7 +1,7 @@
 """Training throughput of PreNorm vs Full AttnRes vs Block AttnRes, side by side in one run.
 
 One optimizer step (AdamW, forward + backward + clip + update) of each architecture is timed in
-turn, repeatedly (with Python's collector set up as in the trainer's loop, see
+turn (the order rotating from round to round), repeatedly (with Python's collector set up as in the trainer's loop, see
 ``attnres_probe.train.frozen_gc``), so that machine noise hits all three alike. The median step time gives
 tokens/s; the ratio to PreNorm is the median over rounds of each round's ratio (the steps of
 one round run back to back, so a slow spell of the shared machine cancels out of it). Target:
@@ -53,7 +53,7 @@ def make_step(size: str, residual: str):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=["demo", "large"], choices=list(SIZES))
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=24)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
@@ -68,8 +68,9 @@ def main(argv=None) -> int:
             fn()
         times: dict[str, list[float]] = {r: [] for r in RESIDUALS}
         with frozen_gc():  # as the trainer's loop runs
-            for _ in range(args.reps):
-                for r, (fn, _) in steps.items():
+            for rep in range(args.reps):
+                for r in RESIDUALS[rep % 3 :] + RESIDUALS[: rep % 3]:  # each model first, second, third in turn
+                    fn = steps[r][0]
                     t = time.perf_counter()
                     fn()
                     times[r].append(time.perf_counter() - t)
