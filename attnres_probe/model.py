@@ -251,7 +251,7 @@ class _Slots:
 
     def __init__(self, backend: str | None):
         self.on = backend == "numba" and torch.is_grad_enabled()
-        self.slots: list = []  # per shared source: a GradSlot, or False (its first reader was hooked)
+        self.shared: list = []  # per source already read: (its GradSlot, False), or None (no slot)
 
     def entries(self, n: int, mixer: DepthMixer, last: bool | None = None) -> list | None:
         """Entries for a read of the first ``n`` shared sources, then, unless ``last`` is
@@ -259,17 +259,18 @@ class _Slots:
         if not self.on:
             return None
         plain = mixer.plain
-        grow = n + int(bool(last))
-        from attnres_probe.kernels.numba_depth_attn import GradSlot
+        known = len(self.shared)
+        out = self.shared[:n]
+        for _ in range(known, n + int(bool(last))):  # sources read for the first time: this read owns them
+            if plain:
+                from attnres_probe.kernels.numba_depth_attn import GradSlot
 
-        out = []
-        for j in range(grow):
-            if j == len(self.slots):  # first read of this source
-                self.slots.append(GradSlot() if plain else False)
-                out.append((self.slots[j], True) if plain else None)
+                slot = GradSlot()
+                out.append((slot, True))
+                self.shared.append((slot, False))
             else:
-                slot = self.slots[j]
-                out.append((slot, False) if slot is not False else None)
+                out.append(None)
+                self.shared.append(None)
         if last is False:
             out.append(None)
         return out if plain else None
