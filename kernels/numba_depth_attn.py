@@ -43,6 +43,10 @@ Conventions and limits:
   its data pointer, so a list of S tensors is never stacked); others are copied once.
 - The gain is folded into the query inside the kernels, which also write the query and gain
   gradients, so a read is one autograd node and a handful of PyTorch calls.
+- For the model's unhooked reads (``mixture``, ``fused_mixture``) the same kernels also form
+  Block AttnRes's partial-block sum as they read it (``a + b`` as the last source), and sum a
+  shared source's gradient over its reads in place (``GradSlot``): the reads after the first
+  add into one buffer and the first hands the sum to autograd.
 - The kernels release the GIL. A call that touches at least ``PARALLEL_MIN_ELEMENTS`` source
   elements is split by token rows over Numba's threads (``prange``; up to
   ``torch.get_num_threads()`` ranges, each writing its own rows and its own float64 partial
