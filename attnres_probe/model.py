@@ -105,16 +105,11 @@ class DepthMixer(nn.Module):
         """query * gain, [d_model]."""
         return self.query * self.norm.weight
 
-    @property
-    def plain(self) -> bool:
-        """Whether nothing watches this read: no hook on its logits, weights or shares, and
-        none on the module itself (so the model may call :meth:`fused` in place of it)."""
-        return not (self.hooked or self._forward_hooks or self._forward_pre_hooks)
-
     def fused(self, sources: Sequence[torch.Tensor], partial: torch.Tensor, out: torch.Tensor, slots=None):
         """Block AttnRes on the Numba backend: (mixture over ``[*sources, partial + out]``,
         ``partial + out``), the partial-block sum formed by the read's kernel as it reads it.
-        For :attr:`plain` reads (hooks see the ordinary path); ``slots`` as for :meth:`forward`."""
+        The model uses it only while nothing watches it (see
+        :meth:`AttnResTransformer.unwatched`); ``slots`` as for :meth:`forward`."""
         from attnres_probe.kernels.numba_depth_attn import fused_mixture  # Numba loads on first use
 
         return fused_mixture(sources, partial, out, self.query, self.norm.weight, self.eps, slots)
@@ -242,38 +237,30 @@ def _sinusoidal(n_ctx: int, d: int) -> torch.Tensor:
 
 class _Slots:
     """Gradient slots of a forward's shared sources (Full: every source; Block: completed
-    blocks), for the unhooked reads on the Numba backend while autograd records.
-
-    A source's first reader owns its slot when that read is unhooked; a source first read by
-    a hooked read gets none (its gradients all go through autograd). See
-    :class:`~attnres_probe.kernels.numba_depth_attn.GradSlot`.
+    blocks), for the Numba reads of a model nothing watches, while autograd records. A
+    source's first reader owns its slot (see
+    :class:`~attnres_probe.kernels.numba_depth_attn.GradSlot`).
     """
 
-    def __init__(self, backend: str | None):
-        self.on = backend == "numba" and torch.is_grad_enabled()
-        self.shared: list = []  # per source already read: (its GradSlot, False), or None (no slot)
+    def __init__(self, on: bool):
+        self.on = on
+        self.shared: list = []  # per source already read: (its GradSlot, False)
 
-    def entries(self, n: int, mixer: DepthMixer, last: bool | None = None) -> list | None:
+    def entries(self, n: int, last: bool | None = None) -> list | None:
         """Entries for a read of the first ``n`` shared sources, then, unless ``last`` is
         None, one more source: not shared (False) or becoming shared with this read (True)."""
         if not self.on:
             return None
-        plain = mixer.plain
-        known = len(self.shared)
         out = self.shared[:n]
-        for _ in range(known, n + int(bool(last))):  # sources read for the first time: this read owns them
-            if plain:
-                from attnres_probe.kernels.numba_depth_attn import GradSlot
+        for _ in range(len(self.shared), n + int(bool(last))):  # read for the first time: this read owns them
+            from attnres_probe.kernels.numba_depth_attn import GradSlot
 
-                slot = GradSlot()
-                out.append((slot, True))
-                self.shared.append((slot, False))
-            else:
-                out.append(None)
-                self.shared.append(None)
+            slot = GradSlot()
+            out.append((slot, True))
+            self.shared.append((slot, False))
         if last is False:
             out.append(None)
-        return out if plain else None
+        return out
 
 
 class AttnResTransformer(HookedRootModule):
@@ -426,6 +413,24 @@ class AttnResTransformer(HookedRootModule):
         return check_token_ids(tokens, self.cfg.n_ctx, self.cfg.d_vocab, truncate).to(self.device)
 
     # -- forward -------------------------------------------------------------------------
+    def unwatched(self) -> bool:
+        """Whether nothing watches this model: no forward, pre-forward or backward hook on any of
+        its modules (hook points included) and no global module hook.
+
+        Only then does a forward on the Numba backend take its fast paths (Block AttnRes's
+        fused partial sums, gradients summed in the kernels): they assume the graph is the
+        model's own, every read's output reaching the loss, which a hook that replaces an
+        activation (patching, ablation) can undo. A watched model runs the ordinary reads.
+        """
+        from torch.nn.modules import module as nn_module
+
+        for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"):
+            if getattr(nn_module, name, None):
+                return False
+        return not any(
+            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in self.modules()
+        )
+
     def _resolve(self, v0: torch.Tensor) -> tuple[str, str]:
         backend = kernels.resolve_backend(v0.device, self.backend, dtypes=(v0.dtype,), d=self.cfg.d_model)
         schedule = self.schedule
@@ -473,15 +478,14 @@ class AttnResTransformer(HookedRootModule):
         cdt = kernels.reference.compute_dtype(v0)
         sources = [v0]
         inv = [kernels.inv_rms(v0, eps, cdt)] if cache else None
-        slots = _Slots(backend)
+        slots = _Slots(backend == "numba" and torch.is_grad_enabled() and self.unwatched())
         for _, block, which in self._sublayers():
-            mixer = block.mixer(which)
-            h = mixer(sources, inv, backend, slots.entries(len(sources), mixer))
+            h = block.mixer(which)(sources, inv, backend, slots.entries(len(sources)))
             out = block.sublayer(which, h)
             sources.append(out)
             if cache:
                 inv.append(kernels.inv_rms(out, eps, cdt))
-        return self.out_res(sources, inv, backend, slots.entries(len(sources), self.out_res))
+        return self.out_res(sources, inv, backend, slots.entries(len(sources)))
 
     def _forward_block(self, v0: torch.Tensor) -> torch.Tensor:
         backend, schedule = self._resolve(v0)
@@ -492,20 +496,19 @@ class AttnResTransformer(HookedRootModule):
         blocks = [v0]
         inv = [kernels.inv_rms(v0, eps, cdt)] if cache else None
         partial: torch.Tensor | None = None
-        # Numba, sequential: the partial-block sum partial + out is left to the next read,
-        # whose kernel forms it as it reads it (one op instead of an add and a read).
-        fuse = backend == "numba" and schedule == "sequential"
+        # Numba, sequential, nothing watching: the partial-block sum partial + out is left to
+        # the next read, whose kernel forms it as it reads it (one op instead of an add and a
+        # read), and the completed blocks' gradients are summed in the kernels (slots).
+        fuse = backend == "numba" and schedule == "sequential" and self.unwatched()
         pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (partial, out), not yet added
         phase: dict[int, tuple] = {}  # two-phase: read -> (o_bar, lse, weights or None)
-        slots = _Slots(backend if schedule == "sequential" else None)  # completed blocks' gradient slots
+        slots = _Slots(fuse and torch.is_grad_enabled())
         for l, block, which in self._sublayers():
             mixer = block.mixer(which)
             complete = l in starts and l > 0  # the previous block is complete
-            if pending is not None and not mixer.plain:  # a hooked read sees ordinary sources
-                partial, pending = pending[0] + pending[1], None
             if pending is not None:
                 # the sum becomes a completed block when this read starts a new block
-                h, partial = mixer.fused(blocks, *pending, slots.entries(len(blocks), mixer, last=complete))
+                h, partial = mixer.fused(blocks, *pending, slots.entries(len(blocks), last=complete))
                 pending = None
                 if complete:
                     blocks.append(partial)
@@ -518,12 +521,12 @@ class AttnResTransformer(HookedRootModule):
                     partial = None
                 if schedule == "sequential":
                     if partial is None:
-                        h = mixer(blocks, inv, backend, slots.entries(len(blocks), mixer))
+                        h = mixer(blocks, inv, backend, slots.entries(len(blocks)))
                     else:
                         p_inv = [kernels.inv_rms(partial, eps, cdt)] if cache else None
                         h = mixer(
                             [*blocks, partial], inv + p_inv if cache else None, backend,
-                            slots.entries(len(blocks), mixer, last=False),
+                            slots.entries(len(blocks), last=False),
                         )
                 else:
                     if l in starts:
@@ -536,14 +539,12 @@ class AttnResTransformer(HookedRootModule):
                 partial, pending = None, (partial, out)
             else:
                 partial = partial + out
-        if pending is not None and self.out_res.plain:
-            return self.out_res.fused(blocks, *pending, slots.entries(len(blocks), self.out_res, last=False))[0]
         if pending is not None:
-            partial = pending[0] + pending[1]
+            return self.out_res.fused(blocks, *pending, slots.entries(len(blocks), last=False))[0]
         blocks.append(partial)
         if cache:
             inv.append(kernels.inv_rms(partial, eps, cdt))
-        return self.out_res(blocks, inv, backend, slots.entries(len(blocks), self.out_res))
+        return self.out_res(blocks, inv, backend, slots.entries(len(blocks)))
 
     def _phase1(self, start: int, blocks, inv, backend) -> dict[int, tuple]:
         """Two-phase schedule, phase 1: every read of the block starting at ``start`` at once."""

@@ -544,24 +544,24 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
 
 
 class GradSlot:
-    """One source's gradient, shared by the model's unhooked Numba reads of that source.
+    """One source's gradient, shared by the Numba reads of that source in a model nothing
+    watches (see ``AttnResTransformer.unwatched``).
 
     The read that mixes the source first (in the forward) owns the slot. In the backward,
     every later read adds its gradient for the source into the slot's buffer inside its
     kernel and gives autograd nothing for it; the owner runs last (every later read depends
     on its output), adds its own and returns the sum. That replaces a fresh buffer per read
-    and autograd's add for every later read with one accumulation in the kernels. A buffer
-    belongs to the autograd pass that started it, so another backward over the same graph
-    starts afresh; a read that runs after the owner in the same pass (which the model's
+    and autograd's add for every later read with one accumulation in the kernels. Buffers are
+    kept per autograd pass, so repeated, partial and concurrent backward passes over one
+    graph do not mix; a read that runs after the owner in the same pass (which the model's
     graphs do not produce) returns its gradient to autograd as usual.
     """
 
-    __slots__ = ("grad", "task", "closed")
+    __slots__ = ("grads", "closed")
 
     def __init__(self) -> None:
-        self.grad: torch.Tensor | None = None
-        self.task: int | None = None  # the pass whose gradient is in ``grad``
-        self.closed: int | None = None  # the last pass whose owner has run
+        self.grads: dict[int, torch.Tensor] = {}  # autograd pass -> the gradient summed so far
+        self.closed: set[int] = set()  # passes whose owner has run
 
 
 def _mixture_backward(ctx, dh, d_total=None):
@@ -580,17 +580,21 @@ def _mixture_backward(ctx, dh, d_total=None):
         task = torch._C._current_graph_task_id()
         for entry in slots:
             slot, owner = entry if entry is not None else (None, False)
-            held = slot is not None and slot.task == task and slot.grad is not None
-            buf = slot.grad if held else torch.empty_like(first)
-            dv.append(buf)
-            add.append(int(held))
-            if slot is None or slot.closed == task:  # no slot, or its owner already ran: autograd adds
+            if slot is None or task in slot.closed:  # no slot, or its owner already ran: autograd adds
+                buf = torch.empty_like(first)
+                dv.append(buf)
+                add.append(0)
                 grads.append(buf)
-            elif owner:  # every later read has added its share: hand the sum to autograd
-                slot.grad, slot.task, slot.closed = None, None, task
+                continue
+            held = slot.grads.pop(task, None)
+            buf = torch.empty_like(first) if held is None else held
+            dv.append(buf)
+            add.append(int(held is not None))
+            if owner:  # every later read has added its share: hand the sum to autograd
+                slot.closed.add(task)
                 grads.append(buf)
             else:
-                slot.grad, slot.task = buf, task
+                slot.grads[task] = buf
                 grads.append(None)
     dqg = torch.empty((2, d), dtype=query.dtype)
     extra = None if d_total is None else d_total.contiguous()
@@ -653,7 +657,7 @@ class _MixtureFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh, d_total=None):
-        if dh is None and d_total is None:
+        if dh is None and d_total is None and ctx.slots is None:
             return (None,) * (len(ctx.saved_tensors) + 2 + int(ctx.fused))  # every input: 5 + sources
         if torch.is_grad_enabled():  # create_graph=True: these gradients cannot be differentiated again; say so if asked
             return _mixture_backward_once(ctx, dh, d_total)
@@ -710,9 +714,10 @@ def depth_attn_numba(
 def mixture(sources, query: torch.Tensor, gain: torch.Tensor | None, eps: float, slots=None) -> torch.Tensor:
     """The mixture alone, for a caller that already resolved this backend (the model's unhooked reads).
 
-    Goes straight to a lean autograd op (one output, no options) when the sources are
-    contiguous CPU tensors of one shape [*batch, d] and the query and gain contiguous [d], all
-    in one dtype (float32 or float64), as a model's are; anything else (no gain included) takes
+    Goes straight to a lean autograd op (one output, no options) when the sources are CPU
+    tensors of one shape [*batch, d] (strided ones are copied) and the query and gain
+    contiguous [d], all in one dtype (float32 or float64), as a model's are; anything else (no
+    gain included) takes
     :func:`depth_attn_numba`'s validated path (conversion, or a clear error). At the demo
     models' size the argument checks, options and dispatch this skips are a measurable part of
     a training step.
@@ -721,7 +726,8 @@ def mixture(sources, query: torch.Tensor, gain: torch.Tensor | None, eps: float,
     lets the reads of a source sum its gradient inside their kernels; it needs the lean op.
     """
     if _plain(sources, query, gain):
-        return _MixtureFunction.apply(query, gain, float(eps), False, slots, *sources)
+        _check_slots(slots, len(sources))
+        return _MixtureFunction.apply(query, gain, float(eps), False, slots, *[s.contiguous() for s in sources])
     _no_slots(slots)
     return depth_attn_numba(sources, query, gain, eps)[0]  # checks everything; converts or explains
 
@@ -737,23 +743,30 @@ def fused_mixture(
     ``slots`` as for :func:`mixture`, the sum a + b counting as the last source.
     """
     if _plain([*sources, a, b], query, gain):
-        return _MixtureFunction.apply(query, gain, float(eps), True, slots, *sources, a, b)
+        _check_slots(slots, len(sources) + 1)
+        srcs = [s.contiguous() for s in (*sources, a, b)]
+        return _MixtureFunction.apply(query, gain, float(eps), True, slots, *srcs)
     _no_slots(slots)
     total = a + b
     return mixture([*sources, total], query, gain, eps), total
 
 
+def _check_slots(slots, n_src: int) -> None:
+    if slots is not None and len(slots) != n_src:
+        raise ValueError(f"slots has {len(slots)} entries for {n_src} sources (a + b counts as one); give one per source")
+
+
 def _no_slots(slots) -> None:
     if slots is not None and any(s is not None for s in slots):
         raise ValueError(
-            "gradient slots need the lean op's inputs: contiguous CPU sources of one shape and dtype "
-            "(float32 or float64), with a contiguous query and gain of that dtype"
+            "gradient slots need the lean op's inputs: CPU sources of one shape and dtype "
+            "(float32 or float64), with a query and gain [d] of that dtype"
         )
 
 
 def _plain(sources, query: torch.Tensor, gain: torch.Tensor | None) -> bool:
-    """Whether the lean op takes these inputs as they are: contiguous CPU sources of one shape
-    [*batch, d], a contiguous query and gain [d], all float32 or all float64."""
+    """Whether the lean op takes these inputs: CPU sources of one shape [*batch, d] (made
+    contiguous), a contiguous query and gain [d], all float32 or all float64."""
     dt = query.dtype
     shape = sources[0].shape
     return (
@@ -765,7 +778,7 @@ def _plain(sources, query: torch.Tensor, gain: torch.Tensor | None) -> bool:
         and gain.is_contiguous()
         and query.is_cpu
         and gain.is_cpu
-        and all(s.dtype == dt and s.shape == shape and s.is_contiguous() and s.is_cpu for s in sources)
+        and all(s.dtype == dt and s.shape == shape and s.is_cpu for s in sources)
     )
 
 

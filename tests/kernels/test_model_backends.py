@@ -92,25 +92,82 @@ def test_the_numba_training_path_gives_the_references_loss_and_every_gradient(re
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_a_hooked_read_between_fused_ones_sees_its_ordinary_sources():
-    """With a hook on one Block AttnRes read (and a module hook on another), those reads take
-    the ordinary path (the pending partial sum is added first) and the rest stay fused; the
-    hooks see the reference's weights and the gradients are the reference's."""
+def _grads_by_name(model: AttnResTransformer, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters())
+    grads = torch.autograd.grad(model.loss(tokens), list(params.values()), allow_unused=True)
+    return {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(params.items(), grads)}
+
+
+HOOKS = {
+    "detach": lambda x, hook: x.detach(),  # patching: the read before it no longer reaches the loss
+    "zero": lambda x, hook: torch.zeros_like(x),
+    "mean": lambda x, hook: x.mean(1, keepdim=True).expand_as(x),  # mean ablation: a strided source
+}
+
+
+@pytest.mark.parametrize("hook", sorted(HOOKS))
+@pytest.mark.parametrize("where", ["blocks.0.hook_mlp_out", "blocks.1.hook_resid_pre", "blocks.1.hook_attn_out"])
+@pytest.mark.parametrize("residual, kw", [("full", {}), ("block", {"block_size": 1}), ("block", {"block_size": 2}), ("block", {"block_size": 3})])
+def test_hooks_that_replace_activations_give_the_references_gradients(residual, kw, where, hook):
+    """A hooked model takes the ordinary reads (no fused sums, no gradient slots): activation
+    patching and ablation give the reference's gradients on every parameter."""
+    model = tiny_model(residual, n_layers=3, **kw)
+    tokens = sample_tokens(6, batch=2)
+    grads = {}
+    for backend in ("torch", "numba"):
+        m = _twin(model, backend=backend)
+        dict(m.named_modules())[where].add_hook(HOOKS[hook])
+        assert not m.unwatched()
+        grads[backend] = _grads_by_name(m, tokens)
+    for name, want in grads["torch"].items():
+        torch.testing.assert_close(grads["numba"][name], want, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_module_backward_hooks_see_every_read_and_unwatched_follows_the_hooks():
     model = tiny_model("block", n_layers=3, block_size=3)
     tokens = sample_tokens(6, batch=2)
-    seen = {}
-    ref = _twin(model, backend="torch")
     fast = _twin(model, backend="numba")
-    for name, m in (("ref", ref), ("fast", fast)):
-        m.blocks[1].mlp_res.hook_weights.add_hook(lambda w, hook, name=name: seen.__setitem__(name, w.detach().clone()))
-        m.blocks[2].attn_res.register_forward_hook(lambda mod, args, out: None)
-    assert not fast.blocks[1].mlp_res.plain and not fast.blocks[2].attn_res.plain and fast.blocks[2].mlp_res.plain
-    loss_ref, grads_ref = _loss_and_grads(ref, tokens)
-    loss, grads = _loss_and_grads(fast, tokens)
-    torch.testing.assert_close(seen["fast"], seen["ref"], atol=ATOL, rtol=0, equal_nan=True)
-    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=0)
-    for a, b in zip(grads, grads_ref):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert fast.unwatched()
+    seen = []
+    for i, mixer in enumerate(fast.mixers):
+        mixer.register_full_backward_hook(lambda mod, gin, gout, i=i: seen.append(i))
+    assert not fast.unwatched()
+    fast.loss(tokens).backward()
+    assert sorted(seen) == list(range(len(fast.mixers)))
+    for mixer in fast.mixers:
+        mixer._backward_hooks.clear()
+    assert fast.unwatched()
+    fast.blocks[0].hook_attn_out.add_hook(lambda x, hook: x)
+    assert not fast.unwatched()
+    fast.reset_hooks()
+    assert fast.unwatched()
+
+
+@pytest.mark.parametrize("residual", ["full", "block"])
+def test_two_threads_backpropagating_one_graph_get_the_references_gradients(residual):
+    """Gradient slots keep one buffer per autograd pass: concurrent passes do not mix."""
+    import threading
+
+    model = tiny_model(residual, n_layers=3, **({"block_size": 2} if residual == "block" else {}))
+    tokens = sample_tokens(12, batch=8)
+    _, want = _loss_and_grads(_twin(model, backend="torch"), tokens)
+    fast = _twin(model, backend="numba")
+    params = list(fast.parameters())
+    for _ in range(3):
+        loss = fast.loss(tokens)
+        results: list = [None, None]
+
+        def work(i: int) -> None:
+            results[i] = torch.autograd.grad(loss, params, retain_graph=True)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for got in results:
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("residual, kw", [("full", {}), ("block", {"block_size": 2}), ("block", {"block_boundaries": [1, 4]})])

@@ -311,3 +311,15 @@ def test_the_fused_read_takes_the_plain_path_for_other_layouts_and_refuses_bad_i
     assert torch.equal(total, a + sources[1])
     with pytest.raises(ValueError, match="float32 or float64"):
         fused_mixture([s.half() for s in sources[:2].unbind(0)], a.half(), a.half(), query.half(), gain.half(), 1e-6)
+
+
+def test_gradient_slots_must_match_the_sources():
+    from attnres_probe.kernels.numba_depth_attn import GradSlot, fused_mixture, mixture
+
+    sources, query, gain = _inputs(3, 16)
+    with pytest.raises(ValueError, match="slots has 1 entries for 3 sources"):
+        mixture(list(sources.unbind(0)), query, gain, 1e-6, slots=[None])
+    with pytest.raises(ValueError, match="slots has 3 entries for 2 sources"):
+        fused_mixture([sources[0]], sources[1], sources[2], query, gain, 1e-6, slots=[None, None, (GradSlot(), True)])
+    with pytest.raises(ValueError, match="gradient slots need"):
+        mixture([s.double() for s in sources.unbind(0)], query, gain, 1e-6, slots=[(GradSlot(), True), None, None])
