@@ -427,9 +427,10 @@ class AttnResTransformer(HookedRootModule):
         for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"):
             if getattr(nn_module, name, None):
                 return False
-        return not any(
-            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in self.modules()
-        )
+        for m in (self, *self.mod_dict.values()):  # every submodule, listed by setup() (modules() is 3x slower)
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+                return False
+        return True
 
     def _resolve(self, v0: torch.Tensor) -> tuple[str, str]:
         backend = kernels.resolve_backend(v0.device, self.backend, dtypes=(v0.dtype,), d=self.cfg.d_model)
