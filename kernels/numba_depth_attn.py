@@ -727,7 +727,9 @@ def mixture(sources, query: torch.Tensor, gain: torch.Tensor | None, eps: float,
     """
     if _plain(sources, query, gain):
         _check_slots(slots, len(sources))
-        return _MixtureFunction.apply(query, gain, float(eps), False, slots, *[s.contiguous() for s in sources])
+        if not all(s.is_contiguous() for s in sources):
+            sources = [s.contiguous() for s in sources]
+        return _MixtureFunction.apply(query, gain, float(eps), False, slots, *sources)
     _no_slots(slots)
     return depth_attn_numba(sources, query, gain, eps)[0]  # checks everything; converts or explains
 
@@ -742,9 +744,11 @@ def fused_mixture(
     under :func:`mixture`'s conditions (a and b included), else adds and calls :func:`mixture`.
     ``slots`` as for :func:`mixture`, the sum a + b counting as the last source.
     """
-    if _plain([*sources, a, b], query, gain):
+    srcs = [*sources, a, b]
+    if _plain(srcs, query, gain):
         _check_slots(slots, len(sources) + 1)
-        srcs = [s.contiguous() for s in (*sources, a, b)]
+        if not all(s.is_contiguous() for s in srcs):
+            srcs = [s.contiguous() for s in srcs]
         return _MixtureFunction.apply(query, gain, float(eps), True, slots, *srcs)
     _no_slots(slots)
     total = a + b
