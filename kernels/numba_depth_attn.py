@@ -438,9 +438,9 @@ def _backward_parallel(table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_
     _finish_dq(table, n_src, d, has_gain, one, dq[0])
 
 
-def _table(tensors) -> np.ndarray:
-    """Addresses of tensors (0 for None), for a kernel's pointer table."""
-    return np.array([0 if t is None else t.data_ptr() for t in tensors], dtype=np.int64)
+def _table(tensors, flags=()) -> np.ndarray:
+    """Addresses of tensors (0 for None), then ``flags``, for a kernel's pointer table."""
+    return np.array([0 if t is None else t.data_ptr() for t in tensors] + list(flags), dtype=np.int64)
 
 
 # Calls that touch at least this many source elements run on Numba's threads (row ranges
@@ -477,6 +477,32 @@ def _launch(serial, parallel, args: tuple, n_chunks: int) -> None:
 _ONE = {torch.float32: np.float32(1), torch.float64: np.float64(1)}
 
 
+def _run_forward(rows, query, gain, eps: float, h, lse, wzi, c, add=(None, None)) -> None:
+    """The forward kernel over every row, with :func:`_forward_rows`'s table: sources, query,
+    gain, h, lse, wzi, c, then the fused sum's a and b (None: not fused; the sum's buffer is
+    the last source). None marks an output not wanted."""
+    first = rows[0]
+    d, n_src = first.shape[-1], len(rows)
+    n_rows = first.numel() // d
+    one = _ONE[query.dtype]
+    table = _table([*rows, query, gain, h, lse, wzi, c, *add])
+    args = (table, n_src, n_rows, d, gain is not None, lse is not None, c is not None, one * eps, one, one / d)
+    _launch(_forward, _forward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
+
+
+def _run_backward(rows, query, gain, wzi, dh, dlse, dw, dv, dqg, extra=None, add=None) -> None:
+    """The backward kernel over every row, with :func:`_backward_rows`'s table: sources, query,
+    gain, wzi, the upstream dh/dlse/dw (None: absent), the outputs dv, dqg [2, d], the gradient
+    ``extra`` added into the last source's, then per source whether dv_i is added to (``add``)."""
+    first = rows[0]
+    d, n_src = first.shape[-1], len(rows)
+    n_rows = first.numel() // d
+    one = _ONE[query.dtype]
+    table = _table([*rows, query, gain, wzi, dh, dlse, dw, *dv, dqg, extra], add or [0] * n_src)
+    flags = (gain is not None, dh is not None, dlse is not None, dw is not None)
+    _launch(_backward, _backward_parallel, (table, n_src, n_rows, d, *flags, one, one / d), _n_chunks(n_rows, n_rows * n_src * d))
+
+
 class DepthAttnNumbaFunction(torch.autograd.Function):
     """Autograd join of the Numba forward and backward.
 
@@ -493,18 +519,12 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, gain, eps, return_lse, return_weights, return_contrib, *rows):
         first = rows[0]
-        batch, d = first.shape[:-1], first.shape[-1]
-        n_rows, n_src = first.numel() // d, len(rows)
-        dt = query.dtype
-        one = _ONE[dt]
+        batch, n_src, dt = first.shape[:-1], len(rows), query.dtype
         h = torch.empty_like(first)
         lse = torch.empty(batch, dtype=dt) if return_lse else None
         wzi = torch.empty((3, *batch, n_src), dtype=dt)  # weights, logits, inverse RMS
         c = torch.empty((*batch, n_src), dtype=dt) if return_contrib else None
-        table = _table([*rows, query, gain, h, lse, wzi, c, None, None])
-        flags = (gain is not None, bool(return_lse), bool(return_contrib))
-        args = (table, n_src, n_rows, d, *flags, one * eps, one, one / d)
-        _launch(_forward, _forward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
+        _run_forward(rows, query, gain, eps, h, lse, wzi, c)
         ctx.save_for_backward(query, gain, wzi, *rows)
         ctx.set_materialize_grads(False)
         ctx.return_lse, ctx.return_weights = return_lse, return_weights
@@ -527,20 +547,13 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         if dh is None and dlse is None and dw is None:
             return (None,) * (6 + len(rows))
         first = rows[0]
-        d, n_src = first.shape[-1], len(rows)
-        n_rows = first.numel() // d
-        dt = query.dtype
-        one = _ONE[dt]
         # one buffer per source: autograd can then accumulate into it in place (views of one
         # shared buffer would force an out-of-place add for every later read of the source)
-        dv = [torch.empty_like(first) for _ in range(n_src)]
-        d_query, d_gain = torch.empty((2, d), dtype=dt).unbind(0)  # written by the kernel
+        dv = [torch.empty_like(first) for _ in rows]
+        dqg = torch.empty((2, first.shape[-1]), dtype=query.dtype)  # written by the kernel
         up = [None if t is None else t.contiguous() for t in (dh, dlse, dw)]
-        table = _table([*rows, query, gain, wzi, *up, *dv, d_query, None, *[None] * n_src])
-        flags = tuple(t is not None for t in up)
-        args = (table, n_src, n_rows, d, gain is not None, *flags, one, one / d)
-        _launch(_backward, _backward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
-        return (d_query, None if gain is None else d_gain, None, None, None, None, *dv)
+        _run_backward(rows, query, gain, wzi, *up, dv, dqg)
+        return (dqg[0], None if gain is None else dqg[1], None, None, None, None, *dv)
 
 
 class GradSlot:
@@ -567,14 +580,11 @@ class GradSlot:
 def _mixture_backward(ctx, dh, d_total=None):
     query, gain, wzi, *rows = ctx.saved_tensors
     first = rows[0]
-    d, n_src = first.shape[-1], len(rows)
-    n_rows = first.numel() // d
-    one = _ONE[query.dtype]
     dh = torch.zeros_like(first) if dh is None else dh.contiguous()
     slots = ctx.slots
     if slots is None:
-        dv = [torch.empty_like(first) for _ in range(n_src)]  # one buffer per source (see DepthAttnNumbaFunction)
-        add, grads = [0] * n_src, dv
+        dv = [torch.empty_like(first) for _ in rows]  # one buffer per source (see DepthAttnNumbaFunction)
+        add, grads = None, dv
     else:
         dv, add, grads = [], [], []
         task = torch._C._current_graph_task_id()
@@ -596,17 +606,9 @@ def _mixture_backward(ctx, dh, d_total=None):
             else:
                 slot.grads[task] = buf
                 grads.append(None)
-    dqg = torch.empty((2, d), dtype=query.dtype)
+    dqg = torch.empty((2, first.shape[-1]), dtype=query.dtype)
     extra = None if d_total is None else d_total.contiguous()
-    table = np.array(
-        [*[r.data_ptr() for r in rows], query.data_ptr(), gain.data_ptr(), wzi.data_ptr(), dh.data_ptr(), 0, 0]
-        + [t.data_ptr() for t in dv]
-        + [dqg.data_ptr(), 0 if extra is None else extra.data_ptr()]
-        + add,
-        dtype=np.int64,
-    )
-    args = (table, n_src, n_rows, d, True, True, False, False, one, one / d)
-    _launch(_backward, _backward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
+    _run_backward(rows, query, gain, wzi, dh, None, None, dv, dqg, extra, add)
     if ctx.fused:  # the last source is a + b: both get its gradient
         return (dqg[0], dqg[1], None, None, None, *grads, grads[-1])
     return (dqg[0], dqg[1], None, None, None, *grads)
@@ -631,23 +633,13 @@ class _MixtureFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, gain, eps, fused, slots, *rows):
         first = rows[0]
-        d = first.shape[-1]
-        n_rows = first.numel() // d
-        one = _ONE[query.dtype]
+        add = (None, None)
         if fused:
             total = torch.empty_like(first)
-            add = [rows[-2].data_ptr(), rows[-1].data_ptr()]
-            rows = (*rows[:-2], total)
-        n_src = len(rows)
+            add, rows = rows[-2:], (*rows[:-2], total)
         h = torch.empty_like(first)
-        wzi = torch.empty((3, n_rows, n_src), dtype=query.dtype)  # weights, logits, inverse RMS
-        table = np.array(
-            [*[r.data_ptr() for r in rows], query.data_ptr(), gain.data_ptr(), h.data_ptr(), 0, wzi.data_ptr(), 0]
-            + (add if fused else [0, 0]),
-            dtype=np.int64,
-        )
-        args = (table, n_src, n_rows, d, True, False, False, one * eps, one, one / d)
-        _launch(_forward, _forward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
+        wzi = torch.empty((3, first.numel() // first.shape[-1], len(rows)), dtype=query.dtype)  # weights, logits, inverse RMS
+        _run_forward(rows, query, gain, eps, h, None, wzi, None, add)
         ctx.save_for_backward(query, gain, wzi, *rows)
         ctx.fused, ctx.slots = fused, slots
         if fused:
