@@ -34,9 +34,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * self.weight).to(x.dtype)
+        return kernels.reference.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -105,14 +103,14 @@ class DepthMixer(nn.Module):
         """query * gain, [d_model]."""
         return self.query * self.norm.weight
 
-    def fused(self, sources: Sequence[torch.Tensor], partial: torch.Tensor, out: torch.Tensor, slots=None):
+    def fused(self, sources: Sequence[torch.Tensor], partial: torch.Tensor, out: torch.Tensor, slots=None, norm=None):
         """Block AttnRes on the Numba backend: (mixture over ``[*sources, partial + out]``,
         ``partial + out``), the partial-block sum formed by the read's kernel as it reads it.
         The model uses it only while nothing watches it (see
-        :meth:`AttnResTransformer.unwatched`); ``slots`` as for :meth:`forward`."""
+        :meth:`AttnResTransformer.unwatched`); ``slots`` and ``norm`` as for :meth:`forward`."""
         from attnres_probe.kernels.numba_depth_attn import fused_mixture  # Numba loads on first use
 
-        return fused_mixture(sources, partial, out, self.query, self.norm.weight, self.eps, slots)
+        return fused_mixture(sources, partial, out, self.query, self.norm.weight, self.eps, slots, _norm_args(norm))
 
     @property
     def hooked(self) -> bool:
@@ -125,17 +123,22 @@ class DepthMixer(nn.Module):
         inv_rms_cache: Sequence[torch.Tensor] | None = None,
         backend: str | None = None,
         slots: Sequence | None = None,
+        norm: RMSNorm | None = None,
     ) -> torch.Tensor:
         """Mix ``sources`` (k tensors [batch, pos, d], columns 0..k-1) into [batch, pos, d].
 
         ``slots``: the model's gradient slots for an unhooked read on the Numba backend (see
         :class:`~attnres_probe.kernels.numba_depth_attn.GradSlot`); ignored otherwise.
+        ``norm``: the next sublayer's pre-norm, returned applied to the mixture (``norm(h)``);
+        an unhooked read on the Numba backend applies it in its kernel.
         """
         hooked = self.hooked
         if backend == "numba" and not hooked:  # the model resolved the backend: the op directly
             from attnres_probe.kernels.numba_depth_attn import mixture  # Numba loads on first use
 
-            return mixture(sources, self.query, self.norm.weight, self.eps, slots)
+            return mixture(sources, self.query, self.norm.weight, self.eps, slots, _norm_args(norm))
+        if norm is not None:
+            return norm(self(sources, inv_rms_cache, backend))
         want_contrib = bool(self.hook_contrib._forward_hooks)
         out = kernels.depth_attn(
             sources,
@@ -195,6 +198,10 @@ class DepthMixer(nn.Module):
         return mix
 
 
+def _norm_args(norm: RMSNorm | None) -> tuple[torch.Tensor, float] | None:
+    return None if norm is None else (norm.weight, norm.eps)
+
+
 class TransformerBlock(nn.Module):
     """Attention then MLP, each reading a mixed input through pre-norm.
 
@@ -221,6 +228,14 @@ class TransformerBlock(nn.Module):
         if which == 0:
             return self.hook_attn_out(self.attn(self.ln1(self.hook_resid_pre(h))))
         return self.hook_mlp_out(self.mlp(self.ln2(self.hook_resid_mid(h))))
+
+    def normed_sublayer(self, which: int, x: torch.Tensor) -> torch.Tensor:
+        """Sublayer ``which`` on an input already pre-normed (``ln(which)`` applied): the
+        model's fused path, taken only while nothing watches it, so no hook point is called."""
+        return self.attn(x) if which == 0 else self.mlp(x)
+
+    def ln(self, which: int) -> RMSNorm:
+        return self.ln1 if which == 0 else self.ln2
 
     def mixer(self, which: int) -> DepthMixer:
         return self.attn_res if which == 0 else self.mlp_res
@@ -451,45 +466,68 @@ class AttnResTransformer(HookedRootModule):
         """Logits [batch, pos, d_vocab] for tokens [batch, pos] (or [pos], or a str)."""
         tokens = self.check_tokens(tokens, truncate=truncate)
         v0 = self.embed(tokens)
+        backend, schedule = self._resolve(v0)
         mode = self.cfg.residual
+        # Numba backend, nothing watching: each sublayer's pre-norm (and ln_final) is applied
+        # by the op that forms its input, a read or PreNorm's residual add, in one kernel.
+        fast = backend == "numba" and self.unwatched()
         if mode == "prenorm":
-            h = self._forward_prenorm(v0)
+            x = self._forward_prenorm(v0, fast)
         elif mode == "full":
-            h = self._forward_full(v0)
+            x = self._forward_full(v0, backend, fast)
         else:
-            h = self._forward_block(v0)
-        h = self.hook_resid_final(h)
-        return self.ln_final(h) @ self.W_U
+            x = self._forward_block(v0, backend, schedule, fast)
+        return x @ self.W_U
+
+    def _final(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ln_final(self.hook_resid_final(h))
 
     def _sublayers(self):
         for i, block in enumerate(self.blocks):
             yield 2 * i, block, 0
             yield 2 * i + 1, block, 1
 
-    def _forward_prenorm(self, v0: torch.Tensor) -> torch.Tensor:
+    def _next_norm(self, l: int) -> RMSNorm:
+        """The pre-norm of sublayer l (ln_final after the last)."""
+        return self.ln_final if l == self.cfg.n_sublayers else self.blocks[l // 2].ln(l % 2)
+
+    def _forward_prenorm(self, v0: torch.Tensor, fast: bool) -> torch.Tensor:
+        if fast:
+            from attnres_probe.kernels.numba_depth_attn import add_rms_norm  # Numba loads on first use
+
+            resid, ln = v0, self.blocks[0].ln1
+            x = add_rms_norm(v0, None, ln.weight, ln.eps)
+            for l, block, which in self._sublayers():
+                ln = self._next_norm(l + 1)
+                resid, x = add_rms_norm(resid, block.normed_sublayer(which, x), ln.weight, ln.eps)
+            return x
         resid = v0
         for _, block, which in self._sublayers():
             resid = resid + block.sublayer(which, resid)
-        return resid
+        return self._final(resid)
 
-    def _forward_full(self, v0: torch.Tensor) -> torch.Tensor:
-        backend, _ = self._resolve(v0)
+    def _forward_full(self, v0: torch.Tensor, backend: str, fast: bool) -> torch.Tensor:
         eps = self.cfg.norm_eps
         cache = backend == "torch"  # the reference reuses each source's 1/rms across reads
         cdt = kernels.reference.compute_dtype(v0)
         sources = [v0]
         inv = [kernels.inv_rms(v0, eps, cdt)] if cache else None
-        slots = _Slots(backend == "numba" and torch.is_grad_enabled() and self.unwatched())
-        for _, block, which in self._sublayers():
-            h = block.mixer(which)(sources, inv, backend, slots.entries(len(sources)))
-            out = block.sublayer(which, h)
+        slots = _Slots(fast and torch.is_grad_enabled())
+        for l, block, which in self._sublayers():
+            mixer = block.mixer(which)
+            if fast:
+                x = mixer(sources, None, backend, slots.entries(len(sources)), norm=self._next_norm(l))
+                out = block.normed_sublayer(which, x)
+            else:
+                out = block.sublayer(which, mixer(sources, inv, backend))
             sources.append(out)
             if cache:
                 inv.append(kernels.inv_rms(out, eps, cdt))
-        return self.out_res(sources, inv, backend, slots.entries(len(sources)))
+        if fast:
+            return self.out_res(sources, None, backend, slots.entries(len(sources)), norm=self.ln_final)
+        return self._final(self.out_res(sources, inv, backend))
 
-    def _forward_block(self, v0: torch.Tensor) -> torch.Tensor:
-        backend, schedule = self._resolve(v0)
+    def _forward_block(self, v0: torch.Tensor, backend: str, schedule: str, fast: bool) -> torch.Tensor:
         eps = self.cfg.norm_eps
         cache = backend == "torch"
         cdt = kernels.reference.compute_dtype(v0)
@@ -497,19 +535,21 @@ class AttnResTransformer(HookedRootModule):
         blocks = [v0]
         inv = [kernels.inv_rms(v0, eps, cdt)] if cache else None
         partial: torch.Tensor | None = None
-        # Numba, sequential, nothing watching: the partial-block sum partial + out is left to
+        # The fast path (sequential schedule): the partial-block sum partial + out is left to
         # the next read, whose kernel forms it as it reads it (one op instead of an add and a
-        # read), and the completed blocks' gradients are summed in the kernels (slots).
-        fuse = backend == "numba" and schedule == "sequential" and self.unwatched()
+        # read), the completed blocks' gradients are summed in the kernels (slots), and each
+        # read returns its sublayer's pre-normed input.
+        fast = fast and schedule == "sequential"
         pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (partial, out), not yet added
         phase: dict[int, tuple] = {}  # two-phase: read -> (o_bar, lse, weights or None)
-        slots = _Slots(fuse and torch.is_grad_enabled())
+        slots = _Slots(fast and torch.is_grad_enabled())
         for l, block, which in self._sublayers():
             mixer = block.mixer(which)
+            norm = self._next_norm(l) if fast else None
             complete = l in starts and l > 0  # the previous block is complete
             if pending is not None:
                 # the sum becomes a completed block when this read starts a new block
-                h, partial = mixer.fused(blocks, *pending, slots.entries(len(blocks), last=complete))
+                h, partial = mixer.fused(blocks, *pending, slots.entries(len(blocks), last=complete), norm=norm)
                 pending = None
                 if complete:
                     blocks.append(partial)
@@ -522,30 +562,32 @@ class AttnResTransformer(HookedRootModule):
                     partial = None
                 if schedule == "sequential":
                     if partial is None:
-                        h = mixer(blocks, inv, backend, slots.entries(len(blocks)))
+                        h = mixer(blocks, inv, backend, slots.entries(len(blocks)), norm=norm)
                     else:
                         p_inv = [kernels.inv_rms(partial, eps, cdt)] if cache else None
                         h = mixer(
                             [*blocks, partial], inv + p_inv if cache else None, backend,
-                            slots.entries(len(blocks), last=False),
+                            slots.entries(len(blocks), last=False), norm=norm,
                         )
                 else:
                     if l in starts:
                         phase = self._phase1(l, blocks, inv, backend)
                     h = self._phase2(mixer, phase[l], blocks, partial, backend)
-            out = block.sublayer(which, h)
+            out = block.normed_sublayer(which, h) if fast else block.sublayer(which, h)
             if partial is None:
                 partial = out
-            elif fuse:
+            elif fast:
                 partial, pending = None, (partial, out)
             else:
                 partial = partial + out
         if pending is not None:
-            return self.out_res.fused(blocks, *pending, slots.entries(len(blocks), last=False))[0]
+            return self.out_res.fused(blocks, *pending, slots.entries(len(blocks), last=False), norm=self.ln_final)[0]
         blocks.append(partial)
         if cache:
             inv.append(kernels.inv_rms(partial, eps, cdt))
-        return self.out_res(blocks, inv, backend, slots.entries(len(blocks)))
+        if fast:
+            return self.out_res(blocks, inv, backend, slots.entries(len(blocks)), norm=self.ln_final)
+        return self._final(self.out_res(blocks, inv, backend))
 
     def _phase1(self, start: int, blocks, inv, backend) -> dict[int, tuple]:
         """Two-phase schedule, phase 1: every read of the block starting at ``start`` at once."""

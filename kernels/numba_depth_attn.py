@@ -79,9 +79,9 @@ from torch.autograd.function import once_differentiable
 from numba import types
 from numba.extending import intrinsic, overload
 
-from .reference import validate_depth_attn_args
+from .reference import rms_norm, validate_depth_attn_args
 
-__all__ = ["SUPPORTED_DTYPES", "GradSlot", "depth_attn_numba", "fused_mixture", "mixture"]
+__all__ = ["SUPPORTED_DTYPES", "GradSlot", "add_rms_norm", "depth_attn_numba", "fused_mixture", "mixture"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
@@ -177,6 +177,32 @@ def _exp_overload(x):
     return lambda x: np.exp(x)
 
 
+@nb.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=_CACHE)
+def _norm_row(h, w, x, eps, one, inv_d):  # pragma: no cover - compiled
+    """x = h * r * w for one row, with r = 1 / sqrt(mean(h^2) + eps) (the model's RMSNorm); returns r."""
+    ss = one - one
+    for k in range(h.shape[0]):
+        ss += h[k] * h[k]
+    r = one / np.sqrt(ss * inv_d + eps)
+    for k in range(h.shape[0]):
+        x[k] = h[k] * r * w[k]
+    return r
+
+
+@nb.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=_CACHE)
+def _norm_row_grad(h, r, w, dx, g, dw, inv_d):  # pragma: no cover - compiled
+    """Backward of :func:`_norm_row` for one row: writes ``g = dL/dh``,
+    ``r w dx - (r^3 / d) h sum_k(w_k dx_k h_k)``, and adds ``dx h r`` into ``dw`` (the gain's
+    gradient, summed over rows)."""
+    s = r - r
+    for k in range(h.shape[0]):
+        s += w[k] * dx[k] * h[k]
+    c = r * r * r * inv_d * s
+    for k in range(h.shape[0]):
+        g[k] = r * w[k] * dx[k] - c * h[k]
+        dw[k] += dx[k] * h[k] * r
+
+
 # Token rows per forward tile: the tile's scalars (norms, logits, softmax) are kept
 # source-major in small [S, TILE] scratch arrays, so each scalar step is a loop over the
 # tile's rows that LLVM vectorises (sqrt, divide, exp), instead of a chain of dependent
@@ -185,7 +211,7 @@ _TILE = 32
 
 
 @nb.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=_CACHE)
-def _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps, one, inv_d, lo, hi):  # pragma: no cover - compiled
+def _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps, norm_eps, one, inv_d, lo, hi):  # pragma: no cover - compiled
     """Token rows lo..hi-1 of the forward.
 
     ``table`` holds addresses: the S sources ([M, d] each), then query [d], gain [d] (used
@@ -200,6 +226,10 @@ def _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps
     Entries S+6 and S+7, when not 0, are the addresses of two [M, d] arrays a and b whose sum
     is the last source: each tile first writes a + b into source S-1's array (the fused
     partial-block sum of Block AttnRes), then goes on as above.
+
+    Entries S+8..S+10, when S+8 is not 0, are a norm gain w [d], x [M, d] and rh [M]: each
+    tile ends by normalising its mixture rows, x = h * rh * w with rh = 1 / sqrt(mean(h^2) +
+    norm_eps) (the next sublayer's pre-norm, fused into the read).
     """
     S = n_src
     q = _folded_query(table, S, d, has_gain, one)
@@ -211,6 +241,10 @@ def _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps
     lse = nb.carray(_pointer(table[S + 3], one), (n_rows if want_lse else 0,))
     wzi = nb.carray(_pointer(table[S + 4], one), (3, n_rows, S))
     c = nb.carray(_pointer(table[S + 5], one), (n_rows if want_contrib else 0, S))
+    has_norm = table[S + 8] != 0
+    norm_w = nb.carray(_pointer(table[S + 8], one), (d if has_norm else 0,))
+    x_out = nb.carray(_pointer(table[S + 9], one), (n_rows if has_norm else 0, d))
+    rh = nb.carray(_pointer(table[S + 10], one), (n_rows if has_norm else 0,))
     zero = one - one
     r_t = np.empty((S, _TILE), q.dtype)  # sum of squares, then 1/rms
     z_t = np.empty((S, _TILE), q.dtype)  # dot products, then logits
@@ -301,6 +335,10 @@ def _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps
                     for k in range(d):
                         dot += v[m, k] * h[m, k]
                     c[m, i] = e_t[i, t] * dot / hh
+        if has_norm:
+            for t in range(T):
+                m = m0 + t
+                rh[m] = _norm_row(h[m], norm_w, x_out[m], norm_eps, one, inv_d)
 
 
 @nb.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=_CACHE)
@@ -314,9 +352,12 @@ def _backward_rows(
     dw [M, S] (0 where absent), the S outputs dv_i [M, d] (written) and dqg [2, d] (see
     :func:`_finish_dq`), then, when not 0, the address of an [M, d] gradient added into
     dv_{S-1} (the fused partial-block sum's gradient from its other uses), then S flags: where
-    flag i is not 0, dv_i already holds a gradient and this read's is added to it. The gradient of
-    q = query * gain for these rows is summed in the compute dtype over chunks of rows into
-    the float64 [d] array ``dq`` (zeroed here).
+    flag i is not 0, dv_i already holds a gradient and this read's is added to it, then (the
+    fused pre-norm, when entry 3S+8 is not 0) the norm gain w [d], the saved mixture h [M, d]
+    and its rh [M]: the upstream gradient at S+3 is then dx, for x = h * rh * w, and each row
+    first forms its dh from it. The gradients of q = query * gain (and of w) for these rows
+    are summed in the compute dtype over chunks of rows into the float64 [2d] array ``dq``
+    (zeroed here): q's in the first half, w's in the second.
     """
     S = n_src
     has_extra = table[2 * S + 7] != 0
@@ -327,18 +368,29 @@ def _backward_rows(
     dh = nb.carray(_pointer(table[S + 3], one), (n_rows if has_dh else 0, d))
     dlse = nb.carray(_pointer(table[S + 4], one), (n_rows if has_dlse else 0,))
     dw = nb.carray(_pointer(table[S + 5], one), (n_rows if has_dw else 0, S))
+    has_norm = table[3 * S + 8] != 0
+    norm_w = nb.carray(_pointer(table[3 * S + 8], one), (d if has_norm else 0,))
+    h_saved = nb.carray(_pointer(table[3 * S + 9], one), (n_rows if has_norm else 0, d))
+    rh = nb.carray(_pointer(table[3 * S + 10], one), (n_rows if has_norm else 0,))
     zero = one - one
     dq[:] = 0.0
     dz = np.empty(S, q.dtype)
-    dq_part = np.zeros(d, q.dtype)
+    dq_part = np.zeros(2 * d, q.dtype)  # q's gradient, then the norm gain's
+    dn_part = dq_part[d:]
+    g = np.zeros(d, q.dtype)  # this row's dh
     for m in range(lo, hi):
+        if has_norm:
+            _norm_row_grad(h_saved[m], rh[m], norm_w, dh[m], g, dn_part, inv_d)
+        elif has_dh:
+            for k in range(d):
+                g[k] = dh[m, k]
         big_d = zero
         for i in range(S):  # dalpha_i = dh . v_i (+ dw_i)
             acc = zero
             if has_dh:
                 v = _row(table[i], m, n_rows, d, one)
                 for k in range(d):
-                    acc += v[k] * dh[m, k]
+                    acc += v[k] * g[k]
             if has_dw:
                 acc += dw[m, i]
             dz[i] = acc
@@ -354,7 +406,7 @@ def _backward_rows(
                 if has_dh:
                     for k in range(d):
                         x = v[k]
-                        out[k] += wi * dh[m, k] + a * q[k] + c * x
+                        out[k] += wi * g[k] + a * q[k] + c * x
                         dq_part[k] += a * x
                 else:
                     for k in range(d):
@@ -364,7 +416,7 @@ def _backward_rows(
             elif has_dh:
                 for k in range(d):
                     x = v[k]
-                    out[k] = wi * dh[m, k] + a * q[k] + c * x
+                    out[k] = wi * g[k] + a * q[k] + c * x
                     dq_part[k] += a * x
             else:
                 for k in range(d):
@@ -375,7 +427,7 @@ def _backward_rows(
                 for k in range(d):
                     out[k] += extra_dv[m, k]
         if (m - lo) % 256 == 255 or m == hi - 1:
-            for k in range(d):
+            for k in range(2 * d):
                 dq[k] += dq_part[k]
                 dq_part[k] = zero
 
@@ -383,37 +435,47 @@ def _backward_rows(
 @nb.njit(nogil=True, error_model="numpy", cache=_CACHE)
 def _finish_dq(table, n_src, d, has_gain, one, dq):  # pragma: no cover - compiled
     """Write the query and gain gradients into dqg [2, d] (table entry 2S+6) from the float64
-    gradient ``dq`` of q = query * gain: ``dq * gain`` and ``dq * query``, rounded once."""
+    gradient ``dq`` of q = query * gain: ``dq * gain`` and ``dq * query``, rounded once; with
+    the fused pre-norm, dqg is [3, d] and its last row the norm gain's gradient."""
     S = n_src
     query = nb.carray(_pointer(table[S], one), (d,))
     gain = nb.carray(_pointer(table[S + 1], one), (d if has_gain else 0,))
-    dqg = nb.carray(_pointer(table[2 * S + 6], one), (2, d))
+    has_norm = table[3 * S + 8] != 0
+    dqg = nb.carray(_pointer(table[2 * S + 6], one), (3 if has_norm else 2, d))
     for k in range(d):
         dqg[0, k] = dq[k] * gain[k] if has_gain else dq[k]
         dqg[1, k] = dq[k] * query[k] if has_gain else 0.0
+        if has_norm:
+            dqg[2, k] = dq[d + k]
+
+
+@nb.njit(nogil=True, cache=_CACHE)
+def _chunk(ci, n_chunks, n_rows):  # pragma: no cover - compiled
+    """Row range (lo, hi) of chunk ``ci`` when n_rows rows are split into ``n_chunks`` (may be empty)."""
+    step = (n_rows + n_chunks - 1) // n_chunks
+    lo = min(ci * step, n_rows)
+    return lo, min(lo + step, n_rows)
 
 
 @nb.njit(nogil=True, error_model="numpy", cache=_CACHE)
-def _forward(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps, one, inv_d):  # pragma: no cover - compiled
+def _forward(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps, norm_eps, one, inv_d):  # pragma: no cover - compiled
     """:func:`_forward_rows` over every row, on the caller's thread."""
-    _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps, one, inv_d, 0, n_rows)
+    _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps, norm_eps, one, inv_d, 0, n_rows)
 
 
 @nb.njit(nogil=True, parallel=True, cache=_CACHE)
-def _forward_parallel(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps, one, inv_d, n_chunks):  # pragma: no cover
+def _forward_parallel(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps, norm_eps, one, inv_d, n_chunks):  # pragma: no cover
     """:func:`_forward_rows` over every row, split into ``n_chunks`` row ranges run by Numba's threads."""
-    step = (n_rows + n_chunks - 1) // n_chunks
     for ci in nb.prange(n_chunks):
-        lo = ci * step
-        hi = min(lo + step, n_rows)
+        lo, hi = _chunk(ci, n_chunks, n_rows)
         if lo < hi:
-            _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps, one, inv_d, lo, hi)
+            _forward_rows(table, n_src, n_rows, d, has_gain, want_lse, want_contrib, eps, norm_eps, one, inv_d, lo, hi)
 
 
 @nb.njit(nogil=True, error_model="numpy", cache=_CACHE)
 def _backward(table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_dw, one, inv_d):  # pragma: no cover
     """:func:`_backward_rows` over every row on the caller's thread, then :func:`_finish_dq`."""
-    dq = np.empty(d, np.float64)
+    dq = np.empty(2 * d, np.float64)
     _backward_rows(table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_dw, one, inv_d, dq, 0, n_rows)
     _finish_dq(table, n_src, d, has_gain, one, dq)
 
@@ -425,22 +487,108 @@ def _backward_parallel(table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_
     Each range sums its query gradient into its own float64 row; the rows are then added in
     a fixed order and the gradients written.
     """
-    step = (n_rows + n_chunks - 1) // n_chunks
-    dq = np.zeros((n_chunks, d), np.float64)
+    dq = np.zeros((n_chunks, 2 * d), np.float64)
     for ci in nb.prange(n_chunks):
-        lo = ci * step
-        hi = min(lo + step, n_rows)
+        lo, hi = _chunk(ci, n_chunks, n_rows)
         if lo < hi:
             _backward_rows(table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_dw, one, inv_d, dq[ci], lo, hi)
     for ci in range(1, n_chunks):
-        for k in range(d):
+        for k in range(2 * d):
             dq[0, k] += dq[ci, k]
     _finish_dq(table, n_src, d, has_gain, one, dq[0])
 
 
-def _table(tensors, flags=()) -> np.ndarray:
-    """Addresses of tensors (0 for None), then ``flags``, for a kernel's pointer table."""
-    return np.array([0 if t is None else t.data_ptr() for t in tensors] + list(flags), dtype=np.int64)
+
+# PreNorm's residual step fused with the next sublayer's pre-norm (the baseline's counterpart
+# of a read that ends in the pre-norm): s = a + b, x = s * rh * w, rh = 1 / sqrt(mean(s^2) + eps).
+
+
+@nb.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=_CACHE)
+def _add_norm_rows(table, n_rows, d, eps, one, inv_d, lo, hi):  # pragma: no cover - compiled
+    """Rows lo..hi-1 of s = a + b and x = s * rh * w. ``table``: a, b (0: no b, and s is a),
+    w [d], s, x [M, d], rh [M]."""
+    has_b = table[1] != 0
+    a = nb.carray(_pointer(table[0], one), (n_rows, d))
+    b = nb.carray(_pointer(table[1], one), (n_rows if has_b else 0, d))
+    w = nb.carray(_pointer(table[2], one), (d,))
+    s = nb.carray(_pointer(table[3], one), (n_rows, d))
+    x = nb.carray(_pointer(table[4], one), (n_rows, d))
+    rh = nb.carray(_pointer(table[5], one), (n_rows,))
+    for m in range(lo, hi):
+        if has_b:
+            for k in range(d):
+                s[m, k] = a[m, k] + b[m, k]
+        rh[m] = _norm_row(s[m], w, x[m], eps, one, inv_d)
+
+
+@nb.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=_CACHE)
+def _add_norm_grad_rows(table, n_rows, d, has_ds, one, inv_d, dw, lo, hi):  # pragma: no cover - compiled
+    """Gradients of :func:`_add_norm_rows` for rows lo..hi-1: g = ds + (dx through the norm),
+    the gradient of both a and b, and the gain's, summed in the compute dtype over chunks of
+    rows into the float64 [d] array ``dw`` (zeroed here). ``table``: s, w, rh, dx, ds (0:
+    absent), g, and (for :func:`_finish_norm_grad`) the gain's gradient [d]."""
+    s = nb.carray(_pointer(table[0], one), (n_rows, d))
+    w = nb.carray(_pointer(table[1], one), (d,))
+    rh = nb.carray(_pointer(table[2], one), (n_rows,))
+    dx = nb.carray(_pointer(table[3], one), (n_rows, d))
+    ds = nb.carray(_pointer(table[4], one), (n_rows if has_ds else 0, d))
+    g = nb.carray(_pointer(table[5], one), (n_rows, d))
+    dw[:] = 0.0
+    part = np.zeros(d, w.dtype)
+    for m in range(lo, hi):
+        _norm_row_grad(s[m], rh[m], w, dx[m], g[m], part, inv_d)
+        if has_ds:
+            for k in range(d):
+                g[m, k] += ds[m, k]
+        if (m - lo) % 256 == 255 or m == hi - 1:
+            for k in range(d):
+                dw[k] += part[k]
+                part[k] = 0.0
+
+
+@nb.njit(nogil=True, cache=_CACHE)
+def _finish_norm_grad(table, d, one, dw):  # pragma: no cover - compiled
+    out = nb.carray(_pointer(table[6], one), (d,))
+    for k in range(d):
+        out[k] = dw[k]
+
+
+@nb.njit(nogil=True, cache=_CACHE)
+def _add_norm(table, n_rows, d, eps, one, inv_d):  # pragma: no cover - compiled
+    _add_norm_rows(table, n_rows, d, eps, one, inv_d, 0, n_rows)
+
+
+@nb.njit(nogil=True, parallel=True, cache=_CACHE)
+def _add_norm_parallel(table, n_rows, d, eps, one, inv_d, n_chunks):  # pragma: no cover - compiled
+    for ci in nb.prange(n_chunks):
+        lo, hi = _chunk(ci, n_chunks, n_rows)
+        if lo < hi:
+            _add_norm_rows(table, n_rows, d, eps, one, inv_d, lo, hi)
+
+
+@nb.njit(nogil=True, cache=_CACHE)
+def _add_norm_grad(table, n_rows, d, has_ds, one, inv_d):  # pragma: no cover - compiled
+    dw = np.empty(d, np.float64)
+    _add_norm_grad_rows(table, n_rows, d, has_ds, one, inv_d, dw, 0, n_rows)
+    _finish_norm_grad(table, d, one, dw)
+
+
+@nb.njit(nogil=True, parallel=True, cache=_CACHE)
+def _add_norm_grad_parallel(table, n_rows, d, has_ds, one, inv_d, n_chunks):  # pragma: no cover - compiled
+    dw = np.zeros((n_chunks, d), np.float64)
+    for ci in nb.prange(n_chunks):
+        lo, hi = _chunk(ci, n_chunks, n_rows)
+        if lo < hi:
+            _add_norm_grad_rows(table, n_rows, d, has_ds, one, inv_d, dw[ci], lo, hi)
+    for ci in range(1, n_chunks):  # a fixed order: the same sums on every run
+        for k in range(d):
+            dw[0, k] += dw[ci, k]
+    _finish_norm_grad(table, d, one, dw[0])
+
+
+def _table(entries) -> np.ndarray:
+    """A kernel's pointer table: tensors' addresses (0 for None); ints (flags) as they are."""
+    return np.array([0 if t is None else t if isinstance(t, int) else t.data_ptr() for t in entries], dtype=np.int64)
 
 
 # Calls that touch at least this many source elements run on Numba's threads (row ranges
@@ -477,30 +625,52 @@ def _launch(serial, parallel, args: tuple, n_chunks: int) -> None:
 _ONE = {torch.float32: np.float32(1), torch.float64: np.float64(1)}
 
 
-def _run_forward(rows, query, gain, eps: float, h, lse, wzi, c, add=(None, None)) -> None:
+def _run_forward(rows, query, gain, eps: float, h, lse, wzi, c, add=(None, None), norm=(None, None, None), norm_eps=0.0) -> None:
     """The forward kernel over every row, with :func:`_forward_rows`'s table: sources, query,
     gain, h, lse, wzi, c, then the fused sum's a and b (None: not fused; the sum's buffer is
-    the last source). None marks an output not wanted."""
+    the last source), then the fused pre-norm's gain, x and rh (None: no norm). None marks an
+    output not wanted."""
     first = rows[0]
     d, n_src = first.shape[-1], len(rows)
     n_rows = first.numel() // d
     one = _ONE[query.dtype]
-    table = _table([*rows, query, gain, h, lse, wzi, c, *add])
-    args = (table, n_src, n_rows, d, gain is not None, lse is not None, c is not None, one * eps, one, one / d)
+    table = _table([*rows, query, gain, h, lse, wzi, c, *add, *norm])
+    args = (table, n_src, n_rows, d, gain is not None, lse is not None, c is not None, one * eps, one * norm_eps, one, one / d)
     _launch(_forward, _forward_parallel, args, _n_chunks(n_rows, n_rows * n_src * d))
 
 
-def _run_backward(rows, query, gain, wzi, dh, dlse, dw, dv, dqg, extra=None, add=None) -> None:
+def _run_backward(rows, query, gain, wzi, dh, dlse, dw, dv, dqg, extra=None, add=None, norm=(None, None, None)) -> None:
     """The backward kernel over every row, with :func:`_backward_rows`'s table: sources, query,
-    gain, wzi, the upstream dh/dlse/dw (None: absent), the outputs dv, dqg [2, d], the gradient
-    ``extra`` added into the last source's, then per source whether dv_i is added to (``add``)."""
+    gain, wzi, the upstream dh/dlse/dw (None: absent), the outputs dv, dqg [2, d] ([3, d] with
+    a norm), the gradient ``extra`` added into the last source's, per source whether dv_i is
+    added to (``add``), then the fused pre-norm's gain, saved h and rh (None: no norm; with
+    one, ``dh`` is the gradient of the normalised x)."""
     first = rows[0]
     d, n_src = first.shape[-1], len(rows)
     n_rows = first.numel() // d
     one = _ONE[query.dtype]
-    table = _table([*rows, query, gain, wzi, dh, dlse, dw, *dv, dqg, extra], add or [0] * n_src)
+    table = _table([*rows, query, gain, wzi, dh, dlse, dw, *dv, dqg, extra, *(add or [0] * n_src), *norm])
     flags = (gain is not None, dh is not None, dlse is not None, dw is not None)
     _launch(_backward, _backward_parallel, (table, n_src, n_rows, d, *flags, one, one / d), _n_chunks(n_rows, n_rows * n_src * d))
+
+
+def _run_add_norm(a, b, weight, eps: float, s, x, rh) -> None:
+    """The add-norm kernel over every row (table: :func:`_add_norm_rows`)."""
+    d = a.shape[-1]
+    n_rows = a.numel() // d
+    one = _ONE[weight.dtype]
+    table = _table([a, b, weight, s, x, rh])
+    _launch(_add_norm, _add_norm_parallel, (table, n_rows, d, one * eps, one, one / d), _n_chunks(n_rows, 2 * n_rows * d))
+
+
+def _run_add_norm_grad(s, weight, rh, dx, ds, g, dw) -> None:
+    """The add-norm backward over every row (table: :func:`_add_norm_grad_rows`)."""
+    d = s.shape[-1]
+    n_rows = s.numel() // d
+    one = _ONE[weight.dtype]
+    table = _table([s, weight, rh, dx, ds, g, dw])
+    args = (table, n_rows, d, ds is not None, one, one / d)
+    _launch(_add_norm_grad, _add_norm_grad_parallel, args, _n_chunks(n_rows, 2 * n_rows * d))
 
 
 class DepthAttnNumbaFunction(torch.autograd.Function):
@@ -578,9 +748,9 @@ class GradSlot:
 
 
 def _mixture_backward(ctx, dh, d_total=None):
-    query, gain, wzi, *rows = ctx.saved_tensors
+    query, gain, wzi, norm_w, h, rh, *rows = ctx.saved_tensors
     first = rows[0]
-    dh = torch.zeros_like(first) if dh is None else dh.contiguous()
+    dh = torch.zeros_like(first) if dh is None else dh.contiguous()  # with a norm: the gradient of x
     slots = ctx.slots
     if slots is None:
         dv = [torch.empty_like(first) for _ in rows]  # one buffer per source (see DepthAttnNumbaFunction)
@@ -606,12 +776,13 @@ def _mixture_backward(ctx, dh, d_total=None):
             else:
                 slot.grads[task] = buf
                 grads.append(None)
-    dqg = torch.empty((2, first.shape[-1]), dtype=query.dtype)
+    dqg = torch.empty((2 if norm_w is None else 3, first.shape[-1]), dtype=query.dtype)
     extra = None if d_total is None else d_total.contiguous()
-    _run_backward(rows, query, gain, wzi, dh, None, None, dv, dqg, extra, add)
+    _run_backward(rows, query, gain, wzi, dh, None, None, dv, dqg, extra, add, (norm_w, h, rh))
+    d_norm = None if norm_w is None else dqg[2]
     if ctx.fused:  # the last source is a + b: both get its gradient
-        return (dqg[0], dqg[1], None, None, None, *grads, grads[-1])
-    return (dqg[0], dqg[1], None, None, None, *grads)
+        return (dqg[0], dqg[1], d_norm, None, None, None, None, *grads, grads[-1])
+    return (dqg[0], dqg[1], d_norm, None, None, None, None, *grads)
 
 
 _mixture_backward_once = once_differentiable(_mixture_backward)
@@ -620,40 +791,87 @@ _mixture_backward_once = once_differentiable(_mixture_backward)
 class _MixtureFunction(torch.autograd.Function):
     """The model's unhooked read: the mixture alone, for inputs :func:`mixture` has checked.
 
-    Inputs are (query, gain, eps, fused, slots, *sources), all contiguous CPU tensors of one
-    dtype, with a gain. With ``fused`` the last two inputs are a and b and the last source is
-    their sum, formed inside the kernel (Block AttnRes's partial-block sum, which the next
-    read uses anyway); the op then returns (mixture, a + b) instead of the mixture alone.
-    ``slots`` is None or, per source (the sum counting as one), None or a
-    (:class:`GradSlot`, owner) pair. The same kernels as :class:`DepthAttnNumbaFunction`,
-    with as little Python around them as a read allows: at the demo models' size the Python
-    of a read costs as much as its kernels.
+    Inputs are (query, gain, norm_w, eps, norm_eps, fused, slots, *sources), all contiguous
+    CPU tensors of one dtype, with a gain. With ``norm_w`` (a [d] gain) the op returns the
+    next sublayer's pre-norm input ``x = rms_norm(h) * norm_w`` instead of the mixture h
+    (kept for the backward): the read and the norm in one kernel. With ``fused`` the last two
+    inputs are a and b and the last source is their sum, formed inside the kernel (Block
+    AttnRes's partial-block sum, which the next read uses anyway); the op then returns
+    (output, a + b) instead of the output alone. ``slots`` is None or, per source (the sum
+    counting as one), None or a (:class:`GradSlot`, owner) pair. The same kernels as
+    :class:`DepthAttnNumbaFunction`, with as little Python around them as a read allows: at
+    the demo models' size the Python of a read costs as much as its kernels.
     """
 
     @staticmethod
-    def forward(ctx, query, gain, eps, fused, slots, *rows):
+    def forward(ctx, query, gain, norm_w, eps, norm_eps, fused, slots, *rows):
         first = rows[0]
+        n_inputs = 7 + len(rows)
         add = (None, None)
         if fused:
             total = torch.empty_like(first)
             add, rows = rows[-2:], (*rows[:-2], total)
+        n_rows = first.numel() // first.shape[-1]
         h = torch.empty_like(first)
-        wzi = torch.empty((3, first.numel() // first.shape[-1], len(rows)), dtype=query.dtype)  # weights, logits, inverse RMS
-        _run_forward(rows, query, gain, eps, h, None, wzi, None, add)
-        ctx.save_for_backward(query, gain, wzi, *rows)
-        ctx.fused, ctx.slots = fused, slots
+        wzi = torch.empty((3, n_rows, len(rows)), dtype=query.dtype)  # weights, logits, inverse RMS
+        norm, out = (None, None, None), h
+        if norm_w is not None:
+            out = torch.empty_like(first)
+            norm = (norm_w, out, torch.empty(first.shape[:-1], dtype=query.dtype))
+        _run_forward(rows, query, gain, eps, h, None, wzi, None, add, norm, norm_eps)
+        ctx.save_for_backward(query, gain, wzi, norm_w, *((None, None) if norm_w is None else (h, norm[2])), *rows)
+        ctx.fused, ctx.slots, ctx.n_inputs = fused, slots, n_inputs
         if fused:
             ctx.set_materialize_grads(False)
-            return h, total
-        return h
+            return out, total
+        return out
 
     @staticmethod
     def backward(ctx, dh, d_total=None):
         if dh is None and d_total is None and ctx.slots is None:
-            return (None,) * (len(ctx.saved_tensors) + 2 + int(ctx.fused))  # every input: 5 + sources
+            return (None,) * ctx.n_inputs
         if torch.is_grad_enabled():  # create_graph=True: these gradients cannot be differentiated again; say so if asked
             return _mixture_backward_once(ctx, dh, d_total)
         return _mixture_backward(ctx, dh, d_total)
+
+
+def _add_norm_backward(ctx, *grads):
+    ds, dx = grads if ctx.has_b else (None, grads[0])
+    weight, s, rh = ctx.saved_tensors
+    if dx is None:  # only the sum reaches the loss
+        return None, None, ds, ds
+    g = torch.empty_like(s)
+    dw = torch.empty_like(weight)
+    _run_add_norm_grad(s, weight, rh, dx.contiguous(), None if ds is None else ds.contiguous(), g, dw)
+    return dw, None, g, g if ctx.has_b else None
+
+
+_add_norm_backward_once = once_differentiable(_add_norm_backward)
+
+
+class _AddNormFunction(torch.autograd.Function):
+    """PreNorm's residual step and the next pre-norm in one kernel, for inputs
+    :func:`add_rms_norm` has checked: (weight, eps, a, b) -> (s = a + b, x = rms_norm(s) *
+    weight), or x alone for a when b is None."""
+
+    @staticmethod
+    def forward(ctx, weight, eps, a, b):
+        s = a if b is None else torch.empty_like(a)
+        x = torch.empty_like(a)
+        rh = torch.empty(a.shape[:-1], dtype=a.dtype)
+        _run_add_norm(a, b, weight, eps, s, x, rh)
+        ctx.save_for_backward(weight, s, rh)
+        ctx.has_b = b is not None
+        if b is None:
+            return x
+        ctx.set_materialize_grads(False)
+        return s, x
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if torch.is_grad_enabled():  # create_graph=True: not differentiable again; say so if asked
+            return _add_norm_backward_once(ctx, *grads)
+        return _add_norm_backward(ctx, *grads)
 
 
 def depth_attn_numba(
@@ -703,7 +921,7 @@ def depth_attn_numba(
     return (h, *outs[1:])
 
 
-def mixture(sources, query: torch.Tensor, gain: torch.Tensor | None, eps: float, slots=None) -> torch.Tensor:
+def mixture(sources, query: torch.Tensor, gain: torch.Tensor | None, eps: float, slots=None, norm=None) -> torch.Tensor:
     """The mixture alone, for a caller that already resolved this backend (the model's unhooked reads).
 
     Goes straight to a lean autograd op (one output, no options) when the sources are CPU
@@ -716,35 +934,63 @@ def mixture(sources, query: torch.Tensor, gain: torch.Tensor | None, eps: float,
 
     ``slots`` (the model's, one entry per source: None or a (:class:`GradSlot`, owner) pair)
     lets the reads of a source sum its gradient inside their kernels; it needs the lean op.
+    ``norm``, a (weight [d], eps) pair, returns ``rms_norm(h) * weight`` instead of the
+    mixture h: the next sublayer's pre-norm, which the lean op's kernel applies as it writes
+    h (gradients then flow to the weight too).
     """
-    if _plain(sources, query, gain):
+    params = (query, gain) if norm is None else (query, gain, norm[0])
+    if _plain(sources, *params):
         _check_slots(slots, len(sources))
         if not all(s.is_contiguous() for s in sources):
             sources = [s.contiguous() for s in sources]
-        return _MixtureFunction.apply(query, gain, float(eps), False, slots, *sources)
+        norm_w, norm_eps = (None, 0.0) if norm is None else (norm[0], float(norm[1]))
+        return _MixtureFunction.apply(query, gain, norm_w, float(eps), norm_eps, False, slots, *sources)
     _no_slots(slots)
-    return depth_attn_numba(sources, query, gain, eps)[0]  # checks everything; converts or explains
+    h = depth_attn_numba(sources, query, gain, eps)[0]  # checks everything; converts or explains
+    return h if norm is None else rms_norm(h, *norm)
 
 
 def fused_mixture(
-    sources, a: torch.Tensor, b: torch.Tensor, query: torch.Tensor, gain: torch.Tensor | None, eps: float, slots=None
+    sources, a: torch.Tensor, b: torch.Tensor, query: torch.Tensor, gain: torch.Tensor | None, eps: float, slots=None,
+    norm=None,
 ):
     """The mixture over ``[*sources, a + b]`` and the sum ``a + b``: a Block AttnRes read after
     a sublayer, whose partial-block sum (previous partial ``a`` plus the sublayer's output
     ``b``) the kernel forms as it reads it, instead of a separate add. Returns (mixture,
     a + b); gradients flow to every source, a, b, the query and the gain. Takes the lean op
     under :func:`mixture`'s conditions (a and b included), else adds and calls :func:`mixture`.
-    ``slots`` as for :func:`mixture`, the sum a + b counting as the last source.
+    ``slots`` and ``norm`` as for :func:`mixture` (the sum a + b counting as the last source;
+    with ``norm`` the first output is the normalised mixture).
     """
     srcs = [*sources, a, b]
-    if _plain(srcs, query, gain):
+    params = (query, gain) if norm is None else (query, gain, norm[0])
+    if _plain(srcs, *params):
         _check_slots(slots, len(sources) + 1)
         if not all(s.is_contiguous() for s in srcs):
             srcs = [s.contiguous() for s in srcs]
-        return _MixtureFunction.apply(query, gain, float(eps), True, slots, *srcs)
+        norm_w, norm_eps = (None, 0.0) if norm is None else (norm[0], float(norm[1]))
+        return _MixtureFunction.apply(query, gain, norm_w, float(eps), norm_eps, True, slots, *srcs)
     _no_slots(slots)
     total = a + b
-    return mixture([*sources, total], query, gain, eps), total
+    return mixture([*sources, total], query, gain, eps, norm=norm), total
+
+
+def add_rms_norm(a: torch.Tensor, b: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """PreNorm's residual step and the next sublayer's pre-norm in one kernel: ``(s, x)`` with
+    ``s = a + b`` and ``x = rms_norm(s) * weight``; with b None, ``x`` alone for ``a``.
+
+    Takes the kernel when a (and b) are CPU tensors of one shape [*batch, d] and the weight a
+    contiguous [d], all float32 or all float64; anything else is computed with PyTorch ops.
+    """
+    ts = [a] if b is None else [a, b]
+    if _plain(ts, weight):
+        if not all(t.is_contiguous() for t in ts):
+            ts = [t.contiguous() for t in ts]
+        return _AddNormFunction.apply(weight, float(eps), *ts, *([None] if b is None else []))
+    if b is None:
+        return rms_norm(a, weight, eps)
+    s = a + b
+    return s, rms_norm(s, weight, eps)
 
 
 def _check_slots(slots, n_src: int) -> None:
@@ -760,20 +1006,15 @@ def _no_slots(slots) -> None:
         )
 
 
-def _plain(sources, query: torch.Tensor, gain: torch.Tensor | None) -> bool:
-    """Whether the lean op takes these inputs: CPU sources of one shape [*batch, d] (made
-    contiguous), a contiguous query and gain [d], all float32 or all float64."""
-    dt = query.dtype
+def _plain(sources, *params: torch.Tensor | None) -> bool:
+    """Whether the lean ops take these inputs: CPU sources of one shape [*batch, d] (made
+    contiguous), and contiguous [d] CPU parameters (query, gain, norm weight; None is not
+    taken), all float32 or all float64."""
+    dt = params[0].dtype if params[0] is not None else None
     shape = sources[0].shape
     return (
         dt in _ONE
-        and gain is not None
-        and gain.dtype == dt
-        and query.shape == gain.shape == shape[-1:]
-        and query.is_contiguous()
-        and gain.is_contiguous()
-        and query.is_cpu
-        and gain.is_cpu
+        and all(p is not None and p.dtype == dt and p.shape == shape[-1:] and p.is_contiguous() and p.is_cpu for p in params)
         and all(s.dtype == dt and s.shape == shape and s.is_cpu for s in sources)
     )
 

@@ -75,13 +75,14 @@ def _loss_and_grads(model: AttnResTransformer, tokens: torch.Tensor):
 
 @pytest.mark.parametrize(
     "residual, kw",
-    [("full", {}), ("block", {"block_size": 1}), ("block", {"block_size": 2}), ("block", {"block_size": 3}),
-     ("block", {"block_boundaries": [1, 4]}), ("block", {"block_size": 6})],
+    [("prenorm", {}), ("full", {}), ("block", {"block_size": 1}), ("block", {"block_size": 2}),
+     ("block", {"block_size": 3}), ("block", {"block_boundaries": [1, 4]}), ("block", {"block_size": 6})],
 )
 def test_the_numba_training_path_gives_the_references_loss_and_every_gradient(residual, kw):
-    """Unhooked reads on the Numba backend take the lean op, and Block AttnRes reads after a
-    sublayer form the partial-block sum in their kernel: the loss and every parameter's
-    gradient equal the reference backend's (fp32: atol 1e-5 on the loss, 1e-5 + 1e-4 rel on gradients)."""
+    """Unhooked reads on the Numba backend take the lean op and apply the next pre-norm in
+    their kernel (PreNorm: its residual add does), and Block AttnRes reads after a sublayer
+    form the partial-block sum in their kernel: the loss and every parameter's gradient equal
+    the reference backend's (fp32: atol 1e-5 on the loss, 1e-5 + 1e-4 rel on gradients)."""
     model = tiny_model(residual, n_layers=3, **kw)
     tokens = sample_tokens(6, batch=2)
     loss_ref, grads_ref = _loss_and_grads(_twin(model, backend="torch"), tokens)
@@ -107,7 +108,10 @@ HOOKS = {
 
 @pytest.mark.parametrize("hook", sorted(HOOKS))
 @pytest.mark.parametrize("where", ["blocks.0.hook_mlp_out", "blocks.1.hook_resid_pre", "blocks.1.hook_attn_out"])
-@pytest.mark.parametrize("residual, kw", [("full", {}), ("block", {"block_size": 1}), ("block", {"block_size": 2}), ("block", {"block_size": 3})])
+@pytest.mark.parametrize(
+    "residual, kw",
+    [("prenorm", {}), ("full", {}), ("block", {"block_size": 1}), ("block", {"block_size": 2}), ("block", {"block_size": 3})],
+)
 def test_hooks_that_replace_activations_give_the_references_gradients(residual, kw, where, hook):
     """A hooked model takes the ordinary reads (no fused sums, no gradient slots): activation
     patching and ablation give the reference's gradients on every parameter."""
@@ -121,6 +125,33 @@ def test_hooks_that_replace_activations_give_the_references_gradients(residual, 
         grads[backend] = _grads_by_name(m, tokens)
     for name, want in grads["torch"].items():
         torch.testing.assert_close(grads["numba"][name], want, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("residual", ["prenorm", "full", "block"])
+def test_the_fused_pre_norms_run_only_while_nothing_watches(residual, monkeypatch):
+    """On the Numba backend an unwatched model runs no RMSNorm module (the reads, or PreNorm's
+    residual adds, apply them in their kernels) and gives the reference's logits in a forward
+    without gradients too; a hooked one runs every norm and its hooks see every sublayer's input."""
+    from attnres_probe.model import RMSNorm
+
+    calls = []
+    forward = RMSNorm.forward
+    monkeypatch.setattr(RMSNorm, "forward", lambda self, x: calls.append(self) or forward(self, x))
+    model = tiny_model(residual, n_layers=3, **({"block_size": 3} if residual == "block" else {}))
+    tokens = sample_tokens(6, batch=2)
+    fast, ref = _twin(model, backend="numba"), _twin(model, backend="torch")
+    with torch.no_grad():
+        want = ref(tokens)
+        calls.clear()
+        torch.testing.assert_close(fast(tokens), want, atol=ATOL, rtol=0)
+    assert calls == []
+    seen = []
+    for name in ("hook_resid_pre", "hook_resid_mid"):
+        for block in fast.blocks:
+            getattr(block, name).add_hook(lambda x, hook: seen.append(hook.name))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(tokens), want, atol=ATOL, rtol=0)
+    assert len(calls) == 2 * model.cfg.n_layers + 1 and len(seen) == 2 * model.cfg.n_layers
 
 
 def test_module_backward_hooks_see_every_read_and_unwatched_follows_the_hooks():

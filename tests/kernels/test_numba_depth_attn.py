@@ -268,36 +268,117 @@ def test_the_direct_path_checks_the_query_and_gain_too_and_is_differentiable_onc
         g.sum().backward()
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["mixture", "normed"])
 @pytest.mark.parametrize("upstream", ["both", "mixture", "sum"])
 @pytest.mark.parametrize("n_src, d, threaded", [(1, 16, False), (3, 64, False), (5, 48, True), (9, 64, True)])
-def test_the_fused_partial_sum_read_matches_the_reference(n_src, d, threaded, upstream, monkeypatch):
+def test_the_fused_partial_sum_read_matches_the_reference(n_src, d, threaded, upstream, norm, monkeypatch):
     """``fused_mixture(sources, a, b, ...)`` (a Block AttnRes read that forms the partial-block
     sum a + b itself) gives the reference's mixture over [*sources, a + b], the sum, and every
     gradient: sources, a, b, query and gain, with upstream gradients on either output or both,
-    on the caller's thread and on Numba's threads."""
+    on the caller's thread and on Numba's threads. With ``norm`` the first output is the
+    reference's ``rms_norm(mixture) * w`` and the norm gain w gets its gradient too."""
     import attnres_probe.kernels.numba_depth_attn as nbk
+    from attnres_probe.kernels.reference import rms_norm
 
     if threaded:
         monkeypatch.setattr(nbk, "PARALLEL_MIN_ELEMENTS", 0)
     sources, query, gain = _inputs(n_src + 1, d, batch=(3, 29))
     a, b = sources[-1], torch.randn_like(sources[-1])
+    norm_w = 1 + 0.3 * torch.randn(d)
     up_h, up_t = torch.randn_like(a), torch.randn_like(a)
     results = []
     for fused in (True, False):
         leaves = [t.detach().clone().requires_grad_() for t in (*sources[:-1].unbind(0), a, b)]
-        q, g = _leaves(query, gain)
+        q, g, w = _leaves(query, gain, norm_w)
         if fused:
-            h, total = nbk.fused_mixture(leaves[:-2], leaves[-2], leaves[-1], q, g, 1e-6)
+            h, total = nbk.fused_mixture(leaves[:-2], leaves[-2], leaves[-1], q, g, 1e-6, norm=(w, 1e-5) if norm else None)
         else:
             total = leaves[-2] + leaves[-1]
             h = depth_attn([*leaves[:-2], total], q, g, backend="torch")[0]
+            h = rms_norm(h, w, 1e-5) if norm else h
         outs = {"both": [(h, up_h), (total, up_t)], "mixture": [(h, up_h)], "sum": [(total, up_t)]}[upstream]
-        grads = torch.autograd.grad([o for o, _ in outs], [*leaves, q, g], [u for _, u in outs], allow_unused=True)
-        results.append(([h, total], [torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads, [*leaves, q, g])]))
+        wrt = [*leaves, q, g, w]
+        grads = torch.autograd.grad([o for o, _ in outs], wrt, [u for _, u in outs], allow_unused=True)
+        results.append(([h, total], [torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads, wrt)]))
     (outs_f, grads_f), (outs_r, grads_r) = results
-    names = ["mix", "sum", *[f"d source {i}" for i in range(n_src - 1)], "d a", "d b", "d query", "d gain"]
+    names = ["mix", "sum", *[f"d source {i}" for i in range(n_src - 1)], "d a", "d b", "d query", "d gain", "d norm gain"]
     for name, x, y in zip(names, [*outs_f, *grads_f], [*outs_r, *grads_r]):
         assert_close(x, y, name, atol=1e-5, rrms=1e-5)
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["serial", "threaded"])
+@pytest.mark.parametrize("n_src, d", [(1, 16), (4, 48), (9, 64)])
+def test_a_read_with_the_next_pre_norm_matches_the_reference(n_src, d, threaded, monkeypatch):
+    """``mixture(..., norm=(w, eps))`` (an unhooked model read that applies the next sublayer's
+    RMSNorm in its kernel) gives ``rms_norm(mixture) * w`` and every gradient: sources, query,
+    gain and w (float32, the stated tolerance); and passes gradcheck in float64."""
+    import attnres_probe.kernels.numba_depth_attn as nbk
+    from attnres_probe.kernels.reference import rms_norm
+
+    if threaded:
+        monkeypatch.setattr(nbk, "PARALLEL_MIN_ELEMENTS", 0)
+    sources, query, gain = _inputs(n_src, d, batch=(5, 23))
+    norm_w = 1 + 0.3 * torch.randn(d)
+    up = torch.randn_like(sources[0])
+    results = []
+    for fast in (True, False):
+        leaves = _leaves(*sources.unbind(0), query, gain, norm_w)
+        srcs, q, g, w = leaves[:n_src], *leaves[n_src:]
+        if fast:
+            x = nbk.mixture(srcs, q, g, 1e-6, norm=(w, 1e-5))
+        else:
+            x = rms_norm(depth_attn(srcs, q, g, backend="torch")[0], w, 1e-5)
+        results.append([x, *torch.autograd.grad(x, leaves, up)])
+    names = ["x", *[f"d source {i}" for i in range(n_src)], "d query", "d gain", "d norm gain"]
+    for name, a, b in zip(names, *results):
+        assert_close(a, b, name)
+    leaves = _leaves(*sources[:, :2, :5].double().unbind(0), query.double(), gain.double(), norm_w.double())
+    assert torch.autograd.gradcheck(lambda *t: nbk.mixture(list(t[:n_src]), *t[n_src:-1], 1e-6, norm=(t[-1], 1e-5)), leaves)
+    # the validated path (a strided query) applies the same norm outside the kernel
+    strided = torch.stack([torch.zeros(d), query], 1)[:, 1]
+    want = rms_norm(depth_attn(sources, query, gain, backend="torch")[0], norm_w, 1e-5)
+    assert_close(nbk.mixture(list(sources.unbind(0)), strided, gain, 1e-6, norm=(norm_w, 1e-5)), want, "strided query")
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["serial", "threaded"])
+@pytest.mark.parametrize("upstream", ["both", "x", "sum"])
+def test_prenorms_fused_residual_add_and_norm_match_pytorch(upstream, threaded, monkeypatch):
+    """``add_rms_norm(a, b, w, eps)`` (PreNorm's residual step with the next pre-norm) gives
+    ``(a + b, rms_norm(a + b) * w)`` and the gradients of a, b and w, with upstream gradients
+    on either output or both; ``add_rms_norm(a, None, w, eps)`` gives ``rms_norm(a) * w``.
+    float32 at the stated tolerance; gradcheck in float64; other layouts and dtypes are
+    computed with PyTorch ops."""
+    import attnres_probe.kernels.numba_depth_attn as nbk
+    from attnres_probe.kernels.reference import rms_norm
+
+    if threaded:
+        monkeypatch.setattr(nbk, "PARALLEL_MIN_ELEMENTS", 0)
+    a, b, w = torch.randn(4, 37, 48), torch.randn(4, 37, 48), 1 + 0.3 * torch.randn(48)
+    up_s, up_x = torch.randn_like(a), torch.randn_like(a)
+    results = []
+    for fast in (True, False):
+        la, lb, lw = _leaves(a, b, w)
+        if fast:
+            s, x = nbk.add_rms_norm(la, lb, lw, 1e-5)
+            x1 = nbk.add_rms_norm(la, None, lw, 1e-5)
+        else:
+            s = la + lb
+            x, x1 = rms_norm(s, lw, 1e-5), rms_norm(la, lw, 1e-5)
+        outs = {"both": [(s, up_s), (x, up_x)], "x": [(x, up_x)], "sum": [(s, up_s)]}[upstream]
+        grads = torch.autograd.grad([o for o, _ in outs], [la, lb, lw], [u for _, u in outs], allow_unused=True)
+        grads = [torch.zeros_like(t) if gr is None else gr for gr, t in zip(grads, (a, b, w))]
+        results.append([s, x, x1, *grads, *torch.autograd.grad(x1, [la, lw], up_x)])
+    names = ["sum", "x", "x of a alone", "d a", "d b", "d w", "d a (alone)", "d w (alone)"]
+    for name, got, want in zip(names, *results):
+        assert_close(got, want, name)
+    la, lb, lw = _leaves(a[:2, :3, :6].double(), b[:2, :3, :6].double(), w[:6].double())
+    assert torch.autograd.gradcheck(lambda a, b, w: nbk.add_rms_norm(a, b, w, 1e-5), (la, lb, lw))
+    assert torch.autograd.gradcheck(lambda a, w: nbk.add_rms_norm(a, None, w, 1e-5), (la, lw))
+    strided = a.transpose(0, 1).contiguous().transpose(0, 1)
+    s, x = nbk.add_rms_norm(strided, b, w, 1e-5)
+    assert_close(x, rms_norm(a + b, w, 1e-5), "strided a")
+    s, x = nbk.add_rms_norm(a.half(), b.half(), w.half(), 1e-5)  # not the kernel's dtypes: PyTorch ops
+    assert x.dtype == torch.float16 and torch.equal(x, rms_norm(a.half() + b.half(), w.half(), 1e-5))
 
 
 def test_the_fused_read_takes_the_plain_path_for_other_layouts_and_refuses_bad_input():
