@@ -44,9 +44,15 @@ Conventions and limits:
 - The gain is folded into the query inside the kernels, which also write the query and gain
   gradients, so a read is one autograd node and a handful of PyTorch calls.
 - For the model's unhooked reads (``mixture``, ``fused_mixture``) the same kernels also form
-  Block AttnRes's partial-block sum as they read it (``a + b`` as the last source), and sum a
+  Block AttnRes's partial-block sum as they read it (``a + b`` as the last source), sum a
   shared source's gradient over its reads in place (``GradSlot``): the reads after the first
-  add into one buffer and the first hands the sum to autograd.
+  add into one buffer and the first hands the sum to autograd, and apply the next sublayer's
+  RMSNorm to the mixture as they write it (``norm``): the read returns
+  ``x = h * rh * w``, ``rh = 1 / sqrt(mean(h^2) + eps)``, and its backward first turns dx into
+  dh, ``rh w dx - (rh^3 / d) h sum(w dx h)``, per row (the gain's gradient ``sum_rows dx h
+  rh``). A model's RMSNorm is half a dozen small PyTorch ops and twice as many in the backward,
+  about 0.75 ms per sublayer in a demo-size training step. ``add_rms_norm`` gives the PreNorm
+  baseline the same fusion: its residual add and the next pre-norm in one kernel.
 - The kernels release the GIL. A call that touches at least ``PARALLEL_MIN_ELEMENTS`` source
   elements is split by token rows over Numba's threads (``prange``; up to
   ``torch.get_num_threads()`` ranges, each writing its own rows and its own float64 partial
