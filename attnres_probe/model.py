@@ -286,8 +286,10 @@ class AttnResTransformer(HookedRootModule):
 
     Args:
         cfg: the model's :class:`ModelConfig` (validated).
-        backend: depth-attention backend, ``"auto"`` | ``"torch"`` | ``"triton"``; None
-            defers to ``ATTNRES_BACKEND`` (see :mod:`attnres_probe.kernels`).
+        backend: depth-attention backend, ``"auto"`` | ``"torch"`` | ``"triton"`` |
+            ``"numba"``; None defers to ``ATTNRES_BACKEND`` (see :mod:`attnres_probe.kernels`).
+            A PreNorm model has no depth attention: on the Numba backend (``auto`` on the
+            CPU) it applies each residual add and the next pre-norm in one kernel.
         schedule: Block AttnRes only: ``"sequential"`` or ``"two_phase"``; None picks
             two-phase when the Triton backend is in use, sequential otherwise. Both are exact.
     """
@@ -432,10 +434,12 @@ class AttnResTransformer(HookedRootModule):
         """Whether nothing watches this model: no forward, pre-forward or backward hook on any of
         its modules (hook points included) and no global module hook.
 
-        Only then does a forward on the Numba backend take its fast paths (Block AttnRes's
-        fused partial sums, gradients summed in the kernels): they assume the graph is the
-        model's own, every read's output reaching the loss, which a hook that replaces an
-        activation (patching, ablation) can undo. A watched model runs the ordinary reads.
+        Only then does a forward on the Numba backend take its fast paths (each pre-norm applied
+        in the kernel of the read, or PreNorm's residual add, that forms its input; Block
+        AttnRes's fused partial sums; gradients summed in the kernels): they skip the hook
+        points between those ops, and they assume the graph is the model's own, every read's
+        output reaching the loss, which a hook that replaces an activation (patching,
+        ablation) can undo. A watched model runs the ordinary reads and norm modules.
         """
         from torch.nn.modules import module as nn_module
 
@@ -466,18 +470,37 @@ class AttnResTransformer(HookedRootModule):
         """Logits [batch, pos, d_vocab] for tokens [batch, pos] (or [pos], or a str)."""
         tokens = self.check_tokens(tokens, truncate=truncate)
         v0 = self.embed(tokens)
-        backend, schedule = self._resolve(v0)
         mode = self.cfg.residual
-        # Numba backend, nothing watching: each sublayer's pre-norm (and ln_final) is applied
-        # by the op that forms its input, a read or PreNorm's residual add, in one kernel.
-        fast = backend == "numba" and self.unwatched()
+        # Numba backend, nothing watching, the model's own norms: each sublayer's pre-norm (and
+        # ln_final) is applied by the op that forms its input, a read or PreNorm's residual add.
         if mode == "prenorm":
-            x = self._forward_prenorm(v0, fast)
-        elif mode == "full":
-            x = self._forward_full(v0, backend, fast)
+            x = self._forward_prenorm(v0, self._prenorm_numba(v0) and self._fusable())
         else:
-            x = self._forward_block(v0, backend, schedule, fast)
+            backend, schedule = self._resolve(v0)
+            fast = backend == "numba" and self._fusable()
+            if mode == "full":
+                x = self._forward_full(v0, backend, fast)
+            else:
+                x = self._forward_block(v0, backend, schedule, fast)
         return x @ self.W_U
+
+    def _prenorm_numba(self, v0: torch.Tensor) -> bool:
+        """Whether a PreNorm forward uses the Numba add-norm kernel. PreNorm has no depth
+        attention, so only a request for ``auto`` or ``numba`` on CPU tensors counts; any
+        other backend runs its norms as modules (as that backend would)."""
+        backend, _ = kernels.requested_backend(self.backend)
+        if backend not in ("auto", "numba") or v0.device.type != "cpu":
+            return False
+        return kernels.resolve_backend(v0.device, backend, dtypes=(v0.dtype,), d=self.cfg.d_model) == "numba"
+
+    def _fusable(self) -> bool:
+        """Whether the fast paths may run: nothing watches the model (:meth:`unwatched`) and
+        every pre-norm is still this model's own RMSNorm (a module swapped in, or a ``forward``
+        replaced on one, runs as a module)."""
+        if not self.unwatched():
+            return False
+        norms = [self.ln_final, *(ln for b in self.blocks for ln in (b.ln1, b.ln2))]
+        return all(type(n) is RMSNorm and "forward" not in n.__dict__ for n in norms)
 
     def _final(self, h: torch.Tensor) -> torch.Tensor:
         return self.ln_final(self.hook_resid_final(h))

@@ -47,6 +47,7 @@ __all__ = [
     "inv_rms",
     "phase1",
     "phase2",
+    "requested_backend",
     "resolve_backend",
     "numba_available",
     "triton_available",
@@ -95,6 +96,22 @@ def _triton_takes(dtypes: tuple[torch.dtype | None, ...], d: int | None) -> bool
     return (d is None or d <= MAX_D) and all(dt is None or dt in SUPPORTED_DTYPES for dt in dtypes)
 
 
+def requested_backend(backend: str | None = None) -> tuple[str, str]:
+    """The backend asked for, and where: ``(backend, "backend argument")``, or, for None,
+    ``ATTNRES_BACKEND`` (default ``"auto"``).
+
+    Raises:
+        ValueError: for a name not in :data:`BACKENDS` (saying which are accepted).
+    """
+    source = "backend argument"
+    if backend is None:
+        backend = os.environ.get("ATTNRES_BACKEND", "auto").strip().lower() or "auto"
+        source = "ATTNRES_BACKEND"
+    if backend not in BACKENDS:
+        raise ValueError(f"{source} is {backend!r}; accepted values are {', '.join(BACKENDS)}")
+    return backend, source
+
+
 def resolve_backend(
     device: torch.device | str,
     backend: str | None = None,
@@ -118,12 +135,7 @@ def resolve_backend(
             non-CPU tensors, either not importable).
     """
     device = torch.device(device)
-    source = "backend argument"
-    if backend is None:
-        backend = os.environ.get("ATTNRES_BACKEND", "auto").strip().lower() or "auto"
-        source = "ATTNRES_BACKEND"
-    if backend not in BACKENDS:
-        raise ValueError(f"{source} is {backend!r}; accepted values are {', '.join(BACKENDS)}")
+    backend, source = requested_backend(backend)
     on_gpu_or_interp = device.type == "cuda" or (device.type == "cpu" and _interpret_mode())
     if backend == "auto":
         if device.type == "cuda" and triton_available() and _triton_takes(tuple(dtypes), d):

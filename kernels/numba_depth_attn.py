@@ -81,11 +81,10 @@ import numba as nb
 import numpy as np
 import torch
 from llvmlite import ir
-from torch.autograd.function import once_differentiable
 from numba import types
 from numba.extending import intrinsic, overload
 
-from .reference import rms_norm, validate_depth_attn_args
+from .reference import depth_attn_reference, graph_grads, rms_norm, validate_depth_attn_args
 
 __all__ = ["SUPPORTED_DTYPES", "GradSlot", "add_rms_norm", "depth_attn_numba", "fused_mixture", "mixture"]
 
@@ -703,7 +702,7 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         _run_forward(rows, query, gain, eps, h, lse, wzi, c)
         ctx.save_for_backward(query, gain, wzi, *rows)
         ctx.set_materialize_grads(False)
-        ctx.return_lse, ctx.return_weights = return_lse, return_weights
+        ctx.return_lse, ctx.return_weights, ctx.eps = return_lse, return_weights, eps
         outs = [h]
         if return_lse:
             outs.append(lse)
@@ -715,13 +714,18 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    @once_differentiable  # the kernels' gradients are not themselves differentiable: say so if asked
     def backward(ctx, dh, *rest):
         dlse = rest[0] if ctx.return_lse else None
         dw = rest[int(ctx.return_lse)] if ctx.return_weights else None
         query, gain, wzi, *rows = ctx.saved_tensors
         if dh is None and dlse is None and dw is None:
             return (None,) * (6 + len(rows))
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, from the reference
+            def ref(query, gain, *rows):
+                return depth_attn_reference(list(rows), query, gain, ctx.eps, return_weights=True, validate=False)
+
+            dq, dg, *dv = graph_grads(ref, [query, gain, *rows], [dh, dlse, dw])
+            return (dq, dg, None, None, None, None, *dv)
         first = rows[0]
         # one buffer per source: autograd can then accumulate into it in place (views of one
         # shared buffer would force an out-of-place add for every later read of the source)
@@ -791,7 +795,22 @@ def _mixture_backward(ctx, dh, d_total=None):
     return (dqg[0], dqg[1], d_norm, None, None, None, None, *grads)
 
 
-_mixture_backward_once = once_differentiable(_mixture_backward)
+def _mixture_graph_backward(ctx, dh, d_total):
+    """:class:`_MixtureFunction`'s gradients under ``create_graph=True`` (see :func:`~attnres_probe.kernels.reference.graph_grads`).
+    The pass returns every read's gradients to autograd (no slots); a fused read's sum gets
+    its gradient through the mixture plus ``d_total``, for a and b alike."""
+    query, gain, _, norm_w, _, _, *rows = ctx.saved_tensors
+
+    def ref(query, gain, norm_w, *rows):
+        h = depth_attn_reference(list(rows), query, gain, ctx.eps, validate=False)[0]
+        return (h if norm_w is None else rms_norm(h, norm_w, ctx.norm_eps),)
+
+    dq, dg, dn, *dv = graph_grads(ref, [query, gain, norm_w, *rows], [dh])
+    if ctx.fused:
+        d_sum = dv[-1] if d_total is None else d_total if dv[-1] is None else dv[-1] + d_total
+        return (dq, dg, dn, None, None, None, None, *dv[:-1], d_sum, d_sum)
+    return (dq, dg, dn, None, None, None, None, *dv)
+
 
 
 class _MixtureFunction(torch.autograd.Function):
@@ -826,7 +845,7 @@ class _MixtureFunction(torch.autograd.Function):
             norm = (norm_w, out, torch.empty(first.shape[:-1], dtype=query.dtype))
         _run_forward(rows, query, gain, eps, h, None, wzi, None, add, norm, norm_eps)
         ctx.save_for_backward(query, gain, wzi, norm_w, *((None, None) if norm_w is None else (h, norm[2])), *rows)
-        ctx.fused, ctx.slots, ctx.n_inputs = fused, slots, n_inputs
+        ctx.fused, ctx.slots, ctx.n_inputs, ctx.eps, ctx.norm_eps = fused, slots, n_inputs, eps, norm_eps
         if fused:
             ctx.set_materialize_grads(False)
             return out, total
@@ -836,8 +855,8 @@ class _MixtureFunction(torch.autograd.Function):
     def backward(ctx, dh, d_total=None):
         if dh is None and d_total is None and ctx.slots is None:
             return (None,) * ctx.n_inputs
-        if torch.is_grad_enabled():  # create_graph=True: these gradients cannot be differentiated again; say so if asked
-            return _mixture_backward_once(ctx, dh, d_total)
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, from the reference
+            return _mixture_graph_backward(ctx, dh, d_total)
         return _mixture_backward(ctx, dh, d_total)
 
 
@@ -852,7 +871,6 @@ def _add_norm_backward(ctx, *grads):
     return dw, None, g, g if ctx.has_b else None
 
 
-_add_norm_backward_once = once_differentiable(_add_norm_backward)
 
 
 class _AddNormFunction(torch.autograd.Function):
@@ -867,7 +885,7 @@ class _AddNormFunction(torch.autograd.Function):
         rh = torch.empty(a.shape[:-1], dtype=a.dtype)
         _run_add_norm(a, b, weight, eps, s, x, rh)
         ctx.save_for_backward(weight, s, rh)
-        ctx.has_b = b is not None
+        ctx.has_b, ctx.eps = b is not None, eps
         if b is None:
             return x
         ctx.set_materialize_grads(False)
@@ -875,8 +893,12 @@ class _AddNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        if torch.is_grad_enabled():  # create_graph=True: not differentiable again; say so if asked
-            return _add_norm_backward_once(ctx, *grads)
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, from PyTorch ops
+            ds, dx = grads if ctx.has_b else (None, grads[0])
+            weight, s, _ = ctx.saved_tensors
+            dw, d_s = graph_grads(lambda w, s: (rms_norm(s, w, ctx.eps),), [weight, s], [dx])
+            g = d_s if ds is None else ds if d_s is None else d_s + ds
+            return dw, None, g, g if ctx.has_b else None
         return _add_norm_backward(ctx, *grads)
 
 
@@ -942,15 +964,16 @@ def mixture(sources, query: torch.Tensor, gain: torch.Tensor | None, eps: float,
     lets the reads of a source sum its gradient inside their kernels; it needs the lean op.
     ``norm``, a (weight [d], eps) pair, returns ``rms_norm(h) * weight`` instead of the
     mixture h: the next sublayer's pre-norm, which the lean op's kernel applies as it writes
-    h (gradients then flow to the weight too).
+    h when the weight is a contiguous [d] tensor of the sources' dtype (else PyTorch ops apply
+    it afterwards); gradients flow to the weight too.
     """
-    params = (query, gain) if norm is None else (query, gain, norm[0])
-    if _plain(sources, *params):
+    if _plain(sources, query, gain):
         _check_slots(slots, len(sources))
         if not all(s.is_contiguous() for s in sources):
             sources = [s.contiguous() for s in sources]
-        norm_w, norm_eps = (None, 0.0) if norm is None else (norm[0], float(norm[1]))
-        return _MixtureFunction.apply(query, gain, norm_w, float(eps), norm_eps, False, slots, *sources)
+        norm_w, norm_eps, after = _kernel_norm(sources, norm)
+        out = _MixtureFunction.apply(query, gain, norm_w, float(eps), norm_eps, False, slots, *sources)
+        return out if after is None else rms_norm(out, *after)
     _no_slots(slots)
     h = depth_attn_numba(sources, query, gain, eps)[0]  # checks everything; converts or explains
     return h if norm is None else rms_norm(h, *norm)
@@ -969,13 +992,13 @@ def fused_mixture(
     with ``norm`` the first output is the normalised mixture).
     """
     srcs = [*sources, a, b]
-    params = (query, gain) if norm is None else (query, gain, norm[0])
-    if _plain(srcs, *params):
+    if _plain(srcs, query, gain):
         _check_slots(slots, len(sources) + 1)
         if not all(s.is_contiguous() for s in srcs):
             srcs = [s.contiguous() for s in srcs]
-        norm_w, norm_eps = (None, 0.0) if norm is None else (norm[0], float(norm[1]))
-        return _MixtureFunction.apply(query, gain, norm_w, float(eps), norm_eps, True, slots, *srcs)
+        norm_w, norm_eps, after = _kernel_norm(srcs, norm)
+        out, total = _MixtureFunction.apply(query, gain, norm_w, float(eps), norm_eps, True, slots, *srcs)
+        return (out if after is None else rms_norm(out, *after)), total
     _no_slots(slots)
     total = a + b
     return mixture([*sources, total], query, gain, eps, norm=norm), total
@@ -997,6 +1020,17 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor | None, weight: torch.Tensor, 
         return rms_norm(a, weight, eps)
     s = a + b
     return s, rms_norm(s, weight, eps)
+
+
+def _kernel_norm(sources, norm):
+    """(norm weight, eps) for the lean op's kernel, and the norm to apply afterwards with
+    PyTorch ops instead, for a weight the kernel does not take (another dtype, a strided or
+    mis-shaped one; rms_norm then says what is wrong with it)."""
+    if norm is None:
+        return None, 0.0, None
+    if _plain(sources, norm[0]):
+        return norm[0], float(norm[1]), None
+    return None, 0.0, norm
 
 
 def _check_slots(slots, n_src: int) -> None:

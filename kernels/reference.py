@@ -30,6 +30,7 @@ __all__ = [
     "compute_dtype",
     "contribution_shares",
     "depth_attn_reference",
+    "graph_grads",
     "inv_rms",
     "phase1_reference",
     "phase2_reference",
@@ -56,6 +57,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (out * weight).to(x.dtype)
+
+
+def graph_grads(fn, inputs: Sequence, upstream: Sequence) -> list:
+    """Gradients of ``fn(*inputs)`` (PyTorch ops) for the ``upstream`` gradients of its outputs,
+    built as a graph: what the kernel ops' backward returns under ``create_graph=True``, so that
+    second-order gradients (gradient penalties, Hessian-vector products) are exact. The
+    kernels' own gradients are not differentiable. None for an input that needs none."""
+    wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    out: list = [None] * len(inputs)
+    with torch.enable_grad():
+        outs = fn(*inputs)
+        pairs = [(o, u) for o, u in zip(outs, upstream) if u is not None and o.requires_grad]
+        if not wanted or not pairs:
+            return out
+        grads = torch.autograd.grad(
+            [o for o, _ in pairs], [inputs[i] for i in wanted], [u for _, u in pairs], create_graph=True, allow_unused=True
+        )
+    for i, g in zip(wanted, grads):
+        out[i] = g
+    return out
 
 
 def _as_list(sources: Sources) -> list[torch.Tensor]:

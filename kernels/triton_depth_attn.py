@@ -62,6 +62,7 @@ import triton.language as tl
 
 from .reference import (
     depth_attn_reference,
+    graph_grads,
     phase1_reference,
     phase2_reference,
     validate_depth_attn_args,
@@ -570,6 +571,12 @@ class DepthAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh, dlse, dw=None):
         x, q, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, from the reference
+            def ref(x, q):
+                return depth_attn_reference(x, q, None, ctx.eps, return_weights=True, validate=False)
+
+            dx, dq = graph_grads(ref, [x, q], [dh, dlse, dw])
+            return dx, dq, None, None
         dx, dq = depth_attn_bwd(x, q, lse, dh, dlse, dw, ctx.eps)
         return dx, dq, None, None
 
@@ -682,6 +689,9 @@ class Phase1Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse, dw=None):
         x, q, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, from the reference
+            dx, dq = graph_grads(lambda x, q: phase1_reference(x, q, ctx.eps, return_weights=True), [x, q], [do, dlse, dw])
+            return dx, dq, None, None
         dx, dq = phase1_bwd(x, q, lse, do, dlse, dw, ctx.eps)
         return dx, dq, None, None
 
@@ -786,6 +796,12 @@ class Phase2Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh, dlt, ds):
         ob, lse, p, q = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, from the reference
+            def ref(ob, lse, p, q):
+                return phase2_reference(ob, lse, p, q, None, ctx.eps)
+
+            dob, dlse, dp, dq = graph_grads(ref, [ob, lse, p, q], [dh, dlt, ds])
+            return dob, dlse, dp, dq, None
         dob, dlse, dp, dq = phase2_bwd(ob, lse, p, q, dh, dlt, ds, ctx.eps)
         return dob, dlse, dp, dq, None
 

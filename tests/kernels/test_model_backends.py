@@ -127,6 +127,85 @@ def test_hooks_that_replace_activations_give_the_references_gradients(residual, 
         torch.testing.assert_close(grads["numba"][name], want, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("inputs", ["all", "one"])
+@pytest.mark.parametrize("residual", ["prenorm", "full", "block"])
+def test_second_order_gradients_on_the_numba_backend_equal_the_references(residual, inputs):
+    """A gradient penalty (the gradient of |dL/dW|^2) through the Numba training path equals
+    the reference's, float64, also when ``autograd.grad`` asks for one parameter only."""
+    model = tiny_model(residual, n_layers=2, **({"block_size": 2} if residual == "block" else {})).double()
+    tokens = sample_tokens(6, batch=2)
+    got = {}
+    for backend in ("torch", "numba"):
+        m = _twin(model, backend=backend).double()
+        params = dict(m.named_parameters())
+        (g,) = torch.autograd.grad(m.loss(tokens), [params["blocks.1.mlp.W_in.weight"]], create_graph=True)
+        wrt = list(params.values()) if inputs == "all" else [params["blocks.0.mlp.W_out.weight"]]
+        got[backend] = torch.autograd.grad(g.pow(2).sum(), wrt, allow_unused=True)
+    for a, b in zip(got["numba"], got["torch"]):
+        if b is None:
+            assert a is None or not a.any()
+        else:
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
+
+
+def test_a_swapped_or_patched_norm_runs_as_a_module_and_prenorm_ignores_other_backends(monkeypatch):
+    """The fused pre-norms stand in for the model's own RMSNorm only: a norm module swapped in,
+    or a ``forward`` replaced on one, runs as itself on the Numba backend too. A PreNorm model
+    (no depth attention) asked for Triton on CPU tensors, or any backend but auto/numba, runs its
+    norms as modules instead of raising; an unknown name is still refused."""
+    tokens = sample_tokens(6, batch=2)
+    for residual in ("prenorm", "full", "block"):
+        model = tiny_model(residual, n_layers=2)
+        for patch in ("layernorm", "forward"):
+            ref, fast = _twin(model, backend="torch"), _twin(model, backend="numba")
+            for m in (ref, fast):
+                if patch == "layernorm":
+                    m.ln_final = torch.nn.LayerNorm(m.cfg.d_model)
+                else:
+                    m.blocks[1].ln1.forward = lambda x: x * 2
+            with torch.no_grad():
+                torch.testing.assert_close(fast(tokens), ref(tokens), atol=ATOL, rtol=0, msg=f"{residual}, {patch}")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    prenorm = tiny_model("prenorm", n_layers=2)
+    want = _twin(prenorm, backend="torch")(tokens)
+    torch.testing.assert_close(_twin(prenorm, backend="triton")(tokens), want)
+    monkeypatch.setenv("ATTNRES_BACKEND", "triton")
+    torch.testing.assert_close(_twin(prenorm)(tokens), want)
+    with pytest.raises(ValueError, match="accepted values are"):
+        _twin(prenorm, backend="bogus")(tokens)
+
+
+def test_a_norm_gain_in_another_dtype_is_applied_after_the_kernel():
+    """A pre-norm gain the kernel does not take (float64 in a float32 model) is applied with
+    PyTorch ops after the read; training still matches the reference."""
+    model = tiny_model("block", n_layers=2, block_size=2)
+    tokens = sample_tokens(6, batch=2)
+    results = []
+    for backend in ("torch", "numba"):
+        m = _twin(model, backend=backend)
+        m.ln_final.double()
+        m.blocks[1].ln2.double()
+        results.append(_loss_and_grads(m, tokens))
+    (loss, grads), (loss_ref, grads_ref) = results[1], results[0]
+    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=0)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_a_read_given_a_norm_returns_the_normed_mixture_hooked_or_not(backend):
+    model = tiny_model("full", n_layers=2)
+    mixer, ln = model.blocks[1].attn_res, model.blocks[1].ln1
+    with torch.no_grad():
+        ln.weight.uniform_(0.5, 1.5)
+        mixer.query.normal_()
+    sources = [torch.randn(2, 5, model.cfg.d_model) for _ in range(3)]
+    want = ln(mixer(sources, backend=backend))
+    torch.testing.assert_close(mixer(sources, backend=backend, norm=ln), want, atol=ATOL, rtol=0)
+    mixer.hook_weights.add_hook(lambda w, hook: w)
+    torch.testing.assert_close(mixer(sources, backend=backend, norm=ln), want, atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("residual", ["prenorm", "full", "block"])
 def test_the_fused_pre_norms_run_only_while_nothing_watches(residual, monkeypatch):
     """On the Numba backend an unwatched model runs no RMSNorm module (the reads, or PreNorm's

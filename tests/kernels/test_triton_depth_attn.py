@@ -256,3 +256,29 @@ def test_phase1_then_phase2_equals_depth_attn_over_all_sources():
     assert_close(h, mix, "h")
     assert_close(lse_total, lse_all, "lse_total")
     assert_close(s, weights[..., -1], "s")
+
+
+def test_second_order_gradients_match_the_reference():
+    """Under ``create_graph=True`` the Triton ops' backward builds its gradients from the
+    reference ops, so a gradient of a gradient (of |dL/dinputs|^2, L a random weighting of
+    every output) equals the reference's, for depth_attn, phase 1 and phase 2 (float32, the
+    stated tolerance)."""
+    sources, query, gain = _inputs(3, 16)
+    o_bar, lse = torch.randn(M, 16, device=DEVICE), torch.randn(M, device=DEVICE)
+    ops = {
+        "depth_attn": (lambda b, x, q, g: depth_attn(x, q, g, return_weights=True, backend=b), (sources, query, gain)),
+        "phase1": (lambda b, x, q: phase1(x, q, return_weights=True, backend=b), (sources, torch.stack([query, -query]))),
+        "phase2": (lambda b, ob, l, p, q, g: phase2(ob, l, p, q, g, backend=b), (o_bar, lse, sources[0], query, gain)),
+    }
+    for name, (op, args) in ops.items():
+        results, ups = {}, None
+        for backend in ("triton", "torch"):
+            leaves = _leaves(*args)
+            outs = op(backend, *leaves)
+            ups = ups or [torch.randn_like(o) for o in outs]
+            first = torch.autograd.grad(outs, leaves, ups, create_graph=True)
+            results[backend] = torch.autograd.grad(sum(g.pow(2).sum() for g in first), leaves, allow_unused=True)
+        for i, (a, b) in enumerate(zip(results["triton"], results["torch"])):
+            assert (a is None) == (b is None), f"{name}: input {i}"
+            if a is not None:
+                assert_close(a, b, f"{name}: d input {i}")
