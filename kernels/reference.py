@@ -63,16 +63,23 @@ def graph_grads(fn, inputs: Sequence, upstream: Sequence) -> list:
     """Gradients of ``fn(*inputs)`` (PyTorch ops) for the ``upstream`` gradients of its outputs,
     built as a graph: what the kernel ops' backward returns under ``create_graph=True``, so that
     second-order gradients (gradient penalties, Hessian-vector products) are exact. The
-    kernels' own gradients are not differentiable. None for an input that needs none."""
+    kernels' own gradients are not differentiable. None for an input that needs none.
+
+    ``fn`` runs on fresh aliases of the inputs and the gradients are taken with respect to
+    those: partial derivatives of this op alone. (Taken with respect to the inputs themselves,
+    autograd would also follow every path by which one input depends on another through the
+    outer graph, as later sources do on earlier ones.)
+    """
     wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     out: list = [None] * len(inputs)
     with torch.enable_grad():
-        outs = fn(*inputs)
+        alias = [t.view_as(t) if i in wanted else t for i, t in enumerate(inputs)]
+        outs = fn(*alias)
         pairs = [(o, u) for o, u in zip(outs, upstream) if u is not None and o.requires_grad]
         if not wanted or not pairs:
             return out
         grads = torch.autograd.grad(
-            [o for o, _ in pairs], [inputs[i] for i in wanted], [u for _, u in pairs], create_graph=True, allow_unused=True
+            [o for o, _ in pairs], [alias[i] for i in wanted], [u for _, u in pairs], create_graph=True, allow_unused=True
         )
     for i, g in zip(wanted, grads):
         out[i] = g

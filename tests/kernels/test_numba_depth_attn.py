@@ -286,6 +286,32 @@ def test_second_order_gradients_are_exact():
     }
     for name, (fn, args) in cases.items():
         assert torch.autograd.gradgradcheck(fn, args), name
+    # inputs that depend on one another (as a model's later sources do on earlier ones): the op's
+    # create_graph gradients are its own partial derivatives, as the reference's
+    from attnres_probe.kernels.reference import rms_norm
+
+    y = torch.tanh(x[0])
+    got = []
+    for make in (
+        lambda: nbk.mixture([x[0], y, x[0] * w], q, g, 1e-6, norm=(w, 1e-5)),
+        lambda: nbk.fused_mixture([x[0], y], y, x[1] * w, q, g, 1e-6, norm=(w, 1e-5))[0],
+        lambda: nbk.add_rms_norm(a, a * w, w, 1e-5)[1],
+    ):
+        out = make()
+        got.append(torch.autograd.grad(out, [x, q, g, w, a], torch.ones_like(out), create_graph=True, allow_unused=True))
+    want = []
+    for make in (
+        lambda: rms_norm(depth_attn([x[0], y, x[0] * w], q, g, backend="torch")[0], w, 1e-5),
+        lambda: rms_norm(depth_attn([x[0], y, y + x[1] * w], q, g, backend="torch")[0], w, 1e-5),
+        lambda: rms_norm(a + a * w, w, 1e-5),
+    ):
+        out = make()
+        want.append(torch.autograd.grad(out, [x, q, g, w, a], torch.ones_like(out), retain_graph=True, allow_unused=True))
+    for case, (gs, ws) in enumerate(zip(got, want)):
+        for i, (a_, b_) in enumerate(zip(gs, ws)):
+            assert (a_ is None) == (b_ is None), f"case {case}, input {i}"
+            if a_ is not None:
+                assert_close(a_, b_, f"case {case}, input {i}", atol=1e-12, rrms=1e-12)
 
 
 @pytest.mark.parametrize("norm", [False, True], ids=["mixture", "normed"])
