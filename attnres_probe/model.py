@@ -130,7 +130,8 @@ class DepthMixer(nn.Module):
         ``slots``: the model's gradient slots for an unhooked read on the Numba backend (see
         :class:`~attnres_probe.kernels.numba_depth_attn.GradSlot`); ignored otherwise.
         ``norm``: the next sublayer's pre-norm, returned applied to the mixture (``norm(h)``);
-        an unhooked read on the Numba backend applies it in its kernel.
+        an unhooked read on the Numba backend applies an RMSNorm's gain and eps in its kernel
+        (when the gain is a [d] tensor of the sources' dtype; else PyTorch ops apply it after).
         """
         hooked = self.hooked
         if backend == "numba" and not hooked:  # the model resolved the backend: the op directly
@@ -239,6 +240,31 @@ class TransformerBlock(nn.Module):
 
     def mixer(self, which: int) -> DepthMixer:
         return self.attn_res if which == 0 else self.mlp_res
+
+
+# What the Numba fast paths stand in for (see AttnResTransformer._fusable): they apply the
+# pre-norms in the kernels, call the blocks' sublayers and mixers in their own way, and assume
+# that every read's output reaches the loss. A module of another class in one of these places,
+# or one of these methods replaced on its class or on an instance, runs the ordinary path.
+_STOOD_IN = {
+    RMSNorm: ("forward",),
+    Attention: ("forward",),
+    MLP: ("forward",),
+    DepthMixer: ("forward", "fused"),
+    TransformerBlock: ("sublayer", "normed_sublayer", "ln", "mixer"),
+}
+_ORIGINAL = {(cls, name): cls.__dict__[name] for cls, names in _STOOD_IN.items() for name in names}
+
+
+def _classes_intact() -> bool:
+    """Whether every method in ``_STOOD_IN`` is still the one defined here (none patched on its class)."""
+    return all(cls.__dict__.get(name) is f for (cls, name), f in _ORIGINAL.items())
+
+
+def _own(m: nn.Module) -> bool:
+    """Whether ``m`` is of one of the ``_STOOD_IN`` classes with none of their methods replaced on it."""
+    names = _STOOD_IN.get(type(m))
+    return names is not None and not any(n in m.__dict__ for n in names)
 
 
 def _sinusoidal(n_ctx: int, d: int) -> torch.Tensor:
@@ -446,9 +472,14 @@ class AttnResTransformer(HookedRootModule):
         for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"):
             if getattr(nn_module, name, None):
                 return False
-        for m in (self, *self.mod_dict.values()):  # every submodule, listed by setup() (modules() is 3x slower)
+        stack: list = [self]
+        while stack:  # every submodule as it is now, one assigned after setup() included
+            m = stack.pop()
+            if m is None:
+                continue
             if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
                 return False
+            stack.extend(m._modules.values())
         return True
 
     def _resolve(self, v0: torch.Tensor) -> tuple[str, str]:
@@ -494,13 +525,20 @@ class AttnResTransformer(HookedRootModule):
         return kernels.resolve_backend(v0.device, backend, dtypes=(v0.dtype,), d=self.cfg.d_model) == "numba"
 
     def _fusable(self) -> bool:
-        """Whether the fast paths may run: nothing watches the model (:meth:`unwatched`) and
-        every pre-norm is still this model's own RMSNorm (a module swapped in, or a ``forward``
-        replaced on one, runs as a module)."""
-        if not self.unwatched():
+        """Whether the fast paths may run: nothing watches the model (:meth:`unwatched`) and the
+        modules they stand in for are still this model's own: its norms, sublayers, mixers and
+        blocks, of their classes here with their methods as defined (a module swapped in, or a
+        method replaced on one, runs the ordinary path)."""
+        if not (self.unwatched() and _classes_intact()):
             return False
-        norms = [self.ln_final, *(ln for b in self.blocks for ln in (b.ln1, b.ln2))]
-        return all(type(n) is RMSNorm and "forward" not in n.__dict__ for n in norms)
+        attnres = self.cfg.residual != "prenorm"
+        names = ("ln1", "ln2", "attn", "mlp", "attn_res", "mlp_res") if attnres else ("ln1", "ln2", "attn", "mlp")
+        top = self._modules  # (dict lookups: a module's attribute access is several times slower)
+        mods = [top["ln_final"], top["out_res"]] if attnres else [top["ln_final"]]
+        for b in top["blocks"]._modules.values():
+            mods.append(b)
+            mods.extend(b._modules.get(n) for n in names)
+        return all(_own(m) for m in mods)
 
     def _final(self, h: torch.Tensor) -> torch.Tensor:
         return self.ln_final(self.hook_resid_final(h))

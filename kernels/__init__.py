@@ -98,7 +98,7 @@ def _triton_takes(dtypes: tuple[torch.dtype | None, ...], d: int | None) -> bool
 
 def requested_backend(backend: str | None = None) -> tuple[str, str]:
     """The backend asked for, and where: ``(backend, "backend argument")``, or, for None,
-    ``ATTNRES_BACKEND`` (default ``"auto"``).
+    ``ATTNRES_BACKEND`` (default ``"auto"``; its value is read case-insensitively).
 
     Raises:
         ValueError: for a name not in :data:`BACKENDS` (saying which are accepted).

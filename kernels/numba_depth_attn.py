@@ -503,7 +503,6 @@ def _backward_parallel(table, n_src, n_rows, d, has_gain, has_dh, has_dlse, has_
     _finish_dq(table, n_src, d, has_gain, one, dq[0])
 
 
-
 # PreNorm's residual step fused with the next sublayer's pre-norm (the baseline's counterpart
 # of a read that ends in the pre-norm): s = a + b, x = s * rh * w, rh = 1 / sqrt(mean(s^2) + eps).
 
@@ -812,7 +811,6 @@ def _mixture_graph_backward(ctx, dh, d_total):
     return (dq, dg, dn, None, None, None, None, *dv)
 
 
-
 class _MixtureFunction(torch.autograd.Function):
     """The model's unhooked read: the mixture alone, for inputs :func:`mixture` has checked.
 
@@ -869,8 +867,6 @@ def _add_norm_backward(ctx, *grads):
     dw = torch.empty_like(weight)
     _run_add_norm_grad(s, weight, rh, dx.contiguous(), None if ds is None else ds.contiguous(), g, dw)
     return dw, None, g, g if ctx.has_b else None
-
-
 
 
 class _AddNormFunction(torch.autograd.Function):
@@ -1023,9 +1019,9 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor | None, weight: torch.Tensor, 
 
 
 def _kernel_norm(sources, norm):
-    """(norm weight, eps) for the lean op's kernel, and the norm to apply afterwards with
-    PyTorch ops instead, for a weight the kernel does not take (another dtype, a strided or
-    mis-shaped one; rms_norm then says what is wrong with it)."""
+    """(norm weight, eps) for the lean op's kernel, or the norm to apply afterwards with
+    PyTorch ops instead, for a weight the kernel does not take (another dtype, strided, not
+    [d]: PyTorch's broadcasting then applies it, or refuses it, as the norm module would)."""
     if norm is None:
         return None, 0.0, None
     if _plain(sources, norm[0]):

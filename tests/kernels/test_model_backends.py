@@ -181,6 +181,40 @@ def test_a_swapped_or_patched_norm_runs_as_a_module_and_prenorm_ignores_other_ba
         _twin(prenorm, backend="bogus")(tokens)
 
 
+class _Zeros(torch.nn.Module):
+    def forward(self, x):
+        return torch.zeros_like(x)
+
+
+@pytest.mark.parametrize("residual", ["prenorm", "full", "block"])
+def test_modules_swapped_in_after_construction_are_honoured(residual, monkeypatch):
+    """The fast paths see the model as it is now: a hook on a norm module assigned after
+    construction fires; a sublayer swapped for one that ignores its input (its reads then never
+    reach the loss) gives the reference's gradients; a norm method patched on the class runs."""
+    from attnres_probe.model import RMSNorm
+
+    model = tiny_model(residual, n_layers=2, **({"block_size": 2} if residual == "block" else {}))
+    tokens = sample_tokens(6, batch=2)
+    ref, fast = _twin(model, backend="torch"), _twin(model, backend="numba")
+    seen = []
+    for m in (ref, fast):
+        m.blocks[1].ln2 = RMSNorm(m.cfg.d_model, m.cfg.norm_eps)
+        m.blocks[1].ln2.register_forward_hook(lambda mod, inp, out: seen.append(1) or out * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(tokens), ref(tokens), atol=ATOL, rtol=0)
+    assert len(seen) == 2
+    for m in (ref, fast):
+        m.blocks[1].ln2._forward_hooks.clear()
+        m.blocks[0].attn = _Zeros()
+    grads = [_grads_by_name(m, tokens) for m in (ref, fast)]
+    for name, want in grads[0].items():
+        torch.testing.assert_close(grads[1][name], want, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+    forward = RMSNorm.forward
+    monkeypatch.setattr(RMSNorm, "forward", lambda self, x: forward(self, x) * 3)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(tokens), ref(tokens), atol=ATOL, rtol=0)
+
+
 def test_a_norm_gain_in_another_dtype_is_applied_after_the_kernel():
     """A pre-norm gain the kernel does not take (float64 in a float32 model) is applied with
     PyTorch ops after the read; training still matches the reference."""
@@ -217,11 +251,11 @@ def test_the_fused_pre_norms_run_only_while_nothing_watches(residual, monkeypatc
     """On the Numba backend an unwatched model runs no RMSNorm module (the reads, or PreNorm's
     residual adds, apply them in their kernels) and gives the reference's logits in a forward
     without gradients too; a hooked one runs every norm and its hooks see every sublayer's input."""
-    from attnres_probe.model import RMSNorm
+    from attnres_probe.kernels import reference
 
     calls = []
-    forward = RMSNorm.forward
-    monkeypatch.setattr(RMSNorm, "forward", lambda self, x: calls.append(self) or forward(self, x))
+    norm = reference.rms_norm  # what an RMSNorm module calls (the Numba ops hold their own reference)
+    monkeypatch.setattr(reference, "rms_norm", lambda *a: calls.append(a) or norm(*a))
     model = tiny_model(residual, n_layers=3, **({"block_size": 3} if residual == "block" else {}))
     tokens = sample_tokens(6, batch=2)
     fast, ref = _twin(model, backend="numba"), _twin(model, backend="torch")
