@@ -243,28 +243,34 @@ class TransformerBlock(nn.Module):
 
 
 # What the Numba fast paths stand in for (see AttnResTransformer._fusable): they apply the
-# pre-norms in the kernels, call the blocks' sublayers and mixers in their own way, and assume
-# that every read's output reaches the loss. A module of another class in one of these places,
-# or one of these methods replaced on its class or on an instance, runs the ordinary path.
+# pre-norms in the kernels, skip the hook points between a read and its sublayer, call the
+# blocks' sublayers and mixers in their own way, and assume that every read's output reaches
+# the loss. They run only while the module tree has the classes it was built with and none of
+# these methods is replaced, on its class or on an instance.
 _STOOD_IN = {
     RMSNorm: ("forward",),
     Attention: ("forward",),
     MLP: ("forward",),
     DepthMixer: ("forward", "fused"),
     TransformerBlock: ("sublayer", "normed_sublayer", "ln", "mixer"),
+    HookPoint: ("forward",),
+    nn.Linear: ("forward",),
 }
 _ORIGINAL = {(cls, name): cls.__dict__[name] for cls, names in _STOOD_IN.items() for name in names}
+_OTHER = ("forward",)  # what is checked on an instance of any other class
+
+
+def _global_hooks() -> bool:
+    """Whether any global module hook is registered (``torch.nn.modules.module.register_module_*_hook``)."""
+    from torch.nn.modules import module as nn_module
+
+    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
+    return any(getattr(nn_module, name, None) for name in names)
 
 
 def _classes_intact() -> bool:
-    """Whether every method in ``_STOOD_IN`` is still the one defined here (none patched on its class)."""
+    """Whether every method in ``_STOOD_IN`` is still the one defined on its class."""
     return all(cls.__dict__.get(name) is f for (cls, name), f in _ORIGINAL.items())
-
-
-def _own(m: nn.Module) -> bool:
-    """Whether ``m`` is of one of the ``_STOOD_IN`` classes with none of their methods replaced on it."""
-    names = _STOOD_IN.get(type(m))
-    return names is not None and not any(n in m.__dict__ for n in names)
 
 
 def _sinusoidal(n_ctx: int, d: int) -> torch.Tensor:
@@ -344,6 +350,7 @@ class AttnResTransformer(HookedRootModule):
         self.W_U = nn.Parameter(torch.empty(d, cfg.d_vocab))
         self.init_weights()
         self.setup()
+        self._built = self._tree_types()  # the module tree's classes, for _fusable
 
     # -- construction --------------------------------------------------------------------
     def init_weights(self) -> None:
@@ -467,11 +474,8 @@ class AttnResTransformer(HookedRootModule):
         output reaching the loss, which a hook that replaces an activation (patching,
         ablation) can undo. A watched model runs the ordinary reads and norm modules.
         """
-        from torch.nn.modules import module as nn_module
-
-        for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"):
-            if getattr(nn_module, name, None):
-                return False
+        if _global_hooks():
+            return False
         stack: list = [self]
         while stack:  # every submodule as it is now, one assigned after setup() included
             m = stack.pop()
@@ -524,21 +528,50 @@ class AttnResTransformer(HookedRootModule):
             return False
         return kernels.resolve_backend(v0.device, backend, dtypes=(v0.dtype,), d=self.cfg.d_model) == "numba"
 
+    # the model's own methods the fast paths rely on (a subclass that overrides one runs the ordinary path)
+    _FAST_METHODS = ("forward", "embed", "_forward_prenorm", "_forward_full", "_forward_block", "_final", "_next_norm", "_sublayers")
+
+    def _tree_types(self) -> tuple:
+        """The classes of the module tree, in a fixed walk order (None for a removed module)."""
+        types, stack = [], [self]
+        while stack:
+            m = stack.pop()
+            types.append(type(m))
+            if m is not None:
+                stack.extend(m._modules.values())
+        return tuple(types)
+
     def _fusable(self) -> bool:
-        """Whether the fast paths may run: nothing watches the model (:meth:`unwatched`) and the
-        modules they stand in for are still this model's own: its norms, sublayers, mixers and
-        blocks, of their classes here with their methods as defined (a module swapped in, or a
-        method replaced on one, runs the ordinary path)."""
-        if not (self.unwatched() and _classes_intact()):
+        """Whether the fast paths may run: nothing watches the model (:meth:`unwatched`) and it is
+        still the model it was built as: every module of the class it was built with, none of
+        the methods the fast paths stand in for replaced on a class or an instance, no method
+        the forward relies on overridden by a subclass. Anything else (a module swapped in, a
+        patched ``forward``) runs the ordinary path, which calls every module as it is."""
+        if _global_hooks() or not _classes_intact():
             return False
-        attnres = self.cfg.residual != "prenorm"
-        names = ("ln1", "ln2", "attn", "mlp", "attn_res", "mlp_res") if attnres else ("ln1", "ln2", "attn", "mlp")
-        top = self._modules  # (dict lookups: a module's attribute access is several times slower)
-        mods = [top["ln_final"], top["out_res"]] if attnres else [top["ln_final"]]
-        for b in top["blocks"]._modules.values():
-            mods.append(b)
-            mods.extend(b._modules.get(n) for n in names)
-        return all(_own(m) for m in mods)
+        cls = type(self)
+        if cls is not AttnResTransformer and any(
+            getattr(cls, n) is not getattr(AttnResTransformer, n) for n in self._FAST_METHODS
+        ):
+            return False
+        if any(n in self.__dict__ for n in self._FAST_METHODS):
+            return False
+        # one walk, in _tree_types's order: hooks (as unwatched), replaced methods, classes
+        types, stack = [], [self]
+        while stack:
+            m = stack.pop()
+            types.append(type(m))
+            if m is None:
+                return False
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+                return False
+            if m is not self:
+                d = m.__dict__
+                for n in _STOOD_IN.get(type(m), _OTHER):
+                    if n in d:
+                        return False
+            stack.extend(m._modules.values())
+        return tuple(types) == getattr(self, "_built", None)
 
     def _final(self, h: torch.Tensor) -> torch.Tensor:
         return self.ln_final(self.hook_resid_final(h))

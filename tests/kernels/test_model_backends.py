@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -182,8 +184,14 @@ def test_a_swapped_or_patched_norm_runs_as_a_module_and_prenorm_ignores_other_ba
 
 
 class _Zeros(torch.nn.Module):
+    """Zeros of width d whatever the input: a sublayer (or its output projection) that ignores its input."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.d = d
+
     def forward(self, x):
-        return torch.zeros_like(x)
+        return x.new_zeros(*x.shape[:-1], self.d)
 
 
 @pytest.mark.parametrize("residual", ["prenorm", "full", "block"])
@@ -205,14 +213,65 @@ def test_modules_swapped_in_after_construction_are_honoured(residual, monkeypatc
     assert len(seen) == 2
     for m in (ref, fast):
         m.blocks[1].ln2._forward_hooks.clear()
-        m.blocks[0].attn = _Zeros()
-    grads = [_grads_by_name(m, tokens) for m in (ref, fast)]
-    for name, want in grads[0].items():
-        torch.testing.assert_close(grads[1][name], want, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+    for swap in ("blocks.0.attn", "blocks.0.attn.W_O", "blocks.0.mlp.W_out"):  # sublayers that ignore their input
+        ref_s, fast_s = copy.deepcopy(ref), copy.deepcopy(fast)
+        for m in (ref_s, fast_s):
+            parent, name = swap.rsplit(".", 1)
+            setattr(m.get_submodule(parent), name, _Zeros(m.cfg.d_model))
+        grads = [_grads_by_name(m, tokens) for m in (ref_s, fast_s)]
+        for name, want in grads[0].items():
+            torch.testing.assert_close(grads[1][name], want, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{swap}, {name}: {m}")
+    for m in (ref, fast):
+        m.blocks[0].hook_attn_out = _Double()  # a module the fast path would skip
+    with torch.no_grad():
+        torch.testing.assert_close(fast(tokens), ref(tokens), atol=ATOL, rtol=0)
     forward = RMSNorm.forward
     monkeypatch.setattr(RMSNorm, "forward", lambda self, x: forward(self, x) * 3)
     with torch.no_grad():
         torch.testing.assert_close(fast(tokens), ref(tokens), atol=ATOL, rtol=0)
+
+
+class _Double(torch.nn.Module):
+    def forward(self, x):
+        return 2 * x
+
+
+def test_the_fast_paths_survive_copies_and_casts_and_a_subclass_that_overrides_the_forward_does_not_lose_it(tmp_path):
+    """Models built, loaded, copied, pickled or cast take the fast paths; a subclass that
+    overrides a method the forward relies on runs the ordinary path and gives its own result."""
+    import pickle
+
+    from attnres_probe import AttnResTransformer
+
+    model = tiny_model("block", n_layers=2, block_size=2)
+    model.save(tmp_path / "m")
+    variants = {
+        "built": model,
+        "loaded": AttnResTransformer.load(tmp_path / "m"),
+        "deepcopy": copy.deepcopy(model),
+        "pickled": pickle.loads(pickle.dumps(model)),
+        "double": copy.deepcopy(model).double(),
+        "eval": copy.deepcopy(model).eval(),
+    }
+    for name, m in variants.items():
+        assert m._fusable(), name
+
+    class Scaled(AttnResTransformer):
+        def _final(self, h):
+            return 2 * super()._final(h)
+
+    tokens = sample_tokens(6, batch=2)
+    logits = {}
+    for backend in ("torch", "numba"):
+        sub = Scaled(model.cfg, backend=backend)
+        sub.load_state_dict(model.state_dict())
+        assert not sub._fusable()
+        with torch.no_grad():
+            logits[backend] = sub(tokens)
+    torch.testing.assert_close(logits["numba"], logits["torch"], atol=ATOL, rtol=0)
+    with torch.no_grad():
+        plain = _twin(model, backend="torch")(tokens)
+    assert (logits["torch"] - plain).abs().max() > 0.01  # the override does change the result
 
 
 def test_a_norm_gain_in_another_dtype_is_applied_after_the_kernel():
