@@ -139,7 +139,7 @@ class DepthMixer(nn.Module):
 
             return mixture(sources, self.query, self.norm.weight, self.eps, slots, _norm_args(norm))
         if norm is not None:
-            return norm(self(sources, inv_rms_cache, backend))
+            return norm(self.forward(sources, inv_rms_cache, backend))  # (not self(): hooks fire once)
         want_contrib = bool(self.hook_contrib._forward_hooks)
         out = kernels.depth_attn(
             sources,
@@ -350,7 +350,7 @@ class AttnResTransformer(HookedRootModule):
         self.W_U = nn.Parameter(torch.empty(d, cfg.d_vocab))
         self.init_weights()
         self.setup()
-        self._built = self._tree_types()  # the module tree's classes, for _fusable
+        self._built = self._scan()[2]  # the module tree's classes, for _fusable
 
     # -- construction --------------------------------------------------------------------
     def init_weights(self) -> None:
@@ -474,17 +474,7 @@ class AttnResTransformer(HookedRootModule):
         output reaching the loss, which a hook that replaces an activation (patching,
         ablation) can undo. A watched model runs the ordinary reads and norm modules.
         """
-        if _global_hooks():
-            return False
-        stack: list = [self]
-        while stack:  # every submodule as it is now, one assigned after setup() included
-            m = stack.pop()
-            if m is None:
-                continue
-            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-                return False
-            stack.extend(m._modules.values())
-        return True
+        return not (_global_hooks() or self._scan()[0])
 
     def _resolve(self, v0: torch.Tensor) -> tuple[str, str]:
         backend = kernels.resolve_backend(v0.device, self.backend, dtypes=(v0.dtype,), d=self.cfg.d_model)
@@ -531,15 +521,25 @@ class AttnResTransformer(HookedRootModule):
     # the model's own methods the fast paths rely on (a subclass that overrides one runs the ordinary path)
     _FAST_METHODS = ("forward", "embed", "_forward_prenorm", "_forward_full", "_forward_block", "_final", "_next_norm", "_sublayers")
 
-    def _tree_types(self) -> tuple:
-        """The classes of the module tree, in a fixed walk order (None for a removed module)."""
+    def _scan(self) -> tuple[bool, bool, tuple]:
+        """One walk of the module tree as it is now (a module assigned after setup() included):
+        (any module hooked, any method the fast paths stand in for replaced on an instance, the
+        modules' classes in walk order, None for a removed module)."""
+        hooked = replaced = False
         types, stack = [], [self]
         while stack:
             m = stack.pop()
             types.append(type(m))
-            if m is not None:
-                stack.extend(m._modules.values())
-        return tuple(types)
+            if m is None:
+                continue
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+                hooked = True
+            d = m.__dict__
+            for n in self._FAST_METHODS if m is self else _STOOD_IN.get(type(m), _OTHER):
+                if n in d:
+                    replaced = True
+            stack.extend(m._modules.values())
+        return hooked, replaced, tuple(types)
 
     def _fusable(self) -> bool:
         """Whether the fast paths may run: nothing watches the model (:meth:`unwatched`) and it is
@@ -554,24 +554,8 @@ class AttnResTransformer(HookedRootModule):
             getattr(cls, n) is not getattr(AttnResTransformer, n) for n in self._FAST_METHODS
         ):
             return False
-        if any(n in self.__dict__ for n in self._FAST_METHODS):
-            return False
-        # one walk, in _tree_types's order: hooks (as unwatched), replaced methods, classes
-        types, stack = [], [self]
-        while stack:
-            m = stack.pop()
-            types.append(type(m))
-            if m is None:
-                return False
-            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-                return False
-            if m is not self:
-                d = m.__dict__
-                for n in _STOOD_IN.get(type(m), _OTHER):
-                    if n in d:
-                        return False
-            stack.extend(m._modules.values())
-        return tuple(types) == getattr(self, "_built", None)
+        hooked, replaced, types = self._scan()
+        return not (hooked or replaced) and types == getattr(self, "_built", None)
 
     def _final(self, h: torch.Tensor) -> torch.Tensor:
         return self.ln_final(self.hook_resid_final(h))
@@ -589,7 +573,7 @@ class AttnResTransformer(HookedRootModule):
         if fast:
             from attnres_probe.kernels.numba_depth_attn import add_rms_norm  # Numba loads on first use
 
-            resid, ln = v0, self.blocks[0].ln1
+            resid, ln = v0, self._next_norm(0)
             x = add_rms_norm(v0, None, ln.weight, ln.eps)
             for l, block, which in self._sublayers():
                 ln = self._next_norm(l + 1)

@@ -806,7 +806,7 @@ def _mixture_graph_backward(ctx, dh, d_total):
 
     dq, dg, dn, *dv = graph_grads(ref, [query, gain, norm_w, *rows], [dh])
     if ctx.fused:
-        d_sum = dv[-1] if d_total is None else d_total if dv[-1] is None else dv[-1] + d_total
+        d_sum = _plus(dv[-1], d_total)
         return (dq, dg, dn, None, None, None, None, *dv[:-1], d_sum, d_sum)
     return (dq, dg, dn, None, None, None, None, *dv)
 
@@ -858,9 +858,18 @@ class _MixtureFunction(torch.autograd.Function):
         return _mixture_backward(ctx, dh, d_total)
 
 
+def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """a + b, where None is no gradient."""
+    return b if a is None else a if b is None else a + b
+
+
 def _add_norm_backward(ctx, *grads):
     ds, dx = grads if ctx.has_b else (None, grads[0])
     weight, s, rh = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, from PyTorch ops
+        dw, d_s = graph_grads(lambda w, s: (rms_norm(s, w, ctx.eps),), [weight, s], [dx])
+        g = _plus(d_s, ds)
+        return dw, None, g, g if ctx.has_b else None
     if dx is None:  # only the sum reaches the loss
         return None, None, ds, ds
     g = torch.empty_like(s)
@@ -887,15 +896,7 @@ class _AddNormFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         return s, x
 
-    @staticmethod
-    def backward(ctx, *grads):
-        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, from PyTorch ops
-            ds, dx = grads if ctx.has_b else (None, grads[0])
-            weight, s, _ = ctx.saved_tensors
-            dw, d_s = graph_grads(lambda w, s: (rms_norm(s, w, ctx.eps),), [weight, s], [dx])
-            g = d_s if ds is None else ds if d_s is None else d_s + ds
-            return dw, None, g, g if ctx.has_b else None
-        return _add_norm_backward(ctx, *grads)
+    backward = staticmethod(_add_norm_backward)
 
 
 def depth_attn_numba(
