@@ -175,6 +175,7 @@ def depth_attn(
     inv_rms_cache=None,
     backend: str | None = None,
     trusted: bool = False,
+    return_logits: bool = False,
     return_contrib: bool = False,
 ):
     """Depth attention: a softmax over depth sources scored by one pseudo-query.
@@ -197,14 +198,17 @@ def depth_attn(
             with :func:`resolve_backend` (the model does, once per forward): skip both.
             This op runs once per read, so the checks are a real share of a small model's
             time.
+        return_logits: also return the logits z [*batch, S] the op computed (its own: the
+            weights are ``exp(z - lse)``; never rebuilt as ``log(weights) + lse``, which
+            turns an underflowed weight into -inf).
         return_contrib: also return each source's contribution share in the mixture,
             ``w_i <v_i, h> / |h|^2`` [*batch, S] (no gradient; see
             :func:`~attnres_probe.kernels.reference.contribution_shares`). The Numba backend
             computes them in the forward pass itself, the others afterwards.
 
     Returns:
-        (mixture [*batch, d] in the sources' dtype, lse [*batch] float32), then the weights
-        [*batch, S] float32 with ``return_weights``, then the shares with ``return_contrib``.
+        (mixture [*batch, d] in the sources' dtype, lse [*batch] float32), then, each on
+        request and in this order, the weights, the logits and the shares [*batch, S].
         On the reference backend float64 inputs compute and return in float64; the Triton
         backend rejects float64 (``auto`` sends it to the reference).
 
@@ -220,27 +224,31 @@ def depth_attn(
     if chosen == "numba":
         from .numba_depth_attn import depth_attn_numba
 
-        return depth_attn_numba(sources, query, gain, eps, return_weights, validate=False, return_contrib=return_contrib)
+        return depth_attn_numba(
+            sources, query, gain, eps, return_weights, validate=False, return_contrib=return_contrib, return_logits=return_logits
+        )
     want_w = return_weights or return_contrib
     if chosen == "triton":
         from .triton_depth_attn import depth_attn_triton
 
         stacked = sources if isinstance(sources, torch.Tensor) else torch.stack(list(sources))
-        outs = depth_attn_triton(stacked, query, gain, eps, want_w)
+        outs = depth_attn_triton(stacked, query, gain, eps, want_w, return_logits)
     else:
-        outs = depth_attn_reference(sources, query, gain, eps, want_w, inv_rms_cache=inv_rms_cache, validate=False)
+        outs = depth_attn_reference(
+            sources, query, gain, eps, want_w, inv_rms_cache=inv_rms_cache, validate=False, return_logits=return_logits
+        )
     if not return_contrib:
         return outs
-    mix, lse, w = outs
+    mix, lse, w, *logits = outs
     shares = contribution_shares(sources, mix, w)
-    return (mix, lse, w, shares) if return_weights else (mix, lse, shares)
+    return (mix, lse, *((w,) if return_weights else ()), *logits, shares)
 
 
 def phase1(
     sources: Sources,
     queries: torch.Tensor,
     eps: float = 1e-6,
-    return_weights: bool = False,
+    return_logits: bool = False,
     *,
     inv_rms_cache=None,
     backend: str | None = None,
@@ -251,12 +259,13 @@ def phase1(
         sources: completed block summaries [S, *batch, d] or a sequence of S [*batch, d].
         queries: [Q, d] gain-folded pseudo-queries of the Q reads of the block.
         eps: RMS epsilon.
-        return_weights: also return weights [Q, *batch, S].
+        return_logits: also return the logits [Q, *batch, S] (the weights are
+            ``exp(logits - lse)``).
         inv_rms_cache: reference backend only, as in :func:`depth_attn`.
         backend: as in :func:`depth_attn`.
 
     Returns:
-        (o_bar [Q, *batch, d], lse [Q, *batch]) and, on request, weights [Q, *batch, S].
+        (o_bar [Q, *batch, d], lse [Q, *batch]) and, on request, logits [Q, *batch, S].
     """
     if not isinstance(queries, torch.Tensor) or queries.dim() != 2 or queries.shape[0] == 0:
         raise ValueError(f"queries must be a [Q, d] tensor; got {getattr(queries, 'shape', type(queries))}")
@@ -266,8 +275,8 @@ def phase1(
         from .triton_depth_attn import phase1_triton
 
         stacked = sources if isinstance(sources, torch.Tensor) else torch.stack(list(sources))
-        return phase1_triton(stacked, queries, eps, return_weights)
-    return phase1_reference(sources, queries, eps, return_weights, inv_rms_cache=inv_rms_cache)
+        return phase1_triton(stacked, queries, eps, return_logits)
+    return phase1_reference(sources, queries, eps, return_logits, inv_rms_cache=inv_rms_cache)
 
 
 def phase2(
@@ -283,11 +292,13 @@ def phase2(
 ):
     """Phase 2: merge a read's phase-1 result with the current partial block.
 
-    ``h = o_bar + sigmoid(z_p - lse) * (partial - o_bar)``, fused with the partial's key
-    norm and logit ``z_p``.
+    ``h = (1 - s) o_bar + s partial`` with ``s = sigmoid(z_p - lse)`` and ``1 - s =
+    sigmoid(lse - z_p)`` (each computed directly: no cancellation when s is close to one),
+    fused with the partial's key norm and logit ``z_p``.
 
     Returns:
-        (h [*batch, d], lse_total [*batch], s [*batch]); ``s`` is the partial's weight.
+        (h [*batch, d], lse_total [*batch], z_p [*batch]): the partial's weight is
+        ``exp(z_p - lse_total)`` and a completed block's ``exp(z_i - lse_total)``.
     """
     validate_depth_attn_args([partial], query, gain, eps)
     if o_bar.shape != partial.shape:

@@ -198,6 +198,7 @@ def depth_attn_reference(
     return_weights: bool = False,
     inv_rms_cache: Sequence[torch.Tensor] | None = None,
     validate: bool = True,
+    return_logits: bool = False,
 ):
     """Depth attention in plain PyTorch.
 
@@ -211,10 +212,11 @@ def depth_attn_reference(
             Must equal ``inv_rms(v_i, eps)``; lets a caller normalise each source once
             and reuse it over many reads.
         validate: check the arguments (callers that already did may skip it).
+        return_logits: also return the logits z [*batch, S].
 
     Returns:
-        (mixture [*batch, d] in the sources' dtype, lse [*batch]) or, with
-        ``return_weights``, (mixture, lse, weights [*batch, S]).
+        (mixture [*batch, d] in the sources' dtype, lse [*batch]), then the weights
+        [*batch, S] with ``return_weights`` and the logits [*batch, S] with ``return_logits``.
     """
     if validate:
         validate_depth_attn_args(sources, query, gain, eps)
@@ -231,16 +233,14 @@ def depth_attn_reference(
     lse = torch.logsumexp(logits, dim=-1)  # [*batch]
     weights = torch.exp(logits - lse.unsqueeze(-1))  # [*batch, S]
     mix = weighted_sum(weights, src, cdt).to(out_dtype)
-    if return_weights:
-        return mix, lse, weights
-    return mix, lse
+    return (mix, lse, *((weights,) if return_weights else ()), *((logits,) if return_logits else ()))
 
 
 def phase1_reference(
     sources: Sources,
     queries: torch.Tensor,
     eps: float = 1e-6,
-    return_weights: bool = False,
+    return_logits: bool = False,
     inv_rms_cache: Sequence[torch.Tensor] | None = None,
 ):
     """Phase 1 of the two-phase block schedule: Q queries against the completed blocks.
@@ -249,12 +249,13 @@ def phase1_reference(
         sources: the completed block summaries [S, *batch, d] (or a sequence of S tensors).
         queries: [Q, d] gain-folded queries (query * gain of each read).
         eps: RMS epsilon.
-        return_weights: also return the weights over the S sources.
+        return_logits: also return the logits over the S sources.
         inv_rms_cache: optional per-source inverse RMS (see ``depth_attn_reference``).
 
     Returns:
         (o_bar [Q, *batch, d] normalised partial mixture in the sources' dtype,
-         lse [Q, *batch]) and, on request, weights [Q, *batch, S].
+         lse [Q, *batch]) and, on request, logits [Q, *batch, S]; the weights are
+        ``exp(logits - lse)``.
     """
     src = _as_list(sources)
     if queries.dim() != 2 or queries.shape[-1] != src[0].shape[-1]:
@@ -271,8 +272,8 @@ def phase1_reference(
     lse = torch.logsumexp(logits, dim=-1)
     weights = torch.exp(logits - lse.unsqueeze(-1))
     o_bar = weighted_sum(weights, src, cdt).to(out_dtype)
-    if return_weights:
-        return o_bar, lse, weights
+    if return_logits:
+        return o_bar, lse, logits
     return o_bar, lse
 
 
@@ -287,7 +288,10 @@ def phase2_reference(
 ):
     """Phase 2: merge one read's phase-1 result with the current partial block.
 
-    h = o_bar + sigmoid(z_p - lse) * (partial - o_bar), with z_p = (query*gain) . partial / rms(partial).
+    ``h = (1 - s) o_bar + s partial`` with ``s = sigmoid(z_p - lse)`` and ``1 - s =
+    sigmoid(lse - z_p)``, ``z_p = (query*gain) . partial / rms(partial)``. Both weights are
+    computed directly: the form ``o_bar + s (partial - o_bar)`` cancels in float32 when s is
+    close to one and the partial is small (DESIGN.md, "The math").
 
     Args:
         o_bar: [*batch, d] phase-1 mixture of this read.
@@ -298,17 +302,17 @@ def phase2_reference(
         partial_inv_rms: optional cached 1/rms(partial) [*batch].
 
     Returns:
-        (h [*batch, d] in the partial's dtype, lse_total [*batch], s [*batch]) where
-        lse_total is the log-sum-exp over all sources and s = sigmoid(z_p - lse) is the
-        partial's weight; completed block i then has weight (1 - s) * exp(z_i - lse).
+        (h [*batch, d] in the partial's dtype, lse_total [*batch], z_p [*batch]): the
+        log-sum-exp over all sources and the partial's logit. The partial's weight is
+        ``exp(z_p - lse_total)`` and completed block i has ``exp(z_i - lse_total)``.
     """
     cdt = compute_dtype(partial, query, gain, o_bar)
     q = _folded_query(query, gain, cdt)
     r = partial_inv_rms if partial_inv_rms is not None else inv_rms(partial, eps, cdt)
     z_p = (partial.to(cdt) @ q) * r.to(cdt)
     lse_c = lse.to(cdt)
-    s = torch.sigmoid(z_p - lse_c)
-    ob = o_bar.to(cdt)
-    h = ob + s.unsqueeze(-1) * (partial.to(cdt) - ob)
+    s = torch.sigmoid(z_p - lse_c).unsqueeze(-1)
+    s_rest = torch.sigmoid(lse_c - z_p).unsqueeze(-1)  # 1 - s, without cancellation
+    h = s_rest * o_bar.to(cdt) + s * partial.to(cdt)
     lse_total = torch.logaddexp(lse_c, z_p)
-    return h.to(partial.dtype), lse_total, s
+    return h.to(partial.dtype), lse_total, z_p

@@ -11,15 +11,15 @@ dims flattened to M rows; M need not be a multiple of BLOCK_M) and walks the S s
 Each source row is loaded once and used three times: its sum of squares (the RMS), its dot
 product with the query (the logit) and, through an online softmax (running max ``b_max``,
 running sum ``b_sum``, rescaled accumulator ``b_acc``), the mixture. No normalised key is
-ever written out. With ``return_weights`` the raw logits are stored into the weights buffer in
-the same loop and turned into ``exp(z - lse)`` at the end of the same program (after a
-barrier), so the weights are exactly the kernel's own logits and lse.
+ever written out. With ``return_logits`` or ``return_weights`` the logits are stored in the same
+loop, and the weights are ``exp(z - lse)`` of them, written at the end of the same program
+(after a barrier): logits and weights are exactly the kernel's own.
 
-Backward (``depth_attn_bwd_kernel``). With upstream gradients ``dh`` (mixture), ``dlse`` and
-``dw`` (weights, when they were returned):
+Backward (``depth_attn_bwd_kernel``). With upstream gradients ``dh`` (mixture), ``dlse``,
+``dw`` and ``dz`` (weights and logits, when they were returned):
 
     dalpha_i = dh . v_i + dw_i,          D = sum_j alpha_j dalpha_j,
-    dz_i     = alpha_i (dalpha_i - D) + alpha_i dlse,
+    dz_i     = alpha_i (dalpha_i - D) + alpha_i dlse + dz_i(upstream),
     dv_i     = alpha_i dh + dz_i (r_i q - r_i^3 (q . v_i) v_i / d),
     dq       = sum_rows sum_i dz_i r_i v_i.
 
@@ -34,8 +34,9 @@ Phase 1 (``phase1_fwd_kernel`` / ``phase1_bwd_kernel``) is the same computation 
 at once: a program owns one token row and a [BLOCK_Q, BLOCK_D] tile of queries, reads each
 source row once and scores it against every query. Phase 2 (``phase2_fwd_kernel`` /
 ``phase2_bwd_kernel``) fuses the partial block's key norm and logit with the merge
-``h = o_bar + s (partial - o_bar)``, ``s = sigmoid(z_p - lse)``,
-``lse_total = logaddexp(lse, z_p)``.
+``h = (1 - s) o_bar + s partial``, ``s = sigmoid(z_p - lse)``, with ``1 - s = sigmoid(lse - z_p)``
+computed directly (``o_bar + s (partial - o_bar)`` cancels in float32 when s is close to one
+and the partial is small), and ``lse_total = logaddexp(lse, z_p)``.
 
 Limits and conventions:
 
@@ -94,12 +95,14 @@ def depth_attn_fwd_kernel(
     q,  # [D] gain-folded query, fp32
     h,  # [M, D] mixture (sources' dtype)
     lse,  # [M] fp32
-    w,  # [M, S] fp32 weights (only touched when STORE_W)
+    z,  # [M, S] fp32 logits (only touched when STORE_Z)
+    w,  # [M, S] fp32 weights (only touched when STORE_W, which needs STORE_Z)
     M,
     D,
     S,
     stride_s,  # M * D
     eps,
+    STORE_Z: tl.constexpr,
     STORE_W: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -123,8 +126,8 @@ def depth_attn_fwd_kernel(
         b_v = tl.load(p_x, mask=m_md, other=0.0).to(tl.float32)
         b_r = tl.rsqrt(tl.sum(b_v * b_v, 1) / D + eps)
         b_z = tl.sum(b_v * b_q[None, :], 1) * b_r
-        if STORE_W:
-            tl.store(w + o_m64 * S + i, b_z, mask=m_m)  # raw logit; rescaled below
+        if STORE_Z:
+            tl.store(z + o_m64 * S + i, b_z, mask=m_m)
         b_new = tl.maximum(b_max, b_z)
         b_scale = tl.exp(b_max - b_new)
         b_p = tl.exp(b_z - b_new)
@@ -137,9 +140,9 @@ def depth_attn_fwd_kernel(
     tl.store(h + o_md, (b_acc / b_sum[:, None]).to(h.dtype.element_ty), mask=m_md)
     tl.store(lse + o_m, b_lse, mask=m_m)
     if STORE_W:
-        tl.debug_barrier()  # the raw logits above were written by other threads of this program
+        tl.debug_barrier()  # the logits above were written by other threads of this program
         for i in range(S):
-            b_z = tl.load(w + o_m64 * S + i, mask=m_m, other=0.0)
+            b_z = tl.load(z + o_m64 * S + i, mask=m_m, other=0.0)
             tl.store(w + o_m64 * S + i, tl.exp(b_z - b_lse), mask=m_m)
 
 
@@ -151,6 +154,7 @@ def depth_attn_bwd_kernel(
     dh,  # [M, D] gradient of the mixture
     dlse,  # [M] gradient of lse (HAS_DLSE)
     dw,  # [M, S] gradient of the weights (HAS_DW)
+    dzu,  # [M, S] gradient of the logits (HAS_DZ)
     dx,  # [S, M, D] gradient of the sources (sources' dtype)
     dq,  # [n_programs, D] fp32 partial sums of the folded query's gradient
     M,
@@ -160,6 +164,7 @@ def depth_attn_bwd_kernel(
     eps,
     HAS_DLSE: tl.constexpr,
     HAS_DW: tl.constexpr,
+    HAS_DZ: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -209,6 +214,8 @@ def depth_attn_bwd_kernel(
             b_dz = b_a * (b_da - b_D)
             if HAS_DLSE:
                 b_dz += b_a * b_dl
+            if HAS_DZ:
+                b_dz += tl.load(dzu + o_m64 * S + i, mask=m_m, other=0.0).to(tl.float32)
             b_g = tl.where(m_m, b_dz * b_r, 0.0)  # dz_i r_i
             b_c = tl.where(m_m, b_g * b_r * b_r * b_dot / D, 0.0)  # dz_i r_i^3 (q.v_i) / d
             b_dv = b_a[:, None] * b_dh + b_g[:, None] * b_q[None, :] - b_c[:, None] * b_v
@@ -226,14 +233,14 @@ def phase1_fwd_kernel(
     q,  # [Q, D] gain-folded queries, fp32
     o,  # [Q, M, D] o_bar (sources' dtype)
     lse,  # [Q, M] fp32
-    w,  # [Q, M, S] fp32 weights (STORE_W)
+    z,  # [Q, M, S] fp32 logits (STORE_Z)
     M,
     D,
     S,
     Q,
     stride_s,  # M * D
     eps,
-    STORE_W: tl.constexpr,
+    STORE_Z: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -255,8 +262,8 @@ def phase1_fwd_kernel(
         b_v = tl.load(p_x, mask=m_d, other=0.0).to(tl.float32)  # read once, scored Q times
         b_r = tl.rsqrt(tl.sum(b_v * b_v, 0) / D + eps)
         b_z = tl.sum(b_q * b_v[None, :], 1) * b_r
-        if STORE_W:
-            tl.store(w + o_qm * S + i, b_z, mask=m_q)
+        if STORE_Z:
+            tl.store(z + o_qm * S + i, b_z, mask=m_q)
         b_new = tl.maximum(b_max, b_z)
         b_scale = tl.exp(b_max - b_new)
         b_p = tl.exp(b_z - b_new)
@@ -269,11 +276,6 @@ def phase1_fwd_kernel(
     o_o = o_qm[:, None] * D + o_d[None, :]
     tl.store(o + o_o, (b_acc / b_sum[:, None]).to(o.dtype.element_ty), mask=m_qd)
     tl.store(lse + o_qm, b_lse, mask=m_q)
-    if STORE_W:
-        tl.debug_barrier()
-        for i in range(S):
-            b_z = tl.load(w + o_qm * S + i, mask=m_q, other=0.0)
-            tl.store(w + o_qm * S + i, tl.exp(b_z - b_lse), mask=m_q)
 
 
 @triton.jit
@@ -283,7 +285,7 @@ def phase1_bwd_kernel(
     lse,  # [Q, M] fp32
     do,  # [Q, M, D] gradient of o_bar
     dlse,  # [Q, M] (HAS_DLSE)
-    dw,  # [Q, M, S] (HAS_DW)
+    dzu,  # [Q, M, S] gradient of the logits (HAS_DZ)
     dx,  # [S, M, D]
     dq,  # [n_programs, Q, D] fp32 partial sums
     M,
@@ -293,7 +295,7 @@ def phase1_bwd_kernel(
     stride_s,
     eps,
     HAS_DLSE: tl.constexpr,
-    HAS_DW: tl.constexpr,
+    HAS_DZ: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -322,8 +324,6 @@ def phase1_bwd_kernel(
             b_r = tl.rsqrt(tl.sum(b_v * b_v, 0) / D + eps)
             b_a = tl.exp(tl.sum(b_q * b_v[None, :], 1) * b_r - b_lse)
             b_da = tl.sum(b_do * b_v[None, :], 1)
-            if HAS_DW:
-                b_da += tl.load(dw + o_qm * S + i, mask=m_q, other=0.0).to(tl.float32)
             b_D += tl.where(m_q, b_a * b_da, 0.0)
             p_x += stride_s
 
@@ -339,11 +339,11 @@ def phase1_bwd_kernel(
             b_dot = tl.sum(b_q * b_v[None, :], 1)
             b_a = tl.where(m_q, tl.exp(b_dot * b_r - b_lse), 0.0)
             b_da = tl.sum(b_do * b_v[None, :], 1)
-            if HAS_DW:
-                b_da += tl.load(dw + o_qm * S + i, mask=m_q, other=0.0).to(tl.float32)
             b_dz = b_a * (b_da - b_D)
             if HAS_DLSE:
                 b_dz += b_a * b_dl
+            if HAS_DZ:
+                b_dz += tl.load(dzu + o_qm * S + i, mask=m_q, other=0.0).to(tl.float32)
             b_g = tl.where(m_q, b_dz * b_r, 0.0)  # [BLOCK_Q] dz_qi r_i
             b_c = tl.sum(b_g * b_dot, 0) * b_r * b_r / D  # scalar sum_q dz_qi r_i^3 (q_q.v_i) / d
             b_dv = tl.sum(b_a[:, None] * b_do + b_g[:, None] * b_q, 0) - b_c * b_v
@@ -370,7 +370,7 @@ def phase2_fwd_kernel(
     q,  # [D] gain-folded query, fp32
     h,  # [M, D] merged mixture (partial's dtype)
     lse_t,  # [M] fp32 total lse
-    s,  # [M] fp32 partial's weight
+    zp,  # [M] fp32 partial's logit
     M,
     D,
     eps,
@@ -392,13 +392,14 @@ def phase2_fwd_kernel(
     b_r = tl.rsqrt(tl.sum(b_p * b_p, 1) / D + eps)
     b_zp = tl.sum(b_p * b_q[None, :], 1) * b_r
     b_s = _sigmoid(b_zp - b_lse)
-    b_h = b_o + b_s[:, None] * (b_p - b_o)
+    b_t = _sigmoid(b_lse - b_zp)  # 1 - s without cancellation (DESIGN.md, two-phase)
+    b_h = b_t[:, None] * b_o + b_s[:, None] * b_p
     b_mx = tl.maximum(b_lse, b_zp)
     b_lt = b_mx + tl.log(tl.exp(b_lse - b_mx) + tl.exp(b_zp - b_mx))
     b_lt = tl.where(b_mx == float("-inf"), b_mx, b_lt)  # logaddexp(-inf, -inf) = -inf
     tl.store(h + o_md, b_h.to(h.dtype.element_ty), mask=m_md)
     tl.store(lse_t + o_m, b_lt, mask=m_m)
-    tl.store(s + o_m, b_s, mask=m_m)
+    tl.store(zp + o_m, b_zp, mask=m_m)
 
 
 @triton.jit
@@ -409,7 +410,7 @@ def phase2_bwd_kernel(
     q,  # [D] fp32
     dh,  # [M, D] gradient of h
     dlt,  # [M] gradient of lse_total (HAS_DLT)
-    ds,  # [M] gradient of s (HAS_DS)
+    dzp,  # [M] gradient of the partial's logit z_p (HAS_DZP)
     dob,  # [M, D] (o_bar's dtype)
     dlse,  # [M] (lse's dtype)
     dp,  # [M, D] (partial's dtype)
@@ -418,7 +419,7 @@ def phase2_bwd_kernel(
     D,
     eps,
     HAS_DLT: tl.constexpr,
-    HAS_DS: tl.constexpr,
+    HAS_DZP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -441,23 +442,24 @@ def phase2_bwd_kernel(
         b_r = tl.rsqrt(tl.sum(b_p * b_p, 1) / D + eps)
         b_dot = tl.sum(b_p * b_q[None, :], 1)
         b_s = _sigmoid(b_dot * b_r - b_lse)
+        b_t = _sigmoid(b_lse - b_dot * b_r)  # 1 - s
 
-        # s = sigmoid(z_p - lse): ds/dz_p = s (1 - s) = -ds/dlse
+        # h = (1 - s) o_bar + s p, s = sigmoid(z_p - lse): ds/dz_p = s (1 - s) = -ds/dlse
         b_ds = tl.sum(b_dh * (b_p - b_o), 1)
-        if HAS_DS:
-            b_ds += tl.load(ds + o_m, mask=m_m, other=0.0).to(tl.float32)
-        b_dx = b_ds * b_s * (1.0 - b_s)
+        b_dx = b_ds * b_s * b_t
         b_dzp = b_dx
         b_dl = -b_dx
         if HAS_DLT:  # lse_total = logaddexp(lse, z_p): d/dz_p = s, d/dlse = 1 - s
             b_dlt = tl.load(dlt + o_m, mask=m_m, other=0.0).to(tl.float32)
             b_dzp += b_dlt * b_s
-            b_dl += b_dlt * (1.0 - b_s)
+            b_dl += b_dlt * b_t
+        if HAS_DZP:  # the partial's logit is an output too
+            b_dzp += tl.load(dzp + o_m, mask=m_m, other=0.0).to(tl.float32)
 
         b_g = tl.where(m_m, b_dzp * b_r, 0.0)
         b_c = tl.where(m_m, b_g * b_r * b_r * b_dot / D, 0.0)
         b_dp = b_s[:, None] * b_dh + b_g[:, None] * b_q[None, :] - b_c[:, None] * b_p
-        b_dob = (1.0 - b_s)[:, None] * b_dh
+        b_dob = b_t[:, None] * b_dh
         tl.store(dp + o_md, b_dp.to(dp.dtype.element_ty), mask=m_md)
         tl.store(dob + o_md, b_dob.to(dob.dtype.element_ty), mask=m_md)
         tl.store(dlse + o_m, b_dl.to(dlse.dtype.element_ty), mask=m_m)
@@ -523,22 +525,25 @@ def _persistent_programs(device: torch.device, n_blocks: int) -> int:
 # depth attention ----------------------------------------------------------------------
 
 
-def depth_attn_fwd(x: torch.Tensor, q: torch.Tensor, eps: float, return_weights: bool):
-    """x [S, M, d] contiguous, q [d] fp32 -> (h [M, d], lse [M], weights [M, S] or None)."""
+def depth_attn_fwd(x: torch.Tensor, q: torch.Tensor, eps: float, return_weights: bool, return_logits: bool):
+    """x [S, M, d] contiguous, q [d] fp32 -> (h [M, d], lse [M], weights [M, S] or None,
+    logits [M, S] or None)."""
     n_src, n_rows, d = x.shape
     block_m, block_d, num_warps = _row_tiles(d)
     h = torch.empty((n_rows, d), device=x.device, dtype=x.dtype)
     lse = torch.empty((n_rows,), device=x.device, dtype=torch.float32)
+    store_z = return_weights or return_logits  # the weights are exp(z - lse) of the stored logits
+    z = torch.empty((n_rows, n_src), device=x.device, dtype=torch.float32) if store_z else lse
     w = torch.empty((n_rows, n_src), device=x.device, dtype=torch.float32) if return_weights else lse
     grid = (triton.cdiv(n_rows, block_m),)
     depth_attn_fwd_kernel[grid](
-        x, q, h, lse, w, n_rows, d, n_src, n_rows * d, eps,
-        STORE_W=return_weights, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+        x, q, h, lse, z, w, n_rows, d, n_src, n_rows * d, eps,
+        STORE_Z=store_z, STORE_W=return_weights, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
     )
-    return h, lse, (w if return_weights else None)
+    return h, lse, (w if return_weights else None), (z if return_logits else None)
 
 
-def depth_attn_bwd(x, q, lse, dh, dlse, dw, eps: float):
+def depth_attn_bwd(x, q, lse, dh, dlse, dw, dz, eps: float):
     """Gradients (dx [S, M, d] in x's dtype, dq [d] fp32) of the depth-attention forward."""
     n_src, n_rows, d = x.shape
     block_m, block_d, num_warps = _row_tiles(d)
@@ -547,38 +552,44 @@ def depth_attn_bwd(x, q, lse, dh, dlse, dw, eps: float):
     n_prog = _persistent_programs(x.device, triton.cdiv(n_rows, block_m))
     dq = torch.empty((n_prog, d), device=x.device, dtype=torch.float32)
     depth_attn_bwd_kernel[(n_prog,)](
-        x, q, lse, dh,
-        dlse.contiguous() if dlse is not None else lse,
-        dw.contiguous() if dw is not None else lse,
-        dx, dq, n_rows, d, n_src, n_rows * d, eps,
-        HAS_DLSE=dlse is not None, HAS_DW=dw is not None,
+        x, q, lse, dh, *_or(lse, dlse, dw, dz), dx, dq, n_rows, d, n_src, n_rows * d, eps,
+        HAS_DLSE=dlse is not None, HAS_DW=dw is not None, HAS_DZ=dz is not None,
         BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
     )
     return dx, dq.sum(0)
 
 
+def _or(placeholder: torch.Tensor, *grads: torch.Tensor | None) -> list[torch.Tensor]:
+    """Optional upstream gradients for a kernel: contiguous, or a placeholder the kernel never reads."""
+    return [placeholder if g is None else g.contiguous() for g in grads]
+
+
 class DepthAttnFunction(torch.autograd.Function):
-    """Autograd join of :func:`depth_attn_fwd` and :func:`depth_attn_bwd`."""
+    """Autograd join of :func:`depth_attn_fwd` and :func:`depth_attn_bwd`; outputs h, lse,
+    then the weights and the logits on request."""
 
     @staticmethod
-    def forward(ctx, x, q, eps, return_weights):
-        h, lse, w = depth_attn_fwd(x, q, eps, return_weights)
+    def forward(ctx, x, q, eps, return_weights, return_logits):
+        h, lse, w, z = depth_attn_fwd(x, q, eps, return_weights, return_logits)
         ctx.save_for_backward(x, q, lse)
-        ctx.eps = eps
+        ctx.eps, ctx.flags = eps, (return_weights, return_logits)
         ctx.set_materialize_grads(False)
-        return (h, lse, w) if return_weights else (h, lse)
+        return (h, lse, *(t for t in (w, z) if t is not None))
 
     @staticmethod
-    def backward(ctx, dh, dlse, dw=None):
+    def backward(ctx, dh, dlse, *rest):
+        return_weights, return_logits = ctx.flags
+        dw = rest[0] if return_weights else None
+        dz = rest[int(return_weights)] if return_logits else None
         x, q, lse = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, from the reference
             def ref(x, q):
-                return depth_attn_reference(x, q, None, ctx.eps, return_weights=True, validate=False)
+                return depth_attn_reference(x, q, None, ctx.eps, return_weights=True, validate=False, return_logits=True)
 
-            dx, dq = graph_grads(ref, [x, q], [dh, dlse, dw])
-            return dx, dq, None, None
-        dx, dq = depth_attn_bwd(x, q, lse, dh, dlse, dw, ctx.eps)
-        return dx, dq, None, None
+            dx, dq = graph_grads(ref, [x, q], [dh, dlse, dw, dz])
+            return dx, dq, None, None, None
+        dx, dq = depth_attn_bwd(x, q, lse, dh, dlse, dw, dz, ctx.eps)
+        return dx, dq, None, None, None
 
 
 def _folded_query(query: torch.Tensor, gain: torch.Tensor | None) -> torch.Tensor:
@@ -592,6 +603,7 @@ def depth_attn_triton(
     gain: torch.Tensor | None = None,
     eps: float = 1e-6,
     return_weights: bool = False,
+    return_logits: bool = False,
 ):
     """Depth attention with the fused Triton kernels (forward and backward).
 
@@ -601,10 +613,11 @@ def depth_attn_triton(
         gain: [d] key-norm gain, or None for ones.
         eps: RMS epsilon.
         return_weights: also return the softmax weights the kernel used.
+        return_logits: also return the logits the kernel computed.
 
     Returns:
-        (mixture [*batch, d] in the sources' dtype, lse [*batch] float32) or, with
-        ``return_weights``, (mixture, lse, weights [*batch, S] float32).
+        (mixture [*batch, d] in the sources' dtype, lse [*batch] float32), then the weights
+        and the logits [*batch, S] float32, each on request.
 
     Raises:
         ValueError: float64 inputs (use ``backend="torch"``), d > 8192, or a device the
@@ -616,14 +629,10 @@ def depth_attn_triton(
     _check_supported("depth_attn", sources.device, d, sources, query, gain)
     n_rows = sources[0].numel() // d
     if n_rows == 0:  # nothing to launch; the reference handles empty batches
-        return depth_attn_reference(sources, query, gain, eps, return_weights, validate=False)
+        return depth_attn_reference(sources, query, gain, eps, return_weights, validate=False, return_logits=return_logits)
     x = sources.reshape(n_src, n_rows, d).contiguous()
-    outs = DepthAttnFunction.apply(x, _folded_query(query, gain), float(eps), bool(return_weights))
-    h = outs[0].view(*batch, d)
-    lse = outs[1].view(batch)
-    if return_weights:
-        return h, lse, outs[2].view(*batch, n_src)
-    return h, lse
+    outs = DepthAttnFunction.apply(x, _folded_query(query, gain), float(eps), bool(return_weights), bool(return_logits))
+    return (outs[0].view(*batch, d), outs[1].view(batch), *(t.view(*batch, n_src) for t in outs[2:]))
 
 
 # phase 1 --------------------------------------------------------------------------------
@@ -640,22 +649,22 @@ def phase1_max_queries(d: int) -> int:
     return max(1, _PHASE1_TILE // triton.next_power_of_2(d))
 
 
-def phase1_fwd(x: torch.Tensor, q: torch.Tensor, eps: float, return_weights: bool):
-    """x [S, M, d], q [Q, d] fp32 -> (o [Q, M, d], lse [Q, M], weights [Q, M, S] or None)."""
+def phase1_fwd(x: torch.Tensor, q: torch.Tensor, eps: float, return_logits: bool):
+    """x [S, M, d], q [Q, d] fp32 -> (o [Q, M, d], lse [Q, M], logits [Q, M, S] or None)."""
     n_src, n_rows, d = x.shape
     n_q = q.shape[0]
     block_q, block_d, num_warps = _phase1_tiles(n_q, d)
     o = torch.empty((n_q, n_rows, d), device=x.device, dtype=x.dtype)
     lse = torch.empty((n_q, n_rows), device=x.device, dtype=torch.float32)
-    w = torch.empty((n_q, n_rows, n_src), device=x.device, dtype=torch.float32) if return_weights else lse
+    z = torch.empty((n_q, n_rows, n_src), device=x.device, dtype=torch.float32) if return_logits else lse
     phase1_fwd_kernel[(n_rows,)](
-        x, q, o, lse, w, n_rows, d, n_src, n_q, n_rows * d, eps,
-        STORE_W=return_weights, BLOCK_Q=block_q, BLOCK_D=block_d, num_warps=num_warps,
+        x, q, o, lse, z, n_rows, d, n_src, n_q, n_rows * d, eps,
+        STORE_Z=return_logits, BLOCK_Q=block_q, BLOCK_D=block_d, num_warps=num_warps,
     )
-    return o, lse, (w if return_weights else None)
+    return o, lse, (z if return_logits else None)
 
 
-def phase1_bwd(x, q, lse, do, dlse, dw, eps: float):
+def phase1_bwd(x, q, lse, do, dlse, dz, eps: float):
     """Gradients (dx [S, M, d], dq [Q, d] fp32) of the phase-1 forward."""
     n_src, n_rows, d = x.shape
     n_q = q.shape[0]
@@ -665,11 +674,8 @@ def phase1_bwd(x, q, lse, do, dlse, dw, eps: float):
     n_prog = _persistent_programs(x.device, n_rows)
     dq = torch.empty((n_prog, n_q, d), device=x.device, dtype=torch.float32)
     phase1_bwd_kernel[(n_prog,)](
-        x, q, lse, do,
-        dlse.contiguous() if dlse is not None else lse,
-        dw.contiguous() if dw is not None else lse,
-        dx, dq, n_rows, d, n_src, n_q, n_rows * d, eps,
-        HAS_DLSE=dlse is not None, HAS_DW=dw is not None,
+        x, q, lse, do, *_or(lse, dlse, dz), dx, dq, n_rows, d, n_src, n_q, n_rows * d, eps,
+        HAS_DLSE=dlse is not None, HAS_DZ=dz is not None,
         BLOCK_Q=block_q, BLOCK_D=block_d, num_warps=num_warps,
     )
     return dx, dq.sum(0)
@@ -679,20 +685,20 @@ class Phase1Function(torch.autograd.Function):
     """Autograd join of :func:`phase1_fwd` and :func:`phase1_bwd`."""
 
     @staticmethod
-    def forward(ctx, x, q, eps, return_weights):
-        o, lse, w = phase1_fwd(x, q, eps, return_weights)
+    def forward(ctx, x, q, eps, return_logits):
+        o, lse, z = phase1_fwd(x, q, eps, return_logits)
         ctx.save_for_backward(x, q, lse)
         ctx.eps = eps
         ctx.set_materialize_grads(False)
-        return (o, lse, w) if return_weights else (o, lse)
+        return (o, lse, z) if return_logits else (o, lse)
 
     @staticmethod
-    def backward(ctx, do, dlse, dw=None):
+    def backward(ctx, do, dlse, dz=None):
         x, q, lse = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, from the reference
-            dx, dq = graph_grads(lambda x, q: phase1_reference(x, q, ctx.eps, return_weights=True), [x, q], [do, dlse, dw])
+            dx, dq = graph_grads(lambda x, q: phase1_reference(x, q, ctx.eps, return_logits=True), [x, q], [do, dlse, dz])
             return dx, dq, None, None
-        dx, dq = phase1_bwd(x, q, lse, do, dlse, dw, ctx.eps)
+        dx, dq = phase1_bwd(x, q, lse, do, dlse, dz, ctx.eps)
         return dx, dq, None, None
 
 
@@ -700,7 +706,7 @@ def phase1_triton(
     sources: torch.Tensor,
     queries: torch.Tensor,
     eps: float = 1e-6,
-    return_weights: bool = False,
+    return_logits: bool = False,
 ):
     """Phase 1 with the fused Triton kernels: Q queries against S completed blocks at once.
 
@@ -708,11 +714,11 @@ def phase1_triton(
         sources: [S, *batch, d] completed block summaries (float32 / float16 / bfloat16).
         queries: [Q, d] gain-folded queries.
         eps: RMS epsilon.
-        return_weights: also return weights [Q, *batch, S].
+        return_logits: also return the logits [Q, *batch, S].
 
     Returns:
         (o_bar [Q, *batch, d] in the sources' dtype, lse [Q, *batch] float32) and, on request,
-        weights [Q, *batch, S] float32.
+        logits [Q, *batch, S] float32.
 
     Raises:
         ValueError: as :func:`depth_attn_triton`, or queries not [Q, d].
@@ -725,7 +731,7 @@ def phase1_triton(
         )
     n_q = queries.shape[0]
     if n_q == 0 or sources[0].numel() == 0:  # nothing to launch
-        return phase1_reference(sources, queries, eps, return_weights)
+        return phase1_reference(sources, queries, eps, return_logits)
     n_src, batch, d = validate_depth_attn_args(sources, queries[0], None, eps)
     _check_supported("phase1", sources.device, d, sources, queries)
     n_rows = sources[0].numel() // d
@@ -733,13 +739,13 @@ def phase1_triton(
     q = queries.float().contiguous()
     chunk = phase1_max_queries(d)
     parts = [
-        Phase1Function.apply(x, q[j : j + chunk], float(eps), bool(return_weights))
+        Phase1Function.apply(x, q[j : j + chunk], float(eps), bool(return_logits))
         for j in range(0, n_q, chunk)
     ]
     outs = parts[0] if len(parts) == 1 else tuple(torch.cat(t, 0) for t in zip(*parts))
     o = outs[0].view(n_q, *batch, d)
     lse = outs[1].view(n_q, *batch)
-    if return_weights:
+    if return_logits:
         return o, lse, outs[2].view(n_q, *batch, n_src)
     return o, lse
 
@@ -748,20 +754,20 @@ def phase1_triton(
 
 
 def phase2_fwd(ob, lse, p, q, eps: float):
-    """ob, p [M, d], lse [M], q [d] fp32 -> (h [M, d], lse_total [M], s [M])."""
+    """ob, p [M, d], lse [M], q [d] fp32 -> (h [M, d], lse_total [M], z_p [M])."""
     n_rows, d = p.shape
     block_m, block_d, num_warps = _row_tiles(d)
     h = torch.empty_like(p)
     lse_t = torch.empty((n_rows,), device=p.device, dtype=torch.float32)
-    s = torch.empty((n_rows,), device=p.device, dtype=torch.float32)
+    zp = torch.empty((n_rows,), device=p.device, dtype=torch.float32)
     phase2_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-        ob, lse, p, q, h, lse_t, s, n_rows, d, eps,
+        ob, lse, p, q, h, lse_t, zp, n_rows, d, eps,
         BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
     )
-    return h, lse_t, s
+    return h, lse_t, zp
 
 
-def phase2_bwd(ob, lse, p, q, dh, dlt, ds, eps: float):
+def phase2_bwd(ob, lse, p, q, dh, dlt, dzp, eps: float):
     """Gradients (dob, dlse, dp, dq [d] fp32) of the phase-2 forward."""
     n_rows, d = p.shape
     block_m, block_d, num_warps = _row_tiles(d)
@@ -772,11 +778,8 @@ def phase2_bwd(ob, lse, p, q, dh, dlt, ds, eps: float):
     n_prog = _persistent_programs(p.device, triton.cdiv(n_rows, block_m))
     dq = torch.empty((n_prog, d), device=p.device, dtype=torch.float32)
     phase2_bwd_kernel[(n_prog,)](
-        ob, lse, p, q, dh,
-        dlt.contiguous() if dlt is not None else lse,
-        ds.contiguous() if ds is not None else lse,
-        dob, dlse, dp, dq, n_rows, d, eps,
-        HAS_DLT=dlt is not None, HAS_DS=ds is not None,
+        ob, lse, p, q, dh, *_or(lse, dlt, dzp), dob, dlse, dp, dq, n_rows, d, eps,
+        HAS_DLT=dlt is not None, HAS_DZP=dzp is not None,
         BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
     )
     return dob, dlse, dp, dq.sum(0)
@@ -787,22 +790,22 @@ class Phase2Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ob, lse, p, q, eps):
-        h, lse_t, s = phase2_fwd(ob, lse, p, q, eps)
+        h, lse_t, zp = phase2_fwd(ob, lse, p, q, eps)
         ctx.save_for_backward(ob, lse, p, q)
         ctx.eps = eps
         ctx.set_materialize_grads(False)
-        return h, lse_t, s
+        return h, lse_t, zp
 
     @staticmethod
-    def backward(ctx, dh, dlt, ds):
+    def backward(ctx, dh, dlt, dzp):
         ob, lse, p, q = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, from the reference
             def ref(ob, lse, p, q):
                 return phase2_reference(ob, lse, p, q, None, ctx.eps)
 
-            dob, dlse, dp, dq = graph_grads(ref, [ob, lse, p, q], [dh, dlt, ds])
+            dob, dlse, dp, dq = graph_grads(ref, [ob, lse, p, q], [dh, dlt, dzp])
             return dob, dlse, dp, dq, None
-        dob, dlse, dp, dq = phase2_bwd(ob, lse, p, q, dh, dlt, ds, ctx.eps)
+        dob, dlse, dp, dq = phase2_bwd(ob, lse, p, q, dh, dlt, dzp, ctx.eps)
         return dob, dlse, dp, dq, None
 
 
@@ -816,7 +819,7 @@ def phase2_triton(
 ):
     """Phase 2 with the fused Triton kernels: merge a read's phase-1 result with the partial.
 
-    ``h = o_bar + s (partial - o_bar)``, ``s = sigmoid(z_p - lse)``,
+    ``h = (1 - s) o_bar + s partial``, ``s = sigmoid(z_p - lse)``, ``1 - s = sigmoid(lse - z_p)``,
     ``lse_total = logaddexp(lse, z_p)``, ``z_p = (query*gain) . partial / rms(partial)``.
 
     Args:
@@ -827,7 +830,8 @@ def phase2_triton(
         eps: RMS epsilon.
 
     Returns:
-        (h [*batch, d] in the partial's dtype, lse_total [*batch] float32, s [*batch] float32).
+        (h [*batch, d] in the partial's dtype, lse_total [*batch] float32, z_p [*batch]
+        float32, the partial's logit).
 
     Raises:
         ValueError: as :func:`depth_attn_triton`, or mismatched shapes.
@@ -841,11 +845,11 @@ def phase2_triton(
     n_rows = partial.numel() // d
     if n_rows == 0:
         return phase2_reference(o_bar, lse, partial, query, gain, eps)
-    h, lse_t, s = Phase2Function.apply(
+    h, lse_t, zp = Phase2Function.apply(
         o_bar.reshape(n_rows, d).contiguous(),
         lse.reshape(n_rows).contiguous(),
         partial.reshape(n_rows, d).contiguous(),
         _folded_query(query, gain),
         float(eps),
     )
-    return h.view(*batch, d), lse_t.view(batch), s.view(batch)
+    return h.view(*batch, d), lse_t.view(batch), zp.view(batch)
