@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attnres_probe.hooks.recorder import visible_counts
+from attnres_probe.losses import next_token_loss
 
 __all__ = ["FAMILIES", "MODES", "ablate"]
 
@@ -91,7 +91,7 @@ def ablate(
         raise ValueError("ablation measures the next-token loss, which needs at least two tokens")
     base = probe.run(tokens, backward=False)
     base_loss = base.meta["mean_loss"]
-    counts = visible_counts(spec)
+    counts = spec.axis.counts
     read_ids = _resolve_reads(reads, spec, counts)
     mass = base.weights().to_numpy()  # (R, S) mean weight over tokens
     share = base.weights(kind="contrib").to_numpy()
@@ -99,7 +99,7 @@ def ablate(
     rows = []
     for r in read_ids:
         k = counts[r]
-        has_partial = spec.residual == "block" and _has_partial(spec, r)
+        has_partial = spec.axis.partial_column(r) is not None
         for label, cols in _ablation_sets(sources, r, k, spec, has_partial, joint):
             if not cols:
                 continue
@@ -123,12 +123,6 @@ def ablate(
                 }
             )
     return pd.DataFrame(rows, columns=["read", "source", "mode", "mass", "contrib", "base_loss", "loss", "delta_loss"])
-
-
-def _has_partial(spec, r: int) -> bool:
-    starts = spec.block_starts
-    ends = [*starts[1:], spec.n_sublayers]
-    return any(s < r < e for s, e in zip(starts, ends))
 
 
 def _resolve_reads(reads: Any, spec, counts: list[int]) -> list[int]:
@@ -198,10 +192,7 @@ def _loss_with(probe, tokens: torch.Tensor, hook_name: str, k: int, targets: dic
     handle = hp.add_hook(edit, dir="fwd")
     try:
         with torch.no_grad():
-            logits = probe._logits(tokens)
-            ce = torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="mean"
-            )
+            ce = next_token_loss(probe.logits(tokens), tokens)
     finally:
         handle.hook.remove()
         if handle in hp.fwd_hooks:

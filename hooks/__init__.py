@@ -1,12 +1,7 @@
 """Hook-point names, the recorder that attaches to them, and adapters for other models."""
 
-from attnres_probe.hooks.names import (
-    logit_hook_names,
-    mixed_input_hook_names,
-    output_hook_names,
-    weight_hook_names,
-)
-from attnres_probe.hooks.recorder import Recorder, RecorderError, visible_counts
+from attnres_probe.hooks.names import mixed_input_hook_names, output_hook_names
+from attnres_probe.hooks.recorder import Recorder, RecorderError
 from attnres_probe.hooks.spec import MissingHooksError, ModelSpec, spec_for
 
 __all__ = [
@@ -14,10 +9,7 @@ __all__ = [
     "ModelSpec",
     "Recorder",
     "RecorderError",
-    "logit_hook_names",
     "mixed_input_hook_names",
     "output_hook_names",
     "spec_for",
-    "visible_counts",
-    "weight_hook_names",
 ]

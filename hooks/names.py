@@ -1,15 +1,16 @@
-"""Hook-point names (DESIGN.md, "Hook points"). The module tree is the naming scheme."""
+"""Hook-point names of TransformerLens-style models from elsewhere (DESIGN.md, "Hook points").
+
+Our own models' hook names are read from their module tree (``HookPoint.name``, set by
+``setup()``); these functions name the hook points a foreign PreNorm model must expose.
+"""
 
 from __future__ import annotations
 
 __all__ = [
     "EMBED_HOOKS",
     "REQUIRED_TL_HOOKS",
-    "contrib_hook_names",
-    "logit_hook_names",
     "mixed_input_hook_names",
     "output_hook_names",
-    "weight_hook_names",
 ]
 
 EMBED_HOOKS = ("hook_embed", "hook_pos_embed")
@@ -25,26 +26,6 @@ def mixed_input_hook_names(n_layers: int, final: str | None = FINAL_READ_HOOK) -
 def output_hook_names(n_layers: int) -> list[str]:
     """Every sublayer output (source v_{l+1}): attn_out, mlp_out per block."""
     return [f"blocks.{i}.hook_{kind}_out" for i in range(n_layers) for kind in ("attn", "mlp")]
-
-
-def _mixer_hooks(n_layers: int, what: str) -> list[str]:
-    names = [f"blocks.{i}.{m}.hook_{what}" for i in range(n_layers) for m in ("attn_res", "mlp_res")]
-    return [*names, f"out_res.hook_{what}"]
-
-
-def weight_hook_names(n_layers: int) -> list[str]:
-    """Depth-weight hooks of the L+1 reads (AttnRes models)."""
-    return _mixer_hooks(n_layers, "weights")
-
-
-def logit_hook_names(n_layers: int) -> list[str]:
-    """Depth-logit hooks of the L+1 reads (AttnRes models)."""
-    return _mixer_hooks(n_layers, "logits")
-
-
-def contrib_hook_names(n_layers: int) -> list[str]:
-    """Contribution-share hooks of the L+1 reads (AttnRes models)."""
-    return _mixer_hooks(n_layers, "contrib")
 
 
 def REQUIRED_TL_HOOKS(n_layers: int) -> list[str]:  # noqa: N802 - reads like a constant table

@@ -22,26 +22,11 @@ import torch
 
 from attnres_probe.hooks.spec import ModelSpec
 
-__all__ = ["Recorder", "RecorderError", "visible_counts"]
+__all__ = ["Recorder", "RecorderError"]
 
 
 class RecorderError(RuntimeError):
     """A recorder hook failed (the message names the hook point)."""
-
-
-def visible_counts(spec: ModelSpec) -> list[int]:
-    """Number of sources (columns 0..k-1 of the common axis) each of the L+1 reads sees."""
-    L = spec.n_sublayers
-    if spec.residual != "block":
-        return [r + 1 for r in range(L + 1)]
-    starts = spec.block_starts
-    ends = [*starts[1:], L]
-    counts = []
-    for r in range(L + 1):
-        completed = sum(1 for e in ends if e <= r)
-        partial = any(s < r < e for s, e in zip(starts, ends))
-        counts.append(1 + completed + int(partial))
-    return counts
 
 
 class Recorder:
@@ -62,7 +47,7 @@ class Recorder:
         self.spec = spec
         self.contributions = contributions
         self.gradients = gradients
-        self.counts = visible_counts(spec)
+        self.counts = spec.axis.counts  # sources each read sees
         self._handles: list[tuple[Any, Any]] = []
         self._error: tuple[str, BaseException] | None = None
         self._arrays: dict[str, torch.Tensor] | None = None

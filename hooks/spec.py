@@ -14,14 +14,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from attnres_probe.hooks.names import (
-    REQUIRED_TL_HOOKS,
-    contrib_hook_names,
-    logit_hook_names,
-    mixed_input_hook_names,
-    output_hook_names,
-    weight_hook_names,
-)
+from attnres_probe.axis import SourceAxis
+from attnres_probe.hooks.names import REQUIRED_TL_HOOKS, mixed_input_hook_names, output_hook_names
 
 __all__ = ["ModelSpec", "MissingHooksError", "spec_for"]
 
@@ -35,8 +29,7 @@ class ModelSpec:
     """Structure of a model, as the recorder sees it.
 
     Attributes:
-        residual: "prenorm" | "full" | "block".
-        n_layers: transformer blocks; L = 2 * n_layers sublayers, L+1 reads.
+        axis: the model's common source axis (residual rule, layers, blocks, labels).
         read_hooks: mixed-input hook of each read (L+1; the last may be None: the recorder
             then sums the sources itself, which is exact for PreNorm).
         output_hooks: the L sublayer outputs.
@@ -44,20 +37,17 @@ class ModelSpec:
         contrib_hooks: per read, the mixer's contribution-share hook (AttnRes only): the
             recorder takes the shares from the mixer, which has the sources at hand, instead
             of keeping sources itself.
-        block_starts: sublayer index where each block starts (block mode).
         sublayer_params: per sublayer, the parameters of that sublayer (and its pre-norm).
         mixer_params: per read, the depth mixer's parameters (AttnRes only).
         n_ctx, d_vocab: input limits.
         meta: description stored in traces (name, config, labels).
     """
 
-    residual: str
-    n_layers: int
+    axis: SourceAxis
     read_hooks: list[str | None]
     output_hooks: list[str]
     weight_hooks: list[str] | None
     logit_hooks: list[str] | None
-    block_starts: list[int]
     sublayer_params: list[list[nn.Parameter]]
     mixer_params: list[list[nn.Parameter]] | None
     n_ctx: int
@@ -66,22 +56,32 @@ class ModelSpec:
     contrib_hooks: list[str] | None = None
 
     @property
+    def residual(self) -> str:
+        return self.axis.residual
+
+    @property
+    def n_layers(self) -> int:
+        return self.axis.n_layers
+
+    @property
     def n_sublayers(self) -> int:
-        return 2 * self.n_layers
+        return self.axis.n_sublayers
+
+    @property
+    def block_starts(self) -> list[int]:
+        return list(self.axis.block_starts)
 
     @property
     def sublayer_labels(self) -> list[str]:
-        return [f"L{i}.{k}" for i in range(self.n_layers) for k in ("attn", "mlp")]
+        return self.axis.sublayer_labels
 
     @property
     def read_labels(self) -> list[str]:
-        return [*self.sublayer_labels, "final"]
+        return self.axis.read_labels
 
     @property
     def source_labels(self) -> list[str]:
-        if self.residual == "block":
-            return ["embed", *(f"block{n}" for n in range(1, len(self.block_starts) + 1))]
-        return ["embed", *self.sublayer_labels]
+        return self.axis.source_labels
 
 
 def spec_for(model: nn.Module, name: str | None = None) -> ModelSpec:
@@ -98,24 +98,22 @@ def spec_for(model: nn.Module, name: str | None = None) -> ModelSpec:
 
 
 def _spec_attnres(model, name: str | None) -> ModelSpec:
+    """Our model's spec; hook names are read from its module tree (``HookPoint.name``)."""
     cfg = model.cfg
-    n = cfg.n_layers
-    attnres = cfg.residual != "prenorm"
+    blocks, mixers = list(model.blocks), model.mixers
     sub_params = []
-    for block in model.blocks:
+    for block in blocks:
         sub_params.append([*block.ln1.parameters(), *block.attn.parameters()])
         sub_params.append([*block.ln2.parameters(), *block.mlp.parameters()])
     spec = ModelSpec(
-        residual=cfg.residual,
-        n_layers=n,
-        read_hooks=mixed_input_hook_names(n),
-        output_hooks=output_hook_names(n),
-        weight_hooks=weight_hook_names(n) if attnres else None,
-        logit_hooks=logit_hook_names(n) if attnres else None,
-        contrib_hooks=contrib_hook_names(n) if attnres else None,
-        block_starts=list(cfg.block_starts),
+        axis=model.axis,
+        read_hooks=[*(hp.name for b in blocks for hp in (b.hook_resid_pre, b.hook_resid_mid)), model.hook_resid_final.name],
+        output_hooks=[hp.name for b in blocks for hp in (b.hook_attn_out, b.hook_mlp_out)],
+        weight_hooks=[m.hook_weights.name for m in mixers] or None,
+        logit_hooks=[m.hook_logits.name for m in mixers] or None,
+        contrib_hooks=[m.hook_contrib.name for m in mixers] or None,
         sublayer_params=sub_params,
-        mixer_params=[list(m.parameters()) for m in model.mixers] if attnres else None,
+        mixer_params=[list(m.parameters()) for m in mixers] or None,
         n_ctx=cfg.n_ctx,
         d_vocab=cfg.d_vocab,
     )
@@ -157,13 +155,11 @@ def _spec_foreign(model: nn.Module, name: str | None) -> ModelSpec:
         if isinstance(value, (int, float, str, bool)) or value is None:
             config[key] = value
     spec = ModelSpec(
-        residual="prenorm",
-        n_layers=n,
+        axis=SourceAxis("prenorm", n),
         read_hooks=reads,
         output_hooks=output_hook_names(n),
         weight_hooks=None,
         logit_hooks=None,
-        block_starts=[],
         sublayer_params=sub_params,
         mixer_params=None,
         n_ctx=int(getattr(cfg, "n_ctx", 0) or 0) or 10**9,
@@ -177,12 +173,8 @@ def _spec_foreign(model: nn.Module, name: str | None) -> ModelSpec:
 def _meta(spec: ModelSpec, name: str, config: dict, model: nn.Module) -> dict[str, Any]:
     return {
         "name": name,
-        "residual": spec.residual,
+        **spec.axis.to_meta(),
         "config": config,
-        "read_labels": spec.read_labels,
-        "source_labels": spec.source_labels,
-        "sublayer_labels": spec.sublayer_labels,
-        "block_starts": spec.block_starts,
         "n_params": int(sum(p.numel() for p in model.parameters())),
         "model_class": type(model).__name__,
     }

@@ -34,15 +34,17 @@ def test_worked_example_from_the_attnres_description():
 
 
 def test_logits_follow_the_design_formula():
-    """z_i = (w * gain) . v_i / sqrt(mean(v_i^2) + eps); no temperature, no 1/sqrt(d)."""
+    """z_i = (w * gain) . v_i / sqrt(mean(v_i^2) + eps); no temperature, no 1/sqrt(d). float64,
+    so any difference beyond a few ulps (1e-12 relative) is a different formula."""
     torch.manual_seed(0)
-    src = torch.randn(4, 3, 5, 16)
-    q, g = torch.randn(16), torch.rand(16) + 0.5
-    mix, lse, w = depth_attn(src, q, g, eps=1e-6, return_weights=True)
+    src = torch.randn(4, 3, 5, 16, dtype=torch.float64)
+    q, g = torch.randn(16, dtype=torch.float64), torch.rand(16, dtype=torch.float64) + 0.5
+    mix, lse, w, logits = depth_attn(src, q, g, eps=1e-6, return_weights=True, return_logits=True)
     z = torch.einsum("sbpd,d->bps", src / torch.sqrt(src.pow(2).mean(-1, keepdim=True) + 1e-6), q * g)
-    torch.testing.assert_close(lse, torch.logsumexp(z, -1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(w, torch.softmax(z, -1), atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(mix, torch.einsum("bps,sbpd->bpd", w, src), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, z, atol=0, rtol=1e-12)
+    torch.testing.assert_close(lse, torch.logsumexp(z, -1), atol=0, rtol=1e-12)
+    torch.testing.assert_close(w, torch.softmax(z, -1), atol=1e-15, rtol=1e-12)
+    torch.testing.assert_close(mix, torch.einsum("bps,sbpd->bpd", w, src), atol=1e-15, rtol=1e-12)
 
 
 def test_list_and_stacked_sources_agree_and_cache_is_equivalent():

@@ -195,3 +195,19 @@ def check_fn(candidate, reference, inputs, upstream, names, bounds) -> None:
     for who, fn in (("", candidate), ("reference ", reference)):
         for name, a, t in zip(names, run(fn), truth):
             assert_within(a, t, bounds[name], who + name)
+
+
+def model_bound(reference_error: float, n_reads: int, n_src: int, d: int, rows: int = 1) -> float:
+    """The bound on a whole float32 model's result (logits, loss, a parameter's gradient)
+    against its float64 twin: four times the float32 reference backend's own error on that
+    quantity, with a floor of ``C u (L+1)(sqrt(d) + S) sqrt(rows)``.
+
+    Most of a model's rounding comes from its attention and MLP sublayers, the same PyTorch
+    ops for every backend; the depth reads add at most one op's bound each (L+1 of them), and
+    a loss or a parameter's gradient sums ``rows`` token rows with mixed signs (kappa about
+    sqrt(rows), as for the op's query gradient). So a backend passes when it is as accurate as
+    the reference up to the constant, and the floor covers a quantity the reference happens
+    to round almost exactly (two roundings of one sum differ by a random factor).
+    """
+    floor = C * UNIT_ROUNDOFF[torch.float32] * n_reads * (math.sqrt(d) + n_src) * math.sqrt(rows)
+    return max(4.0 * reference_error, floor)

@@ -21,7 +21,8 @@ def test_reference_gradcheck_sources_query_gain(n_src):
     x = torch.randn(n_src, 2, 3, 5, dtype=torch.float64, requires_grad=True)
     q = torch.randn(5, dtype=torch.float64, requires_grad=True)
     g = (1 + 0.3 * torch.randn(5, dtype=torch.float64)).requires_grad_()
-    assert torch.autograd.gradcheck(lambda x, q, g: depth_attn_reference(x, q, g, 1e-6, True), (x, q, g))
+    fn = lambda x, q, g: depth_attn_reference(x, q, g, 1e-6, True, return_logits=True)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, q, g))
 
 
 def test_reference_gradcheck_phase1():
@@ -46,11 +47,13 @@ def test_extreme_logits_stay_finite(backend):
     x = torch.randn(9, 37, 48, device=DEVICE, requires_grad=True)
     q = torch.randn(48, device=DEVICE)
     q = (q / q.norm() * 1e4).requires_grad_()
-    mix, lse, w = depth_attn(x, q, return_weights=True, backend=backend)
-    for name, t in (("mix", mix), ("lse", lse), ("weights", w)):
+    mix, lse, w, z = depth_attn(x, q, return_weights=True, return_logits=True, backend=backend)
+    for name, t in (("mix", mix), ("lse", lse), ("weights", w), ("logits", z)):
         assert torch.isfinite(t).all(), f"{name} is not finite"
-    assert torch.allclose(w.sum(-1), torch.ones_like(lse), atol=1e-5)
-    grads = torch.autograd.grad((mix, lse, w), (x, q), (torch.randn_like(mix), torch.randn_like(lse), torch.randn_like(w)))
+    assert torch.allclose(w.sum(-1), torch.ones_like(lse), atol=1e-5)  # one rounding per source, S = 9: 9 * 2^-24 < 1e-6
+    assert (w == 0).any() and z.abs().max() > 1e3  # underflowed weights, yet finite logits
+    ups = [torch.randn_like(t) for t in (mix, lse, w, z)]
+    grads = torch.autograd.grad((mix, lse, w, z), (x, q), ups)
     for name, t in zip(("d sources", "d query"), grads):
         assert torch.isfinite(t).all(), f"{name} is not finite"
 
@@ -61,8 +64,8 @@ def test_extreme_logits_stay_finite_in_the_two_phases(backend):
     q = torch.randn(3, 48, device=DEVICE)
     q = q / q.norm(dim=-1, keepdim=True) * 1e4
     o_bar, lse = phase1(x, q, backend=backend)
-    h, lse_t, s = phase2(o_bar[0], lse[0], torch.randn(37, 48, device=DEVICE), q[0], backend=backend)
-    for name, t in (("o_bar", o_bar), ("lse", lse), ("h", h), ("lse_total", lse_t), ("s", s)):
+    h, lse_t, z_p = phase2(o_bar[0], lse[0], torch.randn(37, 48, device=DEVICE), q[0], backend=backend)
+    for name, t in (("o_bar", o_bar), ("lse", lse), ("h", h), ("lse_total", lse_t), ("z_p", z_p)):
         assert torch.isfinite(t).all(), f"{name} is not finite"
 
 
@@ -86,9 +89,10 @@ def test_nan_propagates_through_the_two_phases(backend):
     q = torch.randn(2, 48, device=DEVICE) / 7
     o_bar, lse = phase1(x, q, backend=backend)
     assert torch.isnan(o_bar[:, 4]).all() and torch.isnan(lse[:, 4]).all()
-    h, lse_t, s = phase2(o_bar[0], lse[0], partial, q[0], backend=backend)
+    h, lse_t, z_p = phase2(o_bar[0], lse[0], partial, q[0], backend=backend)
     for row in (4, 20):
-        assert torch.isnan(h[row]).all() and torch.isnan(lse_t[row]) and torch.isnan(s[row])
+        assert torch.isnan(h[row]).all() and torch.isnan(lse_t[row])
+    assert torch.isnan(z_p[20]) and not torch.isnan(z_p[4])  # the partial's logit is the partial's alone
     assert torch.isfinite(h[5]).all() and torch.isfinite(lse_t[5])
 
 
