@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +12,10 @@ from safetensors.torch import load_file, save_file
 
 from attnres_probe._version import __version__
 from attnres_probe.config import ConfigError, ModelConfig
+from attnres_probe.io import atomic_write
+from attnres_probe.model import AttnResTransformer
 
-__all__ = ["CheckpointError", "CONFIG_FILE", "WEIGHTS_FILE", "atomic_write", "load_checkpoint", "save_checkpoint", "sha256_file"]
+__all__ = ["CheckpointError", "CONFIG_FILE", "WEIGHTS_FILE", "load_checkpoint", "read_config", "save_checkpoint"]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -28,32 +27,7 @@ class CheckpointError(ValueError):
     """A checkpoint directory is missing, corrupt, or disagrees with its config."""
 
 
-def atomic_write(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` then rename onto ``path``; on failure ``path`` is untouched."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def save_checkpoint(model, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+def save_checkpoint(model: AttnResTransformer, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write the model's config and weights into ``directory`` (created if missing).
 
     Args:
@@ -101,7 +75,7 @@ def read_config(directory: str | Path) -> ModelConfig:
         raise CheckpointError(f"{cfg_path}: invalid config: {exc}") from None
 
 
-def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", **model_kwargs: Any):
+def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", **model_kwargs: Any) -> AttnResTransformer:
     """Build the model from ``config.json`` and load ``model.safetensors`` into it.
 
     Floating tensors stored in another dtype (fp16 demos) are cast to the model's dtype.
@@ -110,8 +84,6 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", *
         CheckpointError: naming the first missing, unexpected or mis-shaped tensor, or the
             unreadable file.
     """
-    from attnres_probe.model import AttnResTransformer
-
     directory = Path(directory)
     cfg = read_config(directory)
     w_path = directory / WEIGHTS_FILE

@@ -18,7 +18,7 @@ from attnres_probe._version import __version__
 # module of the command being run is imported (the others cost seconds: torch, Dash); the
 # top-level --help lists every command from this table.
 SUBCOMMANDS: list[tuple[str, str, str, str]] = [
-    ("train", "attnres_probe.train", "add_train_parser", "train a model on an offline byte corpus"),
+    ("train", "attnres_probe.training.cli", "add_train_parser", "train a model on an offline byte corpus"),
     ("record", "attnres_probe.commands", "add_record_parser", "record a text through a model and save the DepthTrace"),
     ("summary", "attnres_probe.commands", "add_summary_parser", "print a per-layer summary of a model on a text"),
     ("dash", "attnres_probe.dashboards.cli", "add_dash_parser", "open the interactive depth-routing explorer (Dash)"),

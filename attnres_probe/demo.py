@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from attnres_probe.checkpoint import atomic_write
 from attnres_probe.config import ModelConfig
+from attnres_probe.io import atomic_write
 from attnres_probe.kernels import BACKENDS
 from attnres_probe.model import AttnResTransformer
 from attnres_probe.tokenizer import ByteTokenizer
@@ -138,7 +138,7 @@ def build_demo_models(
     Returns:
         name -> validation loss of the shipped fp16 weights.
     """
-    from attnres_probe.train import TrainConfig, evaluate, train
+    from attnres_probe.training import TrainConfig, evaluate, train
 
     torch.set_num_threads(threads)
     out = Path(out)

@@ -27,7 +27,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from attnres_probe import metrics
-from attnres_probe.trace import DepthTrace
+from attnres_probe.numeric import token_mean
+from attnres_probe.trace import DepthTrace, unique_names
 
 __all__ = [
     "BASELINE_COLOR",
@@ -208,7 +209,7 @@ def token_heatmap(
     _check_kind(kind)
     if not 0 <= batch < trace.tokens.shape[0]:
         raise IndexError(f"batch {batch} is out of range; this trace has {trace.tokens.shape[0]} sequences (0..{trace.tokens.shape[0] - 1})")
-    pos = trace._token_index(token, batch)
+    pos = trace.token_index(token, batch)
     cells, labels = cell_values(trace, expanded, index=(batch, pos))
     tok = trace.str_tokens[batch][pos] if pos < len(trace.str_tokens[batch]) else ""
     title = f"{trace.name} · token {pos} {tok!r} (sequence {batch}) · {KIND_TITLES[kind]}"
@@ -226,7 +227,7 @@ def mean_heatmap(trace: DepthTrace, kind: str = "weights", expanded: bool = Fals
     """
     _check_kind(kind)
     cells, labels = cell_values(trace, expanded)
-    cells = {k: metrics.token_mean(v[trace.mask]) for k, v in cells.items()}
+    cells = {k: token_mean(v[trace.mask]) for k, v in cells.items()}
     title = f"{trace.name} · mean over {trace.n_tokens} tokens · {KIND_TITLES[kind]}"
     return _cell_heatmap(trace, cells, labels, kind, title, expanded)
 
@@ -244,7 +245,7 @@ def source_heatmap(trace: DepthTrace, source: int | str = 0, batch: int = 0, kin
     _check_kind(kind)
     if not 0 <= batch < trace.tokens.shape[0]:
         raise IndexError(f"batch {batch} is out of range; this trace has {trace.tokens.shape[0]} sequences (0..{trace.tokens.shape[0] - 1})")
-    s = trace._source_index(source)
+    s = trace.source_index(source)
     n = int(trace.mask[batch].sum())
     cells, _ = cell_values(trace, expanded=False)
     cells = {k: v[batch, :n, :, s].T for k, v in cells.items()}  # (R, n)
@@ -357,7 +358,7 @@ def side_by_side(
 def _line_names(traces: Sequence[DepthTrace]) -> list[str]:
     if not traces:
         raise ValueError("pass at least one DepthTrace")
-    return metrics.unique_names([t.name for t in traces])
+    return unique_names([t.name for t in traces])
 
 
 def magnitudes(traces: Sequence[DepthTrace]) -> go.Figure:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from attnres_probe.trace import DepthTrace, token_mean
+from attnres_probe.numeric import token_mean
+from attnres_probe.trace import DepthTrace, unique_names
 
 __all__ = [
     "FORMULAS",
@@ -324,15 +325,6 @@ def summary(trace: DepthTrace) -> pd.Series:
         },
         name=trace.name,
     )
-
-
-def unique_names(names: list[str]) -> list[str]:
-    seen: dict[str, int] = {}
-    out = []
-    for n in names:
-        seen[n] = seen.get(n, 0) + 1
-        out.append(n if seen[n] == 1 else f"{n} ({seen[n]})")
-    return out
 
 
 def compare(*traces: DepthTrace, names: list[str] | None = None) -> pd.DataFrame:

@@ -27,6 +27,7 @@ from transformer_lens.hook_points import HookPoint
 from attnres_probe import kernels
 from attnres_probe.axis import SourceAxis
 from attnres_probe.config import ModelConfig
+from attnres_probe.losses import next_token_loss
 
 __all__ = ["AttnResTransformer", "Attention", "DepthMixer", "MLP", "RMSNorm", "TransformerBlock"]
 
@@ -486,8 +487,6 @@ class AttnResTransformer(HookedRootModule):
         tokens = self.check_tokens(tokens)
         if tokens.shape[1] < 2:
             raise ValueError("the loss needs at least two tokens (it predicts token t+1 from tokens <= t)")
-        from attnres_probe.losses import next_token_loss  # a leaf module (torch only)
-
         lp = next_token_loss(self(tokens), tokens, reduction="none")  # (B, P-1)
         return lp if per_token else lp.mean()
 

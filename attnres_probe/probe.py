@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from attnres_probe.hooks import Recorder, spec_for
+from attnres_probe.losses import trace_loss
 from attnres_probe.tokenizer import check_token_ids
 from attnres_probe.trace import DepthTrace
 
@@ -70,13 +70,21 @@ class Probe:
                 raise ValueError("text is empty: need at least one character")
             if self.tokenizer is None:
                 raise ValueError("this probe has no tokenizer: pass token ids, or Probe(model, tokenizer=...)")
-            tokens, what = self._encode(text_or_tokens), "text"
+            tokens, what = self.encode(text_or_tokens), "text"
         else:
             tokens, what = text_or_tokens, "input"
         tokens = check_token_ids(tokens, self.spec.n_ctx, self.spec.d_vocab, truncate, what).to(self.device)
         return tokens, [self._str_tokens(row) for row in tokens]
 
-    def _encode(self, text: str) -> torch.Tensor:
+    def encode(self, text: str) -> torch.Tensor:
+        """The tokenizer's ids for ``text``: [1, pos] (or [batch, pos] if it returns a batch).
+
+        Unlike :meth:`tokenize`, nothing is checked (context length, vocabulary) and the ids stay
+        where the tokenizer put them.
+
+        Raises:
+            TypeError: the tokenizer has neither ``to_tokens`` nor ``encode``.
+        """
         tok = self.tokenizer
         if hasattr(tok, "to_tokens"):
             ids = tok.to_tokens(text)
@@ -143,9 +151,9 @@ class Probe:
         params = [p for p in self._params if p.requires_grad] if backward else []
         grads: dict[int, torch.Tensor] = {}
         with rec, torch.set_grad_enabled(backward):
-            logits = self._logits(tokens)
+            logits = self.logits(tokens)
             rec.raise_if_failed()
-            per_tok, loss = _next_token_loss(logits, tokens, mask)
+            per_tok, loss = trace_loss(logits, tokens, mask)
             if backward and params:
                 got = torch.autograd.grad(loss, params, allow_unused=True)
                 grads = {id(p): g for p, g in zip(params, got) if g is not None}
@@ -177,7 +185,15 @@ class Probe:
             **arrays,
         )
 
-    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The model's logits [batch, pos, vocab] for tokens [batch, pos] (one plain forward).
+
+        Whatever hooks are attached to the model at the time run (the recorder's inside
+        :meth:`record`, an ablation's weight edit).
+
+        Raises:
+            TypeError: the model returned neither a tensor nor an object with ``.logits``.
+        """
         out = self.model(tokens)
         if isinstance(out, torch.Tensor):
             return out
@@ -203,7 +219,7 @@ class Probe:
                     continue  # an empty document contributes no tokens
                 if self.tokenizer is None:
                     raise ValueError("this probe has no tokenizer: pass token ids, or Probe(model, tokenizer=...)")
-                ids = self._encode(text)
+                ids = self.encode(text)
             else:
                 ids = torch.as_tensor(text)
             ids = ids if ids.dim() == 2 else ids.reshape(1, -1)
@@ -278,20 +294,6 @@ class Probe:
         from attnres_probe.ablation import ablate
 
         return ablate(self, text_or_tokens, sources=sources, reads=reads, mode=mode, joint=joint, truncate=truncate)
-
-
-def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss [B, P] (NaN where undefined) and the mean over defined positions."""
-    B, P = tokens.shape
-    per_tok = torch.full((B, P), float("nan"), device=logits.device)
-    if P < 2:
-        return per_tok, torch.tensor(float("nan"), device=logits.device)
-    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="none").view(B, P - 1)
-    valid = mask[:, 1:] & mask[:, :-1]
-    per_tok[:, :-1] = torch.where(valid, ce.detach(), torch.full_like(ce, float("nan")))
-    n = valid.sum()
-    loss = (ce * valid).sum() / n.clamp(min=1) if int(n) > 0 else ce.sum() * float("nan")
-    return per_tok, loss
 
 
 def _squared_norms(grads: dict[int, torch.Tensor]) -> dict[int, float]:

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from attnres_probe import figures, metrics
-from attnres_probe.checkpoint import atomic_write
 from attnres_probe.demo import DEMO_NAMES, demo_log, demo_validation_batches, load_demo
+from attnres_probe.io import atomic_write
 from attnres_probe.probe import Probe
 from attnres_probe.trace import DepthTrace
 

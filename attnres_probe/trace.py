@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +36,10 @@ import numpy as np
 import pandas as pd
 
 from attnres_probe._version import __version__
-from attnres_probe.checkpoint import sha256_file
+from attnres_probe.io import atomic_write, sha256_file
+from attnres_probe.numeric import token_mean
 
-__all__ = ["DepthTrace", "TraceError", "SCHEMA_VERSION", "check_save_target", "token_mean"]
+__all__ = ["DepthTrace", "TraceError", "SCHEMA_VERSION", "check_save_target", "unique_names"]
 
 SCHEMA_VERSION = 1
 META_FILE = "trace.json"
@@ -174,7 +175,13 @@ class DepthTrace:
         return int(self.mask.sum())
 
     # -- selection -----------------------------------------------------------------------
-    def _read_index(self, read: int | str) -> int:
+    def read_index(self, read: int | str) -> int:
+        """Row of a read given by label (``"L3.mlp"``, ``"final"``) or index (negative counts from the end).
+
+        Raises:
+            KeyError: an unknown label.
+            IndexError: an index out of range.
+        """
         labels = self.read_labels
         if isinstance(read, str):
             if read not in labels:
@@ -184,7 +191,13 @@ class DepthTrace:
             raise IndexError(f"read {read} is out of range; this trace has reads 0..{len(labels) - 1}")
         return read % len(labels)
 
-    def _source_index(self, source: int | str) -> int:
+    def source_index(self, source: int | str) -> int:
+        """Column of a source given by label (``"embed"``, ``"L0.attn"``, ``"block1"``) or index.
+
+        Raises:
+            KeyError: an unknown label.
+            IndexError: an index out of range.
+        """
         labels = self.source_labels
         if isinstance(source, str):
             if source not in labels:
@@ -194,7 +207,12 @@ class DepthTrace:
             raise IndexError(f"source {source} is out of range; this trace has sources 0..{len(labels) - 1}")
         return source % len(labels)
 
-    def _token_index(self, token: int, batch: int) -> int:
+    def token_index(self, token: int, batch: int = 0) -> int:
+        """Position of real token ``token`` of sequence ``batch`` (negative counts from its last real token).
+
+        Raises:
+            IndexError: ``token`` is not among the sequence's real (unpadded) tokens.
+        """
         n = int(self.mask[batch].sum())
         if not -n <= token < n:
             raise IndexError(f"token {token} is out of range; sequence {batch} has {n} tokens (0..{n - 1})")
@@ -227,10 +245,10 @@ class DepthTrace:
         else:
             if not 0 <= batch < self.tokens.shape[0]:
                 raise IndexError(f"batch {batch} is out of range; this trace has {self.tokens.shape[0]} sequences")
-            data = arr[batch, self._token_index(token, batch)]
+            data = arr[batch, self.token_index(token, batch)]
         df = pd.DataFrame(data, index=pd.Index(self.read_labels, name="read"), columns=pd.Index(self.source_labels, name="source"))
         if read is not None:
-            df = df.iloc[[self._read_index(read)]]
+            df = df.iloc[[self.read_index(read)]]
         return df
 
     def expanded(self, kind: str = "weights") -> tuple[np.ndarray, list[str]]:
@@ -347,8 +365,6 @@ class DepthTrace:
             FileExistsError: the folder holds a trace (without ``overwrite``) or other files.
             NotADirectoryError: ``directory`` is a file.
         """
-        from attnres_probe.checkpoint import atomic_write
-
         directory = check_save_target(directory, overwrite)
         directory.mkdir(parents=True, exist_ok=True)
         hashes = {}
@@ -465,11 +481,18 @@ class DepthTrace:
         return figures.gradient_norms([self])
 
 
-def token_mean(values: np.ndarray) -> np.ndarray:
-    """NaN-aware mean over axis 0 (tokens); all-NaN -> NaN without a warning."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return np.nanmean(values, axis=0) if values.shape[0] else np.full(values.shape[1:], np.nan)
+def unique_names(names: Sequence[str]) -> list[str]:
+    """Display names for traces set side by side: a repeated name gets " (2)", " (3)", ... in order.
+
+    The metric tables (:func:`attnres_probe.metrics.compare`), the line charts and the reports
+    all name their columns and lines this way, so one trace has one name in all of them.
+    """
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n} ({seen[n]})")
+    return out
 
 
 def _json_default(obj: Any) -> Any:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 from attnres_probe.kernels import numba_depth_attn
-from attnres_probe.train import frozen_gc
+from attnres_probe.training import frozen_gc
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train import SIZES, make_step  # the training benchmark's step

@@ -2,7 +2,7 @@
 
 One optimizer step (AdamW, forward + backward + clip + update) of each architecture is timed in
 turn (the order rotating from round to round), repeatedly (with Python's collector set up as in the trainer's loop, see
-``attnres_probe.train.frozen_gc``), so that machine noise hits all three alike. The median step time gives
+``attnres_probe.training.frozen_gc``), so that machine noise hits all three alike. The median step time gives
 tokens/s; the ratio to PreNorm is the median over rounds of each round's ratio (the steps of
 one round run back to back, so a slow spell of the shared machine cancels out of it). Target:
 Block <= 1.15x PreNorm's step time (Full is reported).
@@ -21,7 +21,7 @@ import time
 import torch
 
 from attnres_probe import AttnResTransformer, ModelConfig
-from attnres_probe.train import TrainConfig, frozen_gc, lm_loss, param_groups
+from attnres_probe.training import TrainConfig, frozen_gc, lm_loss, param_groups
 
 SIZES = {
     "demo": dict(d_model=64, n_layers=8, n_heads=4, n_ctx=128, batch=16),

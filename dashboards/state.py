@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
+import torch
 
 from attnres_probe import figures
 from attnres_probe.ablation import MODES as ABLATION_MODES
@@ -187,6 +188,17 @@ class Explorer:
     # -- prompts ------------------------------------------------------------------------------
     def check_text(self, text: Any) -> str:
         """Validate a prompt for every model; returns it, or raises :class:`PromptError`."""
+        self._tokenize(text)
+        return text
+
+    def _tokenize(self, text: Any) -> dict[str, torch.Tensor]:
+        """Validate a prompt for every model and return its ids, model name -> [1, n].
+
+        Each model's tokenizer runs once; recording the prompt reuses these ids.
+
+        Raises:
+            PromptError: see :meth:`check_text`.
+        """
         if not self.live:
             raise PromptError("traces-only mode: this dashboard shows saved traces and has no model to run new text")
         if not isinstance(text, str):
@@ -198,9 +210,11 @@ class Explorer:
                 f"text has {len(text)} characters; the limit is {self.max_chars} "
                 f"(the models' context is {self.n_ctx} tokens)"
             )
+        tokens: dict[str, torch.Tensor] = {}
         for name, probe in self.probes.items():
             try:
-                n = int(probe._encode(text).shape[-1])
+                tokens[name] = ids = probe.encode(text)
+                n = int(ids.shape[-1])
             except Exception as exc:
                 raise PromptError(f"{name}: cannot tokenise the text ({exc})") from None
             if n > probe.spec.n_ctx:
@@ -211,7 +225,7 @@ class Explorer:
                 )
             if n == 0:
                 raise PromptError("the text has no tokens: type at least one character")
-        return text
+        return tokens
 
     @staticmethod
     def key_for(text: str, kind: str = "text") -> str:
@@ -223,7 +237,7 @@ class Explorer:
         Raises:
             PromptError: the text is empty, too long, or the models reject it.
         """
-        text = self.check_text(text)
+        tokens = self._tokenize(text)
         if text == self.initial.text:
             return self.initial.key
         key = self.key_for(text)
@@ -231,17 +245,21 @@ class Explorer:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return key
-        self._store(self._record(key, text, extra={}))
+        self._store(self._record(key, text, tokens, extra={}))
         return key
 
-    def _record(self, key: str, text: str, extra: dict[str, DepthTrace]) -> Result:
+    def _record(
+        self, key: str, text: str, tokens: Mapping[str, torch.Tensor] | None, extra: dict[str, DepthTrace]
+    ) -> Result:
+        """Run every live model on ``text``: on its ``tokens`` (name -> [1, n]) when given, else
+        tokenizing the text once per model. Saved traces in ``extra`` join the result."""
         traces: dict[str, DepthTrace] = {}
         with self._model_lock:
             for name in self.names:
                 if name in self.probes:
                     probe = self.probes[name]
-                    n = int(probe._encode(text).shape[-1])
-                    traces[name] = ViewTrace.of(probe.run(text, backward=n >= 2))
+                    ids = tokens[name] if tokens is not None else probe.encode(text)  # [1, n]
+                    traces[name] = ViewTrace.of(probe.run(ids, backward=ids.shape[-1] >= 2))
                 elif name in extra:
                     traces[name] = extra[name]
         # expanded views of block traces are remembered: count them twice
@@ -270,11 +288,11 @@ class Explorer:
             limit = min(self.n_ctx or len(text), len(text))
             text = text[:limit]
         try:
-            text = self.check_text(text)
+            tokens = self._tokenize(text)
         except PromptError as exc:
             raise ValueError(f"initial text: {exc}") from None
         key = self.key_for(text, kind="initial")
-        return self._record(key, text, extra=self.saved)
+        return self._record(key, text, tokens, extra=self.saved)
 
     def result(self, key: Any) -> Result:
         """The result stored under ``key``; an evicted one is recorded again from its text.
@@ -293,7 +311,7 @@ class Explorer:
             text = self._texts.get(key)
         if text is None or not self.live:
             raise UnknownKeyError("this result is no longer on the server (it restarted?): run the prompt again")
-        result = self._record(key, text, extra={})
+        result = self._record(key, text, None, extra={})
         self._store(result)
         return result
 
@@ -328,8 +346,9 @@ class Explorer:
                 return result.ablations[ck]
         if result.traces[name].n_tokens < 2:
             raise PromptError("ablation measures the next-token loss: the text needs at least two tokens")
+        tokens = torch.from_numpy(result.traces[name].tokens.copy())  # the ids it was recorded on: no new tokenizing
         with self._model_lock:
-            frame = self.probes[name].ablate(result.text, sources="all", reads=[read], mode=mode)
+            frame = self.probes[name].ablate(tokens, sources="all", reads=[read], mode=mode)
         with self._cache_lock:
             result.ablations[ck] = frame
             while len(result.ablations) > 32:

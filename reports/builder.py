@@ -35,8 +35,8 @@ from markupsafe import Markup
 
 from attnres_probe import figures, metrics
 from attnres_probe._version import __version__
-from attnres_probe.checkpoint import atomic_write
-from attnres_probe.trace import DepthTrace
+from attnres_probe.io import atomic_write
+from attnres_probe.trace import DepthTrace, unique_names
 
 __all__ = ["ReportWriteError", "SECTIONS", "build_report", "render_report", "versions"]
 
@@ -147,7 +147,7 @@ def render_report(
         raise ValueError(f"explorer_tokens is {explorer_tokens}; pass a positive count or None for all tokens")
     if not 1 <= explorer_digits <= 17:
         raise ValueError(f"explorer_digits is {explorer_digits}; accepted range is 1..17")
-    names = metrics.unique_names([t.name for t in traces])
+    names = unique_names([t.name for t in traces])
     plots = _Plots()
     created = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0)
     vers = versions()

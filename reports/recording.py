@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from attnres_probe.checkpoint import WEIGHTS_FILE, sha256_file
+from attnres_probe.io import sha256_file
 from attnres_probe.probe import Probe
 from attnres_probe.trace import DepthTrace
 
@@ -88,7 +88,11 @@ def record_text(
         from attnres_probe.demo import demo_dir
 
         checkpoint_dir = demo_dir(demo)
-    weights = Path(checkpoint_dir) / WEIGHTS_FILE if checkpoint_dir is not None else None
+    weights = None
+    if checkpoint_dir is not None:
+        from attnres_probe.checkpoint import WEIGHTS_FILE  # checkpoint imports the model (and TransformerLens)
+
+        weights = Path(checkpoint_dir) / WEIGHTS_FILE
     if weights is not None and weights.is_file():
         meta["checkpoint_dir"] = str(checkpoint_dir)
         meta["checkpoint_sha256"] = sha256_file(weights)

@@ -10,7 +10,7 @@ import torch
 
 from attnres_probe import AttnResTransformer, load_demo
 from attnres_probe.demo import DEMO_NAMES, demo_config, demo_dir, demo_log, demo_validation_batches
-from attnres_probe.train import evaluate
+from attnres_probe.training import evaluate
 
 STUDY = Path(__file__).resolve().parents[1] / "docs" / "study" / "results.json"
 

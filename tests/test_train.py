@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from attnres_probe import AttnResTransformer, ConfigError, ModelConfig
 from attnres_probe.data import DataError, validation_batches
-from attnres_probe.train import (
+from attnres_probe.training import (
     LOG_FILE,
     STATE_FILE,
     STATE_TENSORS_FILE,
@@ -379,7 +379,7 @@ def test_the_training_loop_sets_the_collectors_old_objects_aside_only_while_it_r
     afterwards they are collectable again, and a process that froze objects itself is left alone."""
     import gc
 
-    import attnres_probe.train as train_module
+    import attnres_probe.training.loop as train_module
 
     seen = []
     real = train_module.lm_loss

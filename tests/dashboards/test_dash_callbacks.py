@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from dash import html, no_update
 
-from attnres_probe import Probe, figures, metrics
-from attnres_probe.dashboards import PromptError, callbacks, create_app
+from attnres_probe import ByteTokenizer, Probe, figures, metrics
+from attnres_probe.dashboards import Explorer, PromptError, callbacks, create_app
 from attnres_probe.dashboards.layout import build_layout
 from dash_helpers import NAMES, N_CTX, TEXT, make_model
 
@@ -115,6 +115,33 @@ def test_bad_prompts_get_a_message_and_leave_the_key_alone(ex, text, message):
     out = callbacks.run_prompt(ex, 1, text)
     assert out["key"] is no_update
     assert message in out["status"] and out["status_class"] == "status error"
+
+
+class CountingTokenizer:
+    """A byte tokenizer that counts how often it turns text into ids."""
+
+    def __init__(self):
+        self.inner = ByteTokenizer()
+        self.calls = 0
+
+    def to_tokens(self, text: str):
+        self.calls += 1
+        return self.inner.to_tokens(text)
+
+    def to_str_tokens(self, tokens):  # labels ids already made: not a tokenization
+        return self.inner.to_str_tokens(tokens)
+
+
+def test_a_prompt_is_tokenized_once_per_model(models):
+    """Checking a prompt, recording it and ablating on it share one tokenization per model."""
+    counters = {name: CountingTokenizer() for name in NAMES}
+    ex = Explorer({n: Probe(models[n], tokenizer=counters[n], name=n) for n in NAMES}, text=TEXT)
+    assert {n: c.calls for n, c in counters.items()} == dict.fromkeys(NAMES, 1)  # the initial text
+    key = ex.run("Hello depth.")
+    assert {n: c.calls for n, c in counters.items()} == dict.fromkeys(NAMES, 2)
+    assert ex.traces(key)["block"].str_tokens[0] == list("Hello depth.")
+    ex.ablate(key, "block", "final")
+    assert counters["block"].calls == 2
 
 
 def test_a_one_token_prompt_runs_without_gradients(ex):

@@ -11,7 +11,7 @@ import pytest
 
 from attnres_probe import DepthTrace, metrics
 from attnres_probe.reports import SECTIONS, build_report, record_checkpoints, record_text, versions
-from attnres_probe.checkpoint import sha256_file
+from attnres_probe.io import sha256_file
 from helpers import tiny_model
 from report_text import XSS_TEXT
 

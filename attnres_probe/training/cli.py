@@ -1,0 +1,161 @@
+"""The ``attnres-probe train`` subcommand: flags -> (ModelConfig, TrainConfig) -> :func:`train`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from attnres_probe.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError
+from attnres_probe.config import RESIDUALS, ConfigError, ModelConfig
+from attnres_probe.data import DataError
+from attnres_probe.kernels import BACKENDS
+from attnres_probe.training.config import TrainConfig, TrainError
+from attnres_probe.training.loop import train
+from attnres_probe.training.state import LOG_FILE, read_run_configs
+
+__all__ = ["add_train_parser"]
+
+_MODEL_FLAGS = {  # flag dest -> ModelConfig field
+    "residual": "residual",
+    "n_layers": "n_layers",
+    "d_model": "d_model",
+    "n_heads": "n_heads",
+    "n_ctx": "n_ctx",
+    "block_size": "block_size",
+}
+_TRAIN_FLAGS = (
+    "steps",
+    "batch_size",
+    "seq_len",
+    "lr",
+    "min_lr_ratio",
+    "warmup_steps",
+    "weight_decay",
+    "grad_clip",
+    "eval_every",
+    "eval_batches",
+    "corpus",
+    "val_fraction",
+)
+
+
+def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the ``train`` subcommand; its ``func(args)`` returns an exit code.
+
+    Flags left out keep the defaults of ModelConfig / TrainConfig (or, with ``--config``, the
+    file's model config; with ``--resume``, the saved run's configs).
+    """
+    p = subparsers.add_parser(
+        "train",
+        help="train a model on an offline byte corpus",
+        description="Train a PreNorm / Full AttnRes / Block AttnRes model on an offline corpus. Writes the "
+        "checkpoint, train_log.json and resumable state into --out.",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, log, resumable state)")
+    p.add_argument("--config", metavar="JSON", help="model config file (ModelConfig fields); flags below override it")
+    m = p.add_argument_group("model")
+    m.add_argument("--residual", choices=RESIDUALS, help="residual rule (default full)")
+    m.add_argument("--n-layers", type=int, help="transformer blocks (2 sublayers each)")
+    m.add_argument("--d-model", type=int, help="residual stream width")
+    m.add_argument("--n-heads", type=int, help="attention heads")
+    m.add_argument("--n-ctx", type=int, help="context length")
+    m.add_argument("--block-size", type=int, help="sublayers per block (--residual block)")
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=int, help="optimizer updates (default 2000)")
+    t.add_argument("--batch-size", type=int, help="windows per update (default 16)")
+    t.add_argument("--seq-len", type=int, help="tokens per window (default: n_ctx)")
+    t.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
+    t.add_argument("--min-lr-ratio", type=float, help="final lr / peak lr (default 0.1)")
+    t.add_argument("--warmup-steps", type=int, help="linear warm-up updates (default min(100, steps/10))")
+    t.add_argument("--weight-decay", type=float, help="AdamW decay on matrices (default 0.1)")
+    t.add_argument("--grad-clip", type=float, help="max gradient norm, 0 = off (default 1.0)")
+    t.add_argument("--eval-every", type=int, help="validate and save every N steps, 0 = only at the end (default 200)")
+    t.add_argument("--eval-batches", type=int, help="validation batches (default 8)")
+    t.add_argument("--corpus", help="pydoc (default) | shakespeare | path to a UTF-8 text file")
+    t.add_argument("--val-fraction", type=float, help="held-out share at the end of the corpus (default 0.1)")
+    t.add_argument("--seed", type=int, help="seed of the model init and the batch order (default 0)")
+    r = p.add_argument_group("run")
+    r.add_argument("--resume", action="store_true", help="continue the run saved in --out up to --steps")
+    r.add_argument("--overwrite", action="store_true", help="replace a run already saved in --out")
+    r.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    r.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help="depth-attention backend (default: ATTNRES_BACKEND, else auto: numba on CPU, triton on CUDA)",
+    )
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run_train)
+    return p
+
+
+def _configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]:
+    """Model and train configs: a base (defaults, the --config file, or the saved run), then flags."""
+    saved = read_run_configs(args.out) if args.resume else None
+    if args.config:
+        base = _read_model_config(args.config).to_dict()
+    else:
+        base = saved[0].to_dict() if saved else {}
+    model_dict = dict(base)
+    train_dict = saved[1].to_dict() if saved else {}
+    for dest, field in _MODEL_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            model_dict[field] = value
+    for name in _TRAIN_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            train_dict[name] = value
+    if args.seed is not None:
+        model_dict["seed"] = train_dict["seed"] = args.seed
+    if args.residual not in (None, "block") and args.block_size is None:  # an explicit non-block residual
+        model_dict.pop("block_size", None)
+        model_dict.pop("block_boundaries", None)
+    if base and (model_dict["d_model"], model_dict["n_heads"]) != (base["d_model"], base["n_heads"]):
+        # the width changed: re-derive the sizes the base had derived from the old width
+        if base["d_head"] == base["d_model"] // base["n_heads"]:
+            model_dict.pop("d_head")
+        if base["d_mlp"] == 4 * base["d_model"]:
+            model_dict.pop("d_mlp")
+    return ModelConfig.from_dict(model_dict), TrainConfig.from_dict(train_dict)
+
+
+def _read_model_config(path: str) -> ModelConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file (expected a JSON file of ModelConfig fields)")
+    try:
+        return ModelConfig.from_json(p)
+    except (TypeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--config {path}: {exc}") from None
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    """Handler of ``attnres-probe train``: 0 on success, 2 on a usage/data error, 130 on Ctrl-C."""
+    try:
+        model_cfg, train_cfg = _configs_from_args(args)
+        result = train(
+            model_cfg,
+            train_cfg,
+            args.out,
+            resume=args.resume,
+            progress=not args.quiet,
+            overwrite=args.overwrite,
+            device=args.device,
+            backend=args.backend,
+        )
+    except (ConfigError, DataError, TrainError, CheckpointError, OSError, RuntimeError, TypeError) as exc:
+        print(f"attnres-probe train: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            f"attnres-probe train: interrupted; rerun with --resume --out {args.out} to continue from the last "
+            "saved step",
+            file=sys.stderr,
+        )
+        return 130
+    print(
+        f"trained {result.step} steps ({result.model.cfg.residual}); final validation loss "
+        f"{result.final_val_loss:.4f}; wrote {result.out_dir}/{{{CONFIG_FILE},{WEIGHTS_FILE},{LOG_FILE}}}"
+    )
+    return 0

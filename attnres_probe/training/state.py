@@ -1,0 +1,260 @@
+"""The run folder and its resumable state: what ``resume=True`` reads back, and how it is checked.
+
+A run folder holds
+
+- ``config.json`` + ``model.safetensors``: the checkpoint (:meth:`AttnResTransformer.save`);
+- ``train_state.safetensors``: AdamW's moments and the two RNG states (batch order, torch);
+- ``train_state.json``: step, histories, configs, data hash, and the sha256 of both tensor
+  files, written last: it vouches for a checkpoint and optimizer state of the same step;
+- ``train_log.json``: written by :func:`~attnres_probe.training.train` at the end of a session.
+
+No pickle anywhere: tensors go to safetensors, scalars to JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from attnres_probe.checkpoint import WEIGHTS_FILE, CheckpointError
+from attnres_probe.config import ConfigError, ModelConfig
+from attnres_probe.io import atomic_write, sha256_file
+from attnres_probe.model import AttnResTransformer
+from attnres_probe.training.config import TrainConfig, TrainError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "LOG_FILE",
+    "LOG_FORMAT",
+    "STATE_FILE",
+    "STATE_FORMAT",
+    "STATE_TENSORS_FILE",
+    "History",
+    "check_same",
+    "load_optimizer_tensors",
+    "load_verified",
+    "optimizer_tensors",
+    "read_run_configs",
+    "read_state",
+    "restore_state",
+    "save_state",
+    "write_json",
+]
+
+LOG_FILE = "train_log.json"
+STATE_FILE = "train_state.json"
+STATE_TENSORS_FILE = "train_state.safetensors"
+LOG_FORMAT = "attnres-probe-train-log"
+STATE_FORMAT = "attnres-probe-train-state"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class History:
+    """What a run has done so far: saved in ``train_state.json``, restored on resume, logged.
+
+    Attributes:
+        step: updates done.
+        losses: training loss of every update, index = step - 1.
+        grad_norms: global gradient norm of every update (before clipping).
+        lrs: learning rate of every update.
+        val_losses: ``(step, loss)`` of every validation.
+        wall_before: seconds spent training in earlier sessions of the run.
+        resumed_at: the step at which each later session started.
+    """
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    wall_before: float = 0.0
+    resumed_at: list[int] = field(default_factory=list)
+
+    @classmethod
+    def resumed(cls, state: dict[str, Any]) -> History:
+        """The history saved in a train state (see :func:`read_state`), as a new session starts on it."""
+        step = int(state["step"])
+        return cls(
+            step=step,
+            losses=list(state["loss"]),
+            grad_norms=list(state["grad_norm"]),
+            lrs=list(state["lr"]),
+            val_losses=[(int(s), float(v)) for s, v in state["val"]],
+            wall_before=float(state["wall_time_s"]),
+            resumed_at=[*state["resumed_at"], step],
+        )
+
+    def state_doc(self, base: dict[str, Any], wall_time_s: float) -> dict[str, Any]:
+        """The ``train_state.json`` document (without the file hashes :func:`save_state` adds).
+
+        Args:
+            base: the run's configs and data identity (model_config, train_config, corpus_name,
+                data_sha256).
+            wall_time_s: seconds spent training, this session included.
+        """
+        return {
+            **base,
+            "format": STATE_FORMAT,
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "loss": self.losses,
+            "grad_norm": self.grad_norms,
+            "lr": self.lrs,
+            "val": self.val_losses,
+            "wall_time_s": wall_time_s,
+            "resumed_at": self.resumed_at,
+        }
+
+
+def read_run_configs(out_dir: str | Path) -> tuple[ModelConfig, TrainConfig]:
+    """The (model, train) configs of the resumable run saved in ``out_dir``.
+
+    Raises:
+        TrainError: no readable train state in ``out_dir``, or an invalid saved config.
+    """
+    state = read_state(Path(out_dir))
+    try:
+        return ModelConfig.from_dict(state["model_config"]), TrainConfig.from_dict(state["train_config"])
+    except (ConfigError, TypeError) as exc:
+        raise TrainError(f"{Path(out_dir) / STATE_FILE}: invalid saved config: {exc}") from None
+
+
+def read_state(out_dir: Path) -> dict[str, Any]:
+    """The parsed ``train_state.json`` of ``out_dir``, its format and version checked.
+
+    Raises:
+        TrainError: the file is missing, not JSON, not a train state, or of another version.
+    """
+    path = out_dir / STATE_FILE
+    if not path.is_file():
+        raise TrainError(
+            f"{out_dir} holds no resumable run ({STATE_FILE} is missing); start one without resume"
+        )
+    try:
+        state = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TrainError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise TrainError(f"{path} is not an attnres-probe train state (no format {STATE_FORMAT!r})")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise TrainError(
+            f"{path} has format_version {state.get('format_version')!r}; this toolkit resumes version {FORMAT_VERSION}"
+        )
+    return state
+
+
+def check_same(what: str, saved: dict[str, Any], given: dict[str, Any], out_dir: Path) -> None:
+    """Raise :class:`TrainError` listing every key where a resume's ``given`` config differs from the ``saved`` one."""
+    diff = [k for k in sorted(set(saved) | set(given)) if saved.get(k) != given.get(k)]
+    if diff:
+        detail = "; ".join(f"{k}: saved {saved.get(k)!r}, given {given.get(k)!r}" for k in diff)
+        raise TrainError(f"cannot resume the run in {out_dir}: the {what} differs ({detail})")
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Flatten AdamW's per-parameter state into ``optimizer.{index}.{key}`` tensors (on the CPU)."""
+    out = {}
+    for index, slots in opt.state_dict()["state"].items():
+        for key, value in slots.items():
+            if not isinstance(value, torch.Tensor):
+                value = torch.tensor(value)
+            out[f"optimizer.{index}.{key}"] = value.detach().cpu().contiguous()
+    return out
+
+
+def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], where: Path) -> None:
+    """Inverse of :func:`optimizer_tensors`, into a freshly built optimizer over the same params.
+
+    Raises:
+        TrainError: a tensor of a parameter the optimizer does not have, or of another shape.
+    """
+    fresh = opt.state_dict()
+    n_params = sum(len(g["params"]) for g in fresh["param_groups"])
+    shapes = [tuple(p.shape) for g in opt.param_groups for p in g["params"]]
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, value in tensors.items():
+        if not name.startswith("optimizer."):
+            continue
+        _, index, key = name.split(".", 2)
+        i = int(index)
+        if i >= n_params or (key != "step" and tuple(value.shape) != shapes[i]):
+            raise TrainError(f"{where}: optimizer tensor {name!r} does not fit this model's parameters")
+        state.setdefault(i, {})[key] = value
+    opt.load_state_dict({"state": state, "param_groups": fresh["param_groups"]})
+
+
+def save_state(
+    out_dir: Path,
+    model: AttnResTransformer,
+    opt: torch.optim.Optimizer,
+    batch_gen: torch.Generator,
+    doc: dict[str, Any],
+) -> None:
+    """Checkpoint + optimizer/RNG tensors, then the JSON that vouches for both (written last).
+
+    Args:
+        out_dir: the run folder.
+        model: the model being trained.
+        opt: its optimizer.
+        batch_gen: the generator of the batch order.
+        doc: the state document (:meth:`History.state_doc`); the two file hashes are added.
+    """
+    model.save(out_dir)
+    tensors = optimizer_tensors(opt)
+    tensors["rng.batches"] = batch_gen.get_state()
+    tensors["rng.torch"] = torch.get_rng_state()
+    meta = {"format": STATE_FORMAT, "format_version": str(FORMAT_VERSION)}
+    atomic_write(out_dir / STATE_TENSORS_FILE, lambda p: save_file(tensors, str(p), metadata=meta))
+    doc = {
+        **doc,
+        "weights_sha256": sha256_file(out_dir / WEIGHTS_FILE),
+        "state_tensors_sha256": sha256_file(out_dir / STATE_TENSORS_FILE),
+    }
+    write_json(out_dir / STATE_FILE, doc)
+
+
+def restore_state(out_dir: Path, opt: torch.optim.Optimizer, batch_gen: torch.Generator) -> None:
+    """Inverse of :func:`save_state`'s tensors: AdamW's moments into ``opt``, both RNG states back.
+
+    Call it on a model loaded with :func:`load_verified` (which checked the tensor file's hash)
+    and an optimizer freshly built over its parameters.
+    """
+    path = out_dir / STATE_TENSORS_FILE
+    tensors = load_file(str(path))
+    load_optimizer_tensors(opt, tensors, path)
+    batch_gen.set_state(tensors["rng.batches"])
+    torch.set_rng_state(tensors["rng.torch"])
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Write ``doc`` as indented, key-sorted JSON, atomically."""
+    atomic_write(path, lambda p: p.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n"))
+
+
+def load_verified(out_dir: Path, state: dict[str, Any], device: torch.device) -> AttnResTransformer:
+    """The saved model, after checking that weights and optimizer state belong to the same step.
+
+    Raises:
+        TrainError: a tensor file is missing or does not match the hash in ``train_state.json``.
+        CheckpointError: the weights file is unreadable.
+    """
+    for name, key in ((WEIGHTS_FILE, "weights_sha256"), (STATE_TENSORS_FILE, "state_tensors_sha256")):
+        path = out_dir / name
+        if not path.is_file():
+            raise TrainError(f"cannot resume: {path} is missing")
+        if sha256_file(path) != state.get(key):
+            raise TrainError(
+                f"cannot resume: {path} does not match {STATE_FILE} (was the run interrupted while saving, "
+                "or a file replaced?); start a new run"
+            )
+    try:
+        return AttnResTransformer.load(out_dir, device=device)
+    except SafetensorError as exc:
+        raise CheckpointError(f"{out_dir / WEIGHTS_FILE} is unreadable ({exc})") from None
