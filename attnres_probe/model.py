@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -29,7 +29,10 @@ from attnres_probe.axis import SourceAxis
 from attnres_probe.config import ModelConfig
 from attnres_probe.losses import next_token_loss
 
-__all__ = ["AttnResTransformer", "Attention", "DepthMixer", "MLP", "RMSNorm", "TransformerBlock"]
+__all__ = ["AttnResCache", "AttnResTransformer", "Attention", "DepthMixer", "MLP", "RMSNorm", "TransformerBlock"]
+
+ReturnType = Literal["logits", "loss", "both", None]
+RETURN_TYPES = ("logits", "loss", "both", None)
 
 
 class RMSNorm(nn.Module):
@@ -190,7 +193,9 @@ class TransformerBlock(nn.Module):
     """Attention then MLP, each reading a mixed input through pre-norm.
 
     Hooks: ``hook_resid_pre`` (mixed input to attention), ``hook_attn_out``, ``hook_resid_mid``
-    (mixed input to the MLP), ``hook_mlp_out``; AttnRes modes add ``attn_res`` and ``mlp_res``.
+    (mixed input to the MLP), ``hook_mlp_out``; PreNorm adds ``hook_resid_post`` (the residual
+    stream after the MLP, as in TransformerLens), the AttnRes modes add ``attn_res`` and
+    ``mlp_res`` (their reads are mixtures, not a running sum, so there is no resid_post).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -202,6 +207,8 @@ class TransformerBlock(nn.Module):
         if cfg.residual != "prenorm":
             self.attn_res = DepthMixer(cfg)
             self.mlp_res = DepthMixer(cfg)
+        else:
+            self.hook_resid_post = HookPoint()  # [batch, pos, d_model]
         self.hook_resid_pre = HookPoint()
         self.hook_attn_out = HookPoint()
         self.hook_resid_mid = HookPoint()
@@ -379,9 +386,24 @@ class AttnResTransformer(HookedRootModule):
         pos = self.hook_pos_embed(self.W_pos[: tokens.shape[1]].unsqueeze(0).expand(tokens.shape[0], -1, -1))
         return tok + pos
 
-    def forward(self, tokens: Any, truncate: bool = False) -> torch.Tensor:
-        """Logits [batch, pos, d_vocab] for tokens [batch, pos] (or [pos], or a str)."""
+    def forward(
+        self, tokens: Any, return_type: ReturnType = "logits", loss_per_token: bool = False, *, truncate: bool = False
+    ) -> Any:
+        """Run the model on tokens [batch, pos] (or [pos], or a str), as TransformerLens does.
+
+        Args:
+            tokens: token ids [batch, pos] or [pos], or a text.
+            return_type: ``"logits"`` [batch, pos, d_vocab] (default), ``"loss"`` (the mean
+                next-token cross-entropy, or [batch, pos-1] with ``loss_per_token``),
+                ``"both"`` (logits, loss), or None (nothing; for hooks and caches).
+            loss_per_token: the loss per predicted token instead of its mean.
+            truncate: keep the first n_ctx tokens of a longer input instead of refusing it.
+        """
+        if return_type not in RETURN_TYPES:
+            raise ValueError(f"return_type is {return_type!r}; accepted values are 'logits', 'loss', 'both', None")
         tokens = self.check_tokens(tokens, truncate=truncate)
+        if return_type in ("loss", "both") and tokens.shape[1] < 2:
+            raise ValueError("the loss needs at least two tokens (it predicts token t+1 from tokens <= t)")
         v0 = self.embed(tokens)  # (B, P, d)
         if self.cfg.residual == "prenorm":
             h = self._forward_prenorm(v0)
@@ -393,7 +415,13 @@ class AttnResTransformer(HookedRootModule):
                 h = self._forward_block(v0, backend)
             else:
                 h = self._forward_block_two_phase(v0, backend)
-        return self.ln_final(self.hook_resid_final(h)) @ self.W_U  # (B, P, vocab)
+        logits = self.ln_final(self.hook_resid_final(h)) @ self.W_U  # (B, P, vocab)
+        if return_type == "logits":
+            return logits
+        if return_type is None:
+            return None
+        loss = next_token_loss(logits, tokens, reduction="none" if loss_per_token else "mean")
+        return loss if return_type == "loss" else (logits, loss)
 
     def _sublayers(self):
         """(l, block, which) for every sublayer l in order: which = 0 attention, 1 MLP."""
@@ -406,6 +434,8 @@ class AttnResTransformer(HookedRootModule):
         resid = v0  # (B, P, d)
         for _, block, which in self._sublayers():
             resid = resid + block.sublayer(which, resid)
+            if which == 1:
+                resid = block.hook_resid_post(resid)
         return resid
 
     def _inv_rms(self, v: torch.Tensor, backend: str) -> torch.Tensor | None:
@@ -483,18 +513,28 @@ class AttnResTransformer(HookedRootModule):
 
     # -- conveniences --------------------------------------------------------------------
     def loss(self, tokens: Any, per_token: bool = False) -> torch.Tensor:
-        """Next-token cross-entropy: mean, or [batch, pos-1] with ``per_token=True``."""
-        tokens = self.check_tokens(tokens)
-        if tokens.shape[1] < 2:
-            raise ValueError("the loss needs at least two tokens (it predicts token t+1 from tokens <= t)")
-        lp = next_token_loss(self(tokens), tokens, reduction="none")  # (B, P-1)
-        return lp if per_token else lp.mean()
+        """Next-token cross-entropy: mean, or [batch, pos-1] with ``per_token=True``
+        (``self(tokens, return_type="loss", loss_per_token=per_token)``)."""
+        return self(tokens, return_type="loss", loss_per_token=per_token)
 
-    def run_with_cache(self, *model_args: Any, return_cache_object: bool = True, **kwargs: Any):
-        """``(logits, cache)``; the cache is an :class:`ActivationCache` unless ``return_cache_object=False``."""
-        out, cache = super().run_with_cache(*model_args, **kwargs)
+    def run_with_cache(self, *model_args: Any, return_cache_object: bool = True, incl_bwd: bool = False, **kwargs: Any):
+        """``(output, cache)`` as in TransformerLens; the cache is an :class:`AttnResCache` (an
+        ``ActivationCache``) unless ``return_cache_object=False``.
+
+        With ``incl_bwd=True`` the backward runs from the model's output, which must be a
+        scalar: ``return_type`` then defaults to ``"loss"`` (the mean next-token loss), and the
+        cache holds every hook point's gradient too (``"<name>_grad"``).
+        """
+        if incl_bwd:
+            kwargs.setdefault("return_type", "loss")
+            if kwargs["return_type"] != "loss" or kwargs.get("loss_per_token"):
+                raise ValueError(
+                    f"incl_bwd=True runs backward from the model's output, which must be a scalar; "
+                    f"return_type={kwargs['return_type']!r} is not (use return_type='loss', the default with incl_bwd)"
+                )
+        out, cache = super().run_with_cache(*model_args, incl_bwd=incl_bwd, **kwargs)
         if return_cache_object and not isinstance(cache, ActivationCache):
-            cache = ActivationCache(cache, self, has_batch_dim=not kwargs.get("remove_batch_dim", False))
+            cache = AttnResCache(cache, self, has_batch_dim=not kwargs.get("remove_batch_dim", False))
         return out, cache
 
     def n_params(self, include_mixers: bool = True) -> int:
@@ -523,3 +563,42 @@ class AttnResTransformer(HookedRootModule):
         extra = f", blocks={c.block_starts}" if c.residual == "block" else ""
         run = "".join(f", {k}={v!r}" for k, v in (("backend", self.backend), ("schedule", self.schedule)) if v is not None)
         return f"residual={c.residual!r}, n_layers={c.n_layers}, d_model={c.d_model}{extra}{run}"
+
+
+class AttnResCache(ActivationCache):
+    """TransformerLens's ``ActivationCache`` for an :class:`AttnResTransformer`.
+
+    On the PreNorm baseline every helper works as in TransformerLens. Under AttnRes a read is a
+    softmax-weighted mixture of earlier sources, not their running sum, so the helpers that add
+    up residual-stream pieces (``accumulated_resid``, ``decompose_resid``,
+    ``get_full_resid_decomposition``, ``logit_lens``) would describe a stream that does not
+    exist: they raise, and name the routing-aware ones (:meth:`Probe.logit_lens`,
+    :meth:`Probe.logit_contributions`; DESIGN.md, "Reading the residual stream under AttnRes").
+    """
+
+    def _refuse(self, helper: str) -> None:
+        raise ValueError(
+            f"cache.{helper}() sums residual-stream pieces, but under AttnRes ({self.model.cfg.residual!r}) each read is a "
+            "weighted mixture of earlier sources: use Probe(model).logit_lens(tokens) (what each read predicts) or "
+            "Probe(model).logit_contributions(tokens, token=...) (each source's direct share of the final logits)"
+        )
+
+    def accumulated_resid(self, *args: Any, **kwargs: Any):
+        if self.model.cfg.residual != "prenorm":
+            self._refuse("accumulated_resid")
+        return super().accumulated_resid(*args, **kwargs)
+
+    def decompose_resid(self, *args: Any, **kwargs: Any):
+        if self.model.cfg.residual != "prenorm":
+            self._refuse("decompose_resid")
+        return super().decompose_resid(*args, **kwargs)
+
+    def get_full_resid_decomposition(self, *args: Any, **kwargs: Any):
+        if self.model.cfg.residual != "prenorm":
+            self._refuse("get_full_resid_decomposition")
+        return super().get_full_resid_decomposition(*args, **kwargs)
+
+    def logit_lens(self, *args: Any, **kwargs: Any):
+        if self.model.cfg.residual != "prenorm":
+            self._refuse("logit_lens")
+        return super().logit_lens(*args, **kwargs)

@@ -116,17 +116,13 @@ class SourceTable:
         if not tensors:
             raise ValueError("a source table needs at least one tensor; got none")
         first = tensors[0]
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"source {i} is a {type(t).__name__}, not a torch.Tensor")
-            if t.device.type != "cpu":
-                raise ValueError(f"source {i} is on {t.device}; the numba kernels read CPU tensors")
-            if t.dtype != dtype:
-                raise ValueError(f"source {i} has dtype {t.dtype}; the table's dtype is {dtype}")
-            if t.shape != first.shape:
-                raise ValueError(f"source {i} has shape {tuple(t.shape)}; source 0 has {tuple(first.shape)}")
-            if not t.is_contiguous():
-                raise ValueError(f"source {i} is not contiguous (strides {t.stride()}); make it contiguous first")
+        shape = first.shape if isinstance(first, torch.Tensor) else None
+        # one quick pass (this runs for every read); the slow pass below only names the culprit
+        if shape is None or not all(
+            isinstance(t, torch.Tensor) and t.is_cpu and t.dtype is dtype and t.shape == shape and t.is_contiguous()
+            for t in tensors
+        ):
+            _explain_bad_sources(tensors, dtype)
         if first.dim() < 1 or first.shape[-1] < 1:
             raise ValueError(f"sources must have a last (feature) dimension d >= 1; got shape {tuple(first.shape)}")
         self.tensors = tensors
@@ -136,6 +132,33 @@ class SourceTable:
 
     def __len__(self) -> int:
         return len(self.tensors)
+
+    @classmethod
+    def empty_like(cls, like: torch.Tensor, n: int) -> SourceTable:
+        """A table of ``n`` new uninitialised tensors shaped like the contiguous CPU tensor
+        ``like`` (the backward's one gradient buffer per source): nothing to check."""
+        table = cls.__new__(cls)
+        table.tensors = tuple(torch.empty_like(like, memory_format=torch.contiguous_format) for _ in range(n))
+        table.d = int(like.shape[-1])
+        table.n_rows = like.numel() // table.d
+        table.addresses = np.array([t.data_ptr() for t in table.tensors], dtype=np.int64)
+        return table
+
+
+def _explain_bad_sources(tensors: tuple, dtype: torch.dtype) -> None:
+    """Raise a ValueError naming the first tensor a :class:`SourceTable` cannot hold, and why."""
+    first = tensors[0]
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"source {i} is a {type(t).__name__}, not a torch.Tensor")
+        if t.device.type != "cpu":
+            raise ValueError(f"source {i} is on {t.device}; the numba kernels read CPU tensors")
+        if t.dtype != dtype:
+            raise ValueError(f"source {i} has dtype {t.dtype}; the table's dtype is {dtype}")
+        if t.shape != first.shape:
+            raise ValueError(f"source {i} has shape {tuple(t.shape)}; source 0 has {tuple(first.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"source {i} is not contiguous (strides {t.stride()}); make it contiguous first")
 
 
 @intrinsic
@@ -483,11 +506,14 @@ def _launch(serial, parallel, args: tuple, n_chunks: int) -> None:
     serial(*args)
 
 
+_ABSENT = {(dt, n): np.empty((0,) * n, npdt) for dt, npdt in _NP_DTYPE.items() for n in (1, 2, 3)}
+
+
 def _view(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
     """A contiguous tensor as the kernels' NumPy array of ``shape`` (no copy); for None, an
     empty array of as many dims, which the kernels never read (its flag is off)."""
     if t is None:
-        return np.empty((0,) * len(shape), _NP_DTYPE[dtype])
+        return _ABSENT[dtype, len(shape)]
     return t.detach().numpy().reshape(shape)
 
 
@@ -521,6 +547,7 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         )
         _launch(_forward, _forward_parallel, args, _n_chunks(M, M * n_src * d))
         ctx.save_for_backward(query, gain, wzi, *sources)
+        ctx.addresses = src.addresses  # valid while the saved sources are (the backward reads them first)
         ctx.set_materialize_grads(False)
         ctx.flags, ctx.eps = (return_weights, return_logits), eps
         outs = [h, lse]
@@ -549,22 +576,22 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
             dq, dg, *dv = graph_grads(ref, [query, gain, *sources], [dh, dlse, dw, dz])
             return (dq, dg, None, None, None, None, *dv)
         dt = query.dtype
-        src = SourceTable(sources, dt)
-        M, d, n_src = src.n_rows, src.d, len(sources)
+        d, n_src = query.shape[0], len(sources)
+        M = sources[0].numel() // d
         # one buffer per source: autograd can then accumulate into it in place (views of one
         # shared buffer would force an out-of-place add for every later read of the source)
-        dv = [torch.empty_like(sources[0]) for _ in sources]
+        dv = SourceTable.empty_like(sources[0], n_src)
         dqg = torch.empty((2, d), dtype=dt)  # written by the kernel
         dh, dlse, dw, dz = (None if t is None else t.contiguous() for t in (dh, dlse, dw, dz))
         args = (
-            src.addresses, SourceTable(dv, dt).addresses, M, d,
+            ctx.addresses, dv.addresses, M, d,
             _view(query, (d,), dt), _view(gain, (d,), dt), gain is not None, _NP_DTYPE[dt](1), _view(wzi, (3, M, n_src), dt),
             _view(dh, (M, d), dt), dh is not None, _view(dlse, (M,), dt), dlse is not None,
             _view(dw, (M, n_src), dt), dw is not None, _view(dz, (M, n_src), dt), dz is not None,
             _view(dqg, (2, d), dt),
         )
         _launch(_backward, _backward_parallel, args, _n_chunks(M, M * n_src * d))
-        return (dqg[0], None if gain is None else dqg[1], None, None, None, None, *dv)
+        return (dqg[0], None if gain is None else dqg[1], None, None, None, None, *dv.tensors)
 
 
 def depth_attn_numba(
