@@ -1,7 +1,8 @@
 """attnres-probe: see how Attention Residuals transformers route information across depth.
 
 Public surface (DESIGN.md): ModelConfig, AttnResTransformer, ByteTokenizer, kernels.depth_attn,
-Probe, DepthTrace, metrics, load_demo, dashboards.create_app, reports.build_report.
+Probe, DepthTrace, metrics, load_demo, load_pretrained and watch (models from elsewhere),
+dashboards.create_app, reports.build_report.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ _LAZY = {
     "Probe": "attnres_probe.probe",
     "load_demo": "attnres_probe.demo",
     "metrics": "attnres_probe.metrics",
+    "load_pretrained": "attnres_probe.pretrained",
+    "PretrainedError": "attnres_probe.pretrained",
+    "watch": "attnres_probe.watch",
 }
 
 __all__ = [
@@ -35,7 +39,10 @@ __all__ = [
     "Probe",
     "TraceError",
     "load_demo",
+    "load_pretrained",
     "metrics",
+    "PretrainedError",
+    "watch",
     "ModelConfig",
     "__version__",
 ]
@@ -46,7 +53,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'attnres_probe' has no attribute {name!r}")
     mod = importlib.import_module(module)
-    value = mod if module.endswith("." + name) else getattr(mod, name)
+    value = getattr(mod, name) if hasattr(mod, name) else mod  # a module named like its function gives the function
     globals()[name] = value
     return value
 

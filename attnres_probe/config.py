@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 Residual = Literal["prenorm", "full", "block"]
 RESIDUALS = ("prenorm", "full", "block")
-POSITIONALS = ("learned", "sinusoidal")
+POSITIONALS = ("learned", "sinusoidal", "rope")
+MLPS = ("gelu", "swiglu")
 DEFAULT_BLOCK_SIZE = 4
 
 
@@ -36,8 +38,16 @@ class ModelConfig:
     residual: Residual = "full"  # "prenorm" | "full" | "block"
     block_size: int | None = None  # block mode: sublayers per block (None and no boundaries: 4)
     block_boundaries: list[int] | None = None  # block mode: sublayer indices where blocks 2..N start
-    norm_eps: float = 1e-6  # shared by every RMSNorm, the depth keys' included
-    positional: str = "learned"  # "learned" | "sinusoidal"
+    norm_eps: float = 1e-6  # shared by every RMSNorm, the depth keys' included (not the q/k norm)
+    positional: str = "learned"  # "learned" | "sinusoidal" (added to the embedding) | "rope" (rotary q, k)
+    # Llama-style parts (models from flash-linear-attention; the byte-level demo uses none of them)
+    n_kv_heads: int | None = None  # grouped key/value heads; None: n_heads (must divide n_heads)
+    mlp: str = "gelu"  # "gelu": W_in + bias -> GELU -> W_out + bias; "swiglu": silu(W_gate x) * W_in x -> W_out, no biases
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys (before rotary)
+    qk_norm_eps: float = 1e-5  # its epsilon (fla fixes it at 1e-5 whatever norm_eps says)
+    qkv_bias: bool = False  # biases on the query, key and value projections
+    rope_theta: float = 10000.0  # rotary base (positional="rope")
+    tie_embeddings: bool = False  # the unembedding is W_E transposed
     seed: int = 0  # parameter initialisation seed
     init_std: float = 0.02  # std of the attention, MLP and unembedding weights
     embed_std: float = 1.0  # std of the token and learned position embeddings (unit-scale source 0)
@@ -60,6 +70,8 @@ class ModelConfig:
             self.d_head = self.d_model // self.n_heads
         if self.d_mlp is None and _is_pos_int(self.d_model):
             self.d_mlp = 4 * self.d_model
+        if self.n_kv_heads is None and _is_pos_int(self.n_heads):
+            self.n_kv_heads = self.n_heads
         self.validate()
 
     # -- derived -------------------------------------------------------------------------
@@ -96,7 +108,7 @@ class ModelConfig:
     # -- validation ----------------------------------------------------------------------
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field and the accepted values."""
-        for name in ("d_model", "n_layers", "n_heads", "d_head", "d_mlp", "n_ctx", "d_vocab"):
+        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_mlp", "n_ctx", "d_vocab"):
             value = getattr(self, name)
             if not _is_pos_int(value):
                 raise ConfigError(f"{name} must be a positive integer; got {value!r}")
@@ -106,6 +118,21 @@ class ModelConfig:
             raise ConfigError(f"positional is {self.positional!r}; accepted values are {', '.join(POSITIONALS)}")
         if self.positional == "sinusoidal" and self.d_model % 2:
             raise ConfigError(f"positional='sinusoidal' needs an even d_model; got d_model={self.d_model}")
+        if self.positional == "rope" and self.d_head % 2:
+            raise ConfigError(f"positional='rope' rotates pairs of head dimensions: d_head must be even; got d_head={self.d_head}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (each key/value head serves a group)")
+        if self.mlp not in MLPS:
+            raise ConfigError(f"mlp is {self.mlp!r}; accepted values are {', '.join(MLPS)}")
+        for name in ("qk_norm", "qkv_bias", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false; got {getattr(self, name)!r}")
+        for name in ("qk_norm_eps",):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+                raise ConfigError(f"{name} must be a number in (0, 1); got {value!r}")
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or not 1 < self.rope_theta < math.inf:
+            raise ConfigError(f"rope_theta must be a finite number above 1; got {self.rope_theta!r}")
         if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not (
             0 < self.norm_eps < 1
         ):
@@ -114,8 +141,8 @@ class ModelConfig:
             raise ConfigError(f"seed must be a non-negative integer; got {self.seed!r}")
         for name in ("init_std", "embed_std"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"{name} must be a positive number; got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"{name} must be a positive number (finite); got {value!r}")
         if not isinstance(self.extra, dict):
             raise ConfigError(f"extra must be a dict; got {type(self.extra).__name__}")
         L = self.n_sublayers
@@ -172,6 +199,9 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             where = f"{p}" if p is not None else "config text"
             raise ConfigError(f"{where} is not valid JSON: {exc}") from None
+        except RecursionError:
+            where = f"{p}" if p is not None else "config text"
+            raise ConfigError(f"{where} is nested too deeply to be a model config") from None
         return cls.from_dict(data)
 
 

@@ -70,7 +70,7 @@ def _final_scale(h: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _sources(model: Any, cache: Any, read: int) -> list[torch.Tensor]:
     """The sources ``read`` mixes, rebuilt from the cache's sublayer outputs (the common axis)."""
-    outs = {"embed": cache["hook_embed"] + cache["hook_pos_embed"]}
+    outs = {"embed": cache["hook_embed"] + cache["hook_pos_embed"] if "hook_pos_embed" in cache else cache["hook_embed"]}
     for i, block in enumerate(model.blocks):
         outs[f"L{i}.attn"] = cache[block.hook_attn_out.name]
         outs[f"L{i}.mlp"] = cache[block.hook_mlp_out.name]
@@ -111,7 +111,7 @@ def logit_contributions(model: Any, tokens: torch.Tensor, position: int = -1, ba
     h = cache["hook_resid_final"][batch, pos]
     scale = _final_scale(h, model.ln_final.eps)  # [1]
     gamma = model.ln_final.weight.detach().double()
-    W_U = model.W_U.detach().double()
+    W_U = model.unembed.detach().double()
     contrib = torch.stack([(w * v * scale * gamma) @ W_U for w, v in zip(weights, sources)])  # (S, vocab)
     labels = axis.source_labels[: len(sources)]
     str_tokens = [decode([int(t)]) if decode else str(int(t)) for t in tokens[batch]]
@@ -149,7 +149,7 @@ def logit_lens(model: Any, tokens: torch.Tensor, k: int = 5, batch: int = 0, pos
         rows = []
         for r, (label, name) in enumerate(zip(model.axis.read_labels, read_names)):
             h = cache[name][batch, pos]  # (n_pos, d)
-            probs = torch.softmax(model.ln_final(h).float() @ model.W_U.float(), dim=-1)  # (n_pos, vocab)
+            probs = torch.softmax(model.ln_final(h).float() @ model.unembed.float(), dim=-1)  # (n_pos, vocab)
             top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
             for j, p in enumerate(pos):
                 nxt = int(tokens[batch, p + 1]) if p + 1 < P else -1

@@ -29,7 +29,17 @@ from attnres_probe.axis import SourceAxis
 from attnres_probe.config import ModelConfig
 from attnres_probe.losses import next_token_loss
 
-__all__ = ["AttnResCache", "AttnResTransformer", "Attention", "DepthMixer", "MLP", "RMSNorm", "TransformerBlock"]
+__all__ = [
+    "AttnResCache",
+    "AttnResTransformer",
+    "Attention",
+    "DepthMixer",
+    "GatedMLP",
+    "MLP",
+    "RMSNorm",
+    "Rotary",
+    "TransformerBlock",
+]
 
 ReturnType = Literal["logits", "loss", "both", None]
 RETURN_TYPES = ("logits", "loss", "both", None)
@@ -47,31 +57,67 @@ class RMSNorm(nn.Module):
         return kernels.reference.rms_norm(x, self.weight, self.eps)
 
 
+class Rotary(nn.Module):
+    """Rotary position embedding, GPT-NeoX layout (the two halves of each head rotate
+    together, as fla's ``RotaryEmbedding(interleaved=False)``); angles computed in float32."""
+
+    def __init__(self, d_head: int, n_ctx: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, dtype=torch.float32) / d_head))
+        angles = torch.outer(torch.arange(n_ctx, dtype=torch.float32), inv_freq)  # (n_ctx, d_head / 2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [batch, pos, head, d_head] rotated by its position."""
+        P = x.shape[1]
+        cos = self.cos[:P].to(x.dtype).repeat(1, 2)[None, :, None, :]  # (1, P, 1, d_head)
+        sin = self.sin[:P].to(x.dtype).repeat(1, 2)[None, :, None, :]
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
 class Attention(nn.Module):
-    """Causal multi-head attention through ``F.scaled_dot_product_attention``."""
+    """Causal multi-head attention through ``F.scaled_dot_product_attention``.
+
+    One projection ``W_QKV`` gives the queries (n_heads), keys and values (n_kv_heads each:
+    grouped-query attention when fewer); optional per-head q/k RMSNorm and rotary positions.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.d_head = cfg.n_heads, cfg.d_head
-        inner = cfg.n_heads * cfg.d_head
-        self.W_QKV = nn.Linear(cfg.d_model, 3 * inner, bias=False)
+        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+        inner, kv = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+        self.W_QKV = nn.Linear(cfg.d_model, inner + 2 * kv, bias=cfg.qkv_bias)
         self.W_O = nn.Linear(inner, cfg.d_model, bias=False)
-        self.hook_q = HookPoint()  # [batch, pos, head, d_head]
-        self.hook_k = HookPoint()
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.d_head, cfg.qk_norm_eps)
+            self.k_norm = RMSNorm(cfg.d_head, cfg.qk_norm_eps)
+        self.rotary = Rotary(cfg.d_head, cfg.n_ctx, cfg.rope_theta) if cfg.positional == "rope" else None
+        self.hook_q = HookPoint()  # [batch, pos, head, d_head] (after the q/k norm, before rotary)
+        self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
         self.hook_v = HookPoint()
         self.hook_z = HookPoint()  # attention output per head, before W_O
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, P, _ = x.shape
-        q, k, v = self.W_QKV(x).view(B, P, 3, self.n_heads, self.d_head).unbind(2)  # 3 x (B, P, H, dh)
+        H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
+        q, k, v = self.W_QKV(x).split([H * dh, Hkv * dh, Hkv * dh], dim=-1)
+        q, k, v = q.view(B, P, H, dh), k.view(B, P, Hkv, dh), v.view(B, P, Hkv, dh)  # (B, P, heads, dh)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        z = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        z = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=Hkv != H
+        )
         z = self.hook_z(z.transpose(1, 2))  # (B, P, H, dh)
-        return self.W_O(z.reshape(B, P, self.n_heads * self.d_head))
+        return self.W_O(z.reshape(B, P, H * dh))
 
 
 class MLP(nn.Module):
-    """d_model -> d_mlp -> GELU -> d_model."""
+    """d_model -> d_mlp -> GELU -> d_model, with biases."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -81,6 +127,20 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.W_out(self.hook_post(F.gelu(self.W_in(x))))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: ``W_out(silu(W_gate x) * W_in x)``, no biases (Llama's, fla's ``GatedMLP``)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.W_gate = nn.Linear(cfg.d_model, cfg.d_mlp, bias=False)
+        self.W_in = nn.Linear(cfg.d_model, cfg.d_mlp, bias=False)
+        self.W_out = nn.Linear(cfg.d_mlp, cfg.d_model, bias=False)
+        self.hook_post = HookPoint()  # [batch, pos, d_mlp] after the gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.W_out(self.hook_post(F.silu(self.W_gate(x)) * self.W_in(x)))
 
 
 class DepthMixer(nn.Module):
@@ -203,7 +263,7 @@ class TransformerBlock(nn.Module):
         self.ln1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ln2 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = GatedMLP(cfg) if cfg.mlp == "swiglu" else MLP(cfg)
         if cfg.residual != "prenorm":
             self.attn_res = DepthMixer(cfg)
             self.mlp_res = DepthMixer(cfg)
@@ -270,8 +330,9 @@ class AttnResTransformer(HookedRootModule):
         self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, d))
         if cfg.positional == "learned":
             self.W_pos = nn.Parameter(torch.empty(cfg.n_ctx, d))
-        else:
+        elif cfg.positional == "sinusoidal":
             self.register_buffer("W_pos", _sinusoidal(cfg.n_ctx, d), persistent=False)
+        # positional == "rope": positions enter each attention's queries and keys, source 0 is the token embedding
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
         self.blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
@@ -279,7 +340,8 @@ class AttnResTransformer(HookedRootModule):
             self.out_res = DepthMixer(cfg)
         self.hook_resid_final = HookPoint()  # the final mixed input, before ln_final
         self.ln_final = RMSNorm(d, cfg.norm_eps)
-        self.W_U = nn.Parameter(torch.empty(d, cfg.d_vocab))
+        if not cfg.tie_embeddings:
+            self.W_U = nn.Parameter(torch.empty(d, cfg.d_vocab))
         self.init_weights()
         self.setup()
 
@@ -296,11 +358,15 @@ class AttnResTransformer(HookedRootModule):
             for block in self.blocks:
                 nn.init.normal_(block.attn.W_QKV.weight, 0.0, std, generator=g)
                 nn.init.normal_(block.attn.W_O.weight, 0.0, out_std, generator=g)
+                if isinstance(block.mlp, GatedMLP):
+                    nn.init.normal_(block.mlp.W_gate.weight, 0.0, std, generator=g)
                 nn.init.normal_(block.mlp.W_in.weight, 0.0, std, generator=g)
-                nn.init.zeros_(block.mlp.W_in.bias)
                 nn.init.normal_(block.mlp.W_out.weight, 0.0, out_std, generator=g)
-                nn.init.zeros_(block.mlp.W_out.bias)
-            nn.init.normal_(self.W_U, 0.0, std, generator=g)
+                for bias in (block.attn.W_QKV.bias, block.mlp.W_in.bias, block.mlp.W_out.bias):
+                    if bias is not None:
+                        nn.init.zeros_(bias)
+            if not cfg.tie_embeddings:
+                nn.init.normal_(self.W_U, 0.0, std, generator=g)
             for m in self.modules():
                 if isinstance(m, RMSNorm):
                     m.weight.fill_(1.0)
@@ -355,6 +421,11 @@ class AttnResTransformer(HookedRootModule):
     def device(self) -> torch.device:
         return self.W_E.device
 
+    @property
+    def unembed(self) -> torch.Tensor:
+        """The unembedding [d_model, d_vocab]: ``W_U``, or ``W_E`` transposed when tied."""
+        return self.W_E.T if self.cfg.tie_embeddings else self.W_U
+
     # -- input handling ------------------------------------------------------------------
     def to_tokens(self, text: str, truncate: bool = False) -> torch.Tensor:
         """Byte tokens [1, pos] on the model's device, checked against the context length."""
@@ -381,8 +452,10 @@ class AttnResTransformer(HookedRootModule):
         return backend, schedule
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Source 0: token embedding + position embedding, [batch, pos, d_model]."""
+        """Source 0: token embedding + position embedding (none with rotary positions), [batch, pos, d_model]."""
         tok = self.hook_embed(self.W_E[tokens])
+        if self.cfg.positional == "rope":
+            return tok
         pos = self.hook_pos_embed(self.W_pos[: tokens.shape[1]].unsqueeze(0).expand(tokens.shape[0], -1, -1))
         return tok + pos
 
@@ -415,7 +488,7 @@ class AttnResTransformer(HookedRootModule):
                 h = self._forward_block(v0, backend)
             else:
                 h = self._forward_block_two_phase(v0, backend)
-        logits = self.ln_final(self.hook_resid_final(h)) @ self.W_U  # (B, P, vocab)
+        logits = self.ln_final(self.hook_resid_final(h)) @ self.unembed  # (B, P, vocab)
         if return_type == "logits":
             return logits
         if return_type is None:
@@ -561,6 +634,8 @@ class AttnResTransformer(HookedRootModule):
     def extra_repr(self) -> str:
         c = self.cfg
         extra = f", blocks={c.block_starts}" if c.residual == "block" else ""
+        if c.positional == "rope" or c.mlp != "gelu" or c.n_kv_heads != c.n_heads or c.tie_embeddings:
+            extra += f", positional={c.positional!r}, mlp={c.mlp!r}, n_kv_heads={c.n_kv_heads}, tied={c.tie_embeddings}"
         run = "".join(f", {k}={v!r}" for k, v in (("backend", self.backend), ("schedule", self.schedule)) if v is not None)
         return f"residual={c.residual!r}, n_layers={c.n_layers}, d_model={c.d_model}{extra}{run}"
 

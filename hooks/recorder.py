@@ -64,7 +64,9 @@ class Recorder:
     def attach(self) -> None:
         hd = self.model.hook_dict
         spec = self.spec
-        plan: list[tuple[str, Any]] = [("hook_embed", self._on_embed), ("hook_pos_embed", self._on_pos_embed)]
+        plan: list[tuple[str, Any]] = [("hook_embed", self._on_embed)]
+        if spec.pos_embed:
+            plan.append(("hook_pos_embed", self._on_pos_embed))
         for r, name in enumerate(spec.read_hooks):
             if name is not None:
                 plan.append((name, self._make(self._on_read, r)))
@@ -153,9 +155,13 @@ class Recorder:
         self._reset_stream()
         self._alloc(x)
         self._tok = x
+        if not self.spec.pos_embed:  # rotary positions: the token embedding is source 0
+            self._on_source0(x)
 
     def _on_pos_embed(self, x: torch.Tensor) -> None:
-        v0 = self._tok + x if self._tok is not None else x
+        self._on_source0(self._tok + x if self._tok is not None else x)
+
+    def _on_source0(self, v0: torch.Tensor) -> None:
         self._tok = None
         self._sources = [v0]
         self._final_sum = v0 if self.spec.read_hooks[-1] is None else None

@@ -54,6 +54,7 @@ class ModelSpec:
     d_vocab: int
     meta: dict[str, Any] = field(default_factory=dict)
     contrib_hooks: list[str] | None = None
+    pos_embed: bool = True  # source 0 = hook_embed + hook_pos_embed (False: hook_embed alone, rotary models)
 
     @property
     def residual(self) -> str:
@@ -116,6 +117,7 @@ def _spec_attnres(model, name: str | None) -> ModelSpec:
         mixer_params=[list(m.parameters()) for m in mixers] or None,
         n_ctx=cfg.n_ctx,
         d_vocab=cfg.d_vocab,
+        pos_embed=cfg.positional != "rope",
     )
     spec.meta = _meta(spec, name or cfg.residual, cfg.to_dict(), model)
     return spec
