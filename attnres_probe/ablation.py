@@ -18,6 +18,7 @@ and causal importance can be compared.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -171,8 +172,11 @@ def _ablation_sets(sources: Any, r: int, k: int, spec, has_partial: bool, joint:
 
 def _loss_with(probe, tokens: torch.Tensor, hook_name: str, k: int, targets: dict[int, float]) -> float:
     cols = sorted(targets)
+    owner = threading.get_ident()
 
-    def edit(w: torch.Tensor, hook: Any = None) -> torch.Tensor:
+    def edit(w: torch.Tensor, hook: Any = None) -> torch.Tensor | None:
+        if threading.get_ident() != owner:
+            return None  # another thread's forward through the same model: left as it is
         w = w.clone()
         avail = w[..., :k]
         keep = torch.ones(k, dtype=torch.bool, device=w.device)

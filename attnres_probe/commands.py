@@ -24,16 +24,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from attnres_probe import AttnResTransformer, Probe
+    from attnres_probe import Probe
     from attnres_probe.demo import load_demo
+    from attnres_probe.pretrained import load_model_folder
 
+    tokenizer = None
     if args.model:
-        model = AttnResTransformer.load(args.model).eval()
+        model, tokenizer = load_model_folder(args.model)
         name = Path(args.model).name or model.cfg.residual
     else:
         name = args.demo or "block"
         model, _ = load_demo(name)
-    return Probe(model, name=name)
+    return Probe(model, tokenizer=tokenizer, name=name)
 
 
 def _text(args: argparse.Namespace) -> str:

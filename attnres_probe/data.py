@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from attnres_probe.resources import available_memory, human_bytes
+
 __all__ = [
     "NAMED_CORPORA",
     "Corpus",
@@ -154,6 +156,17 @@ def _file_bytes(path: Path) -> bytes:
         raise DataError(
             f"corpus {str(path)!r} is a directory; pass one UTF-8 text file, or one of the named corpora "
             f"{', '.join(NAMED_CORPORA)}"
+        )
+    if not path.is_file():  # /dev/zero, a pipe, a socket: endless or one-shot streams
+        raise DataError(
+            f"corpus {str(path)!r} is not a regular file (a device, pipe or socket); pass a UTF-8 text file"
+        )
+    size = path.stat().st_size
+    avail = available_memory()
+    if avail is not None and 3 * size > avail:  # the bytes, their tensor, and the decode check
+        raise DataError(
+            f"corpus file {str(path)!r} is {human_bytes(size)}; loading it needs about {human_bytes(3 * size)} and "
+            f"this machine has {human_bytes(avail)} available: pass a shorter file"
         )
     try:
         data = path.read_bytes()

@@ -1,34 +1,77 @@
 """File writing and hashing shared by checkpoints, traces, training state, reports and the study.
 
 Only the standard library: a module that writes a file does not pay for torch to do it.
+
+- :func:`atomic_write`: one file, replaced by a rename (readers see the old or the new file).
+- :func:`exclusive_lock`: one writer per destination; a second one is refused at once.
+- :func:`replace_directory`: a folder replaced by one rename (``renameat2(RENAME_EXCHANGE)``
+  where the kernel has it, otherwise two renames that the next save undoes if interrupted).
+- :func:`read_json`: a JSON file read with a size cap, never a traceback for a hostile file.
+- :func:`fault_point`: named points where the fault tests kill the process or fail a write.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import fcntl
 import hashlib
+import json
 import os
+import shutil
+import signal
+import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["atomic_write", "sha256_file"]
+__all__ = [
+    "FAULT_ENV",
+    "DestinationBusyError",
+    "atomic_write",
+    "exclusive_lock",
+    "fault_point",
+    "lock_path",
+    "read_json",
+    "remove_stale_temps",
+    "replace_directory",
+    "restore_directory",
+    "set_aside",
+    "sha256_file",
+    "staging_dirs",
+    "write_error",
+]
+
+FAULT_ENV = "ATTNRES_PROBE_FAULT"
+TMP_SUFFIX = ".tmp"
 
 
+class DestinationBusyError(FileExistsError):
+    """Another writer (process or thread) holds the lock on the destination."""
+
+
+# -- single files ----------------------------------------------------------------------------
 def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
     """Call ``write(tmp_path)`` on a temporary file beside ``path``, then rename it onto ``path``.
 
     The rename is atomic, so readers see the old file or the new one, never half of one; if
     ``write`` fails (or is interrupted), ``path`` is untouched and the temporary file removed.
+    The temporary file's name carries the writer's process id, so a temporary file left by a
+    killed writer is recognised and removed by the next write of the same path.
 
     Args:
         path: the file to create or replace; its folder must exist.
         write: writes the whole content to the path it is given.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temps(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=TMP_SUFFIX, dir=path.parent)
     os.close(fd)
     try:
         write(Path(tmp))
+        fault_point(f"atomic_write:{path.name}")
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
@@ -38,6 +81,43 @@ def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
         raise
 
 
+def remove_stale_temps(path: str | Path) -> list[Path]:
+    """Remove the temporary files of :func:`atomic_write` for ``path`` whose writer has died.
+
+    Returns:
+        the files removed.
+    """
+    path = Path(path)
+    prefix = f".{path.name}."
+    removed = []
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        name = entry.name
+        if not (name.startswith(prefix) and name.endswith(TMP_SUFFIX)):
+            continue
+        pid = name[len(prefix) :].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def sha256_file(path: str | Path) -> str:
     """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
     h = hashlib.sha256()
@@ -45,3 +125,222 @@ def sha256_file(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def write_error(exc: OSError, what: str, path: str | Path, kept: str) -> OSError:
+    """A one-line OSError for a failed save: ``cannot save {what} to {path}: {cause}; {kept}``.
+
+    Args:
+        exc: the error the write raised (its errno is kept).
+        what: what was being saved ("the trace", "the training checkpoint").
+        path: the destination.
+        kept: what is still there ("nothing was written", "the previous trace is unchanged").
+    """
+    cause = exc.strerror or str(exc)
+    if exc.errno == errno.ENOSPC:
+        cause = "no space left on the device"
+    elif exc.errno == errno.EROFS:
+        cause = "the file system is read-only"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        cause = "permission denied"
+    err = OSError(f"cannot save {what} to {path}: {cause}; {kept}")
+    err.errno = exc.errno
+    return err
+
+
+# -- locks -----------------------------------------------------------------------------------
+def lock_path(target: str | Path) -> Path:
+    """The lock file of a destination: ``.{name}.lock`` beside it (it exists only while held)."""
+    target = Path(os.path.abspath(target))
+    return target.parent / f".{target.name}.lock"
+
+
+@contextlib.contextmanager
+def exclusive_lock(target: str | Path, flag: str = "--out") -> Iterator[Path]:
+    """Hold an exclusive ``flock`` on ``target`` for the block; refuse at once if another holds it.
+
+    The lock lives in ``.{name}.lock`` beside ``target`` (so a folder that is swapped for a new
+    one stays locked), created on entry and removed on exit. A lock left by a killed process
+    is free again (the kernel drops it), so it never needs clearing by hand.
+
+    Args:
+        target: the file or folder about to be written (its parent folder is created).
+        flag: how the command line names the destination, for the message.
+
+    Raises:
+        DestinationBusyError: another process or thread is writing ``target``.
+        OSError: the lock file cannot be created (read-only or missing parent folder).
+    """
+    path = lock_path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DestinationBusyError(
+                f"{Path(target)} is being written by another process (it holds {path}); wait for it to "
+                f"finish or choose another {flag}"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:  # the holder before us may have removed the file after we opened it: lock the live one
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+
+
+# -- folders ---------------------------------------------------------------------------------
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2``); False where the system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False  # an old kernel or a file system without exchange: use the fallback
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def replace_directory(new: Path, target: Path) -> None:
+    """Put folder ``new`` at ``target`` (which may exist) so that ``target`` is never half-written.
+
+    With ``renameat2(RENAME_EXCHANGE)`` the two folders swap in one step and the old one (now
+    at ``new``) is removed. Without it, ``target`` is first renamed aside to
+    ``.{name}.old-{pid}`` and ``new`` renamed onto ``target``; :func:`restore_directory` puts
+    the old folder back if a kill came between the two renames.
+    """
+    fault_point("replace_directory:before")
+    if not target.exists():
+        os.rename(new, target)
+        return
+    if _exchange(new, target):
+        fault_point("replace_directory:swapped")
+        shutil.rmtree(new, ignore_errors=True)
+        return
+    aside = target.parent / f".{target.name}.old-{os.getpid()}"
+    os.rename(target, aside)
+    fault_point("replace_directory:aside")
+    os.rename(new, target)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def set_aside(target: Path) -> list[Path]:
+    """Folders that :func:`replace_directory`'s fallback set aside beside ``target``."""
+    return sorted(target.parent.glob(f".{glob_escape(target.name)}.old-*"))
+
+
+def restore_directory(target: Path, is_complete: Callable[[Path], bool]) -> Path | None:
+    """Put back a folder set aside by an interrupted :func:`replace_directory`; call it under the lock.
+
+    Returns:
+        the folder restored to ``target``, or None.
+    """
+    if target.exists():
+        return None
+    for aside in reversed(set_aside(target)):
+        if is_complete(aside):
+            os.rename(aside, target)
+            return target
+    return None
+
+
+def staging_dirs(target: Path) -> list[Path]:
+    """Hidden folders beside ``target`` that saves use while writing (``.{name}.new-*``, ``.{name}.old-*``)."""
+    name = glob_escape(target.name)
+    return sorted([*target.parent.glob(f".{name}.new-*"), *target.parent.glob(f".{name}.old-*")])
+
+
+def glob_escape(name: str) -> str:
+    """``name`` with glob's special characters escaped."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+# -- reading ---------------------------------------------------------------------------------
+def read_json(path: str | Path, error: type[Exception] = ValueError, max_bytes: int = 64 * 2**20) -> Any:
+    """Parse a JSON file, turning every way it can be hostile into ``error`` with one line.
+
+    Args:
+        path: the file.
+        error: the exception class to raise (e.g. TraceError, CheckpointError).
+        max_bytes: larger files are refused before reading.
+
+    Raises:
+        error: missing, not a regular file, too large, not UTF-8, not JSON, nested too deep.
+    """
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise error(f"{path} cannot be read ({exc.strerror or exc})") from None
+    if not path.is_file():
+        raise error(f"{path} is not a regular file")
+    if st.st_size > max_bytes:
+        raise error(f"{path} is {st.st_size} bytes; at most {max_bytes} are read for a JSON file of this kind")
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise error(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise error(f"{path} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise error(f"{path} is nested too deeply to be a file of this kind") from None
+    except OSError as exc:
+        raise error(f"{path} cannot be read ({exc.strerror or exc})") from None
+
+
+# -- fault injection (tests and benchmarks/faults.py) ----------------------------------------
+_FAULT_COUNTS: dict[str, int] = {}
+_FAULT_SPEC: list[str] = [""]  # the spec the counts belong to
+_FAULT_ERRNOS = {"enospc": errno.ENOSPC, "erofs": errno.EROFS, "eio": errno.EIO}
+
+
+def fault_point(name: str) -> None:
+    """Kill the process or fail a write here, when ``ATTNRES_PROBE_FAULT`` names this point.
+
+    ``ATTNRES_PROBE_FAULT`` holds comma-separated ``ACTION@POINT[#N]`` items: ``kill`` (SIGKILL
+    this process), ``enospc``, ``erofs`` or ``eio`` (raise that OSError), every time the point
+    is reached, or with ``#N`` only the N-th time (counted since the variable last changed).
+    Unset, this costs one dictionary lookup.
+    """
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    if spec != _FAULT_SPEC[0]:
+        _FAULT_SPEC[0] = spec
+        _FAULT_COUNTS.clear()
+    count = _FAULT_COUNTS[name] = _FAULT_COUNTS.get(name, 0) + 1
+    for item in spec.split(","):
+        action, _, point = item.strip().partition("@")
+        point, _, nth = point.partition("#")
+        if point != name or (nth.isdigit() and count != int(nth)):
+            continue
+        if action == "kill":
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action in _FAULT_ERRNOS:
+            code = _FAULT_ERRNOS[action]
+            raise OSError(code, os.strerror(code), name)

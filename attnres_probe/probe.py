@@ -5,6 +5,11 @@
     trace.weights(token=3)                    # reads x sources DataFrame
     stats = probe.run_corpus(texts, batch_size=8)
     probe.ablate("The cat sat", sources="embed")
+
+Threads: recordings are per call. The probe's hooks act only on forward passes run by the
+thread that records, so several threads may record (or ablate) through one model at the same
+time, each getting exactly the trace a sequential call gives, and a plain ``model(tokens)`` on
+another thread neither writes into a recording nor is changed by an ablation.
 """
 
 from __future__ import annotations
@@ -147,7 +152,7 @@ class Probe:
                 "(--no-backward on the command line)"
             )
         spec = self.spec
-        rec = Recorder(self.model, spec, contributions=contributions, gradients=backward)
+        rec = Recorder(self.model, spec, contributions=contributions, gradients=backward)  # hooks scoped to this thread
         params = [p for p in self._params if p.requires_grad] if backward else []
         grads: dict[int, torch.Tensor] = {}
         with rec, torch.set_grad_enabled(backward):
@@ -213,7 +218,7 @@ class Probe:
             texts = [texts]  # one text (or one tensor of ids), not a sequence of characters
         n_ctx = self.spec.n_ctx
         pending: list[torch.Tensor] = []
-        for text in texts:
+        for index, text in enumerate(texts):
             if isinstance(text, str):
                 if not text:
                     continue  # an empty document contributes no tokens
@@ -221,7 +226,7 @@ class Probe:
                     raise ValueError("this probe has no tokenizer: pass token ids, or Probe(model, tokenizer=...)")
                 ids = self.encode(text)
             else:
-                ids = torch.as_tensor(text)
+                ids = _token_ids(text, index)
             ids = ids if ids.dim() == 2 else ids.reshape(1, -1)
             for row in ids:
                 for start in range(0, row.shape[0], n_ctx):
@@ -244,46 +249,128 @@ class Probe:
 
     def run_corpus(
         self,
-        texts: Iterable[str],
+        texts: Iterable[str | Sequence[int] | torch.Tensor],
         batch_size: int = 8,
         backward: bool = False,
         contributions: bool = True,
         progress: bool = True,
         keep_traces: bool = False,
+        *,
+        min_tokens: int = 2,
+        window_grads: bool = True,
+        stats: Any = None,
+        first_doc: int = 0,
+        resume_after: tuple[int, int] | None = None,
+        on_batch: Any = None,
     ):
         """Stream many texts through the model, keeping running aggregates in bounded memory.
 
-        Each text is split into n_ctx-token windows; windows are batched (right-padded).
-        Memory is that of one batch plus the aggregates, whatever the corpus size.
+        Each text (a *document*) is split into n_ctx-token windows; windows are batched
+        (right-padded). Besides the pooled aggregates, the returned stats keep every window's
+        value of every headline metric (:func:`attnres_probe.analysis.window_metrics`), the
+        unit of the bootstrap intervals of :func:`attnres_probe.metrics.compare`. Memory is that
+        of one document and one batch plus the aggregates (a few dozen numbers per window).
 
         Args:
             texts: strings (or token-id sequences); a single string counts as one text.
-            batch_size: windows per forward pass.
-            backward: also aggregate gradient norms (one backward per batch).
+            batch_size: windows per forward pass (without per-window gradients).
+            backward: also aggregate gradient norms.
             contributions: aggregate contribution shares.
-            progress: show a tqdm progress bar.
+            progress: show a tqdm progress bar (windows).
             keep_traces: also return the per-batch traces (unbounded memory; for tests).
+            min_tokens: windows with fewer tokens are left out and counted in
+                ``stats.n_skipped`` (the loss, and so every gradient, needs two tokens).
+            window_grads: with ``backward``, run one backward pass per window, so each window
+                has its own parameter-gradient norms (per-window parameter-gradient metrics);
+                False runs one backward per batch (those metrics then exist only pooled).
+            stats: a :class:`~attnres_probe.stats.CorpusStats` of this model to continue.
+            first_doc: the document index of the first text (documents are numbered from it).
+            resume_after: (document, offset) of the last window already recorded: windows up
+                to and including it are skipped (a resumed run).
+            on_batch: called as ``on_batch(stats, (doc, offset))`` after every recorded batch,
+                with the key of its last window (for saving progress).
 
         Returns:
             :class:`~attnres_probe.stats.CorpusStats` (and the list of traces with ``keep_traces``).
+
+        Raises:
+            ValueError: the corpus has no window of at least ``min_tokens`` tokens; ``stats``
+                from another model.
         """
         from tqdm.auto import tqdm
 
         from attnres_probe.stats import CorpusStats
 
-        stats = CorpusStats.empty(self.spec.meta)
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
+            raise ValueError(f"min_tokens must be a positive integer; got {min_tokens!r}")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}")
+        if stats is None:
+            stats = CorpusStats.empty(self.spec.meta)
+        else:
+            stats.check_same_model(self.spec.meta, what="continue these stats with this model")
+        per_window = backward and window_grads
+        need = max(min_tokens, 2) if backward else min_tokens
         traces = []
-        bar = tqdm(self.batches(texts, batch_size), desc=f"recording {self.name}", unit="batch", disable=not progress)
-        for tokens, mask, str_tokens in bar:
-            use_backward = backward and bool(mask[:, 1:].any())
-            trace = self.record(tokens, mask, str_tokens, backward=use_backward, contributions=contributions)
-            stats.update(trace)
+        bar = tqdm(desc=f"recording {self.name}", unit="window", disable=not progress)
+
+        def flush(rows: list[tuple[int, int, torch.Tensor]]) -> None:
+            groups = [[r] for r in rows] if per_window else [rows]
+            for group in groups:
+                tokens, mask, str_tokens = self._pad([r[2] for r in group])
+                trace = self.record(tokens, mask, str_tokens, backward=backward, contributions=contributions)
+                stats.update(trace, docs=[r[0] for r in group], starts=[r[1] for r in group])
+                if keep_traces:
+                    traces.append(trace)
+            bar.update(len(rows))
             bar.set_postfix(tokens=stats.n_tokens)
-            if keep_traces:
-                traces.append(trace)
-        if stats.n_tokens == 0:
+            if on_batch is not None:
+                on_batch(stats, (rows[-1][0], rows[-1][1]))
+
+        pending: list[tuple[int, int, torch.Tensor]] = []
+        for doc, start, ids in self._corpus_windows(texts, first_doc):
+            if resume_after is not None and (doc, start) <= tuple(resume_after):
+                continue
+            if ids.shape[0] < need:
+                stats.n_skipped += 1
+                continue
+            pending.append((doc, start, ids))
+            if len(pending) == batch_size:
+                flush(pending)
+                pending = []
+        if pending:
+            flush(pending)
+        bar.close()
+        if stats.n_windows == 0:
+            if stats.n_skipped:
+                raise ValueError(
+                    f"the corpus produced no window of at least {need} tokens ({stats.n_skipped} shorter windows were "
+                    "left out: the next-token loss needs two tokens)"
+                )
             raise ValueError("the corpus produced no tokens: every text was empty")
         return (stats, traces) if keep_traces else stats
+
+    def _corpus_windows(
+        self, texts: Iterable[str | Sequence[int] | torch.Tensor], first_doc: int = 0
+    ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(document index, offset of the window's first token, ids [n]) of every n_ctx-token window."""
+        if isinstance(texts, (str, torch.Tensor)):
+            texts = [texts]  # one text (or one tensor of ids), not a sequence of characters
+        n_ctx = self.spec.n_ctx
+        for doc, text in enumerate(texts, start=first_doc):
+            if isinstance(text, str):
+                if not text:
+                    continue  # an empty document contributes no tokens
+                if self.tokenizer is None:
+                    raise ValueError("this probe has no tokenizer: pass token ids, or Probe(model, tokenizer=...)")
+                ids = self.encode(text)
+            else:
+                ids = _token_ids(text, doc)
+            rows = ids if ids.dim() == 2 else ids.reshape(1, -1)
+            for r, row in enumerate(rows):  # rows of a [batch, pos] tensor: one after the other
+                for start in range(0, row.shape[0], n_ctx):
+                    chunk, _ = self.tokenize(row[start : start + n_ctx])  # validates ids
+                    yield doc, r * row.shape[0] + start, chunk[0]
 
     # -- ablation ------------------------------------------------------------------------
     def ablate(self, text_or_tokens: Any, sources: Any = "all", reads: Any = None, mode: str = "zero", joint: bool = False, truncate: bool = False):
@@ -294,6 +381,63 @@ class Probe:
         from attnres_probe.ablation import ablate
 
         return ablate(self, text_or_tokens, sources=sources, reads=reads, mode=mode, joint=joint, truncate=truncate)
+
+    # -- reading the residual stream (routing-aware) -------------------------------------
+    def _own_model(self, what: str) -> None:
+        if not hasattr(self.model, "axis") or not hasattr(self.model, "out_res") and self.spec.residual != "prenorm":
+            raise ValueError(f"{what} reads an AttnResTransformer's mixers and final norm; {type(self.model).__name__} is not one")
+
+    def _decode(self):
+        tok = self.tokenizer
+        return (lambda ids: str(tok.decode(ids))) if tok is not None and hasattr(tok, "decode") else None
+
+    def logit_contributions(self, text_or_tokens: Any, token: int = -1, batch: int = 0, truncate: bool = False):
+        """Each source's direct contribution to the logits at one token: the final read's
+        mixture ``sum_i alpha_i v_i`` through the final norm (its scale from this run) and
+        the unembedding, split by source; the contributions add up to the model's logits.
+
+        Returns:
+            :class:`~attnres_probe.lens.LogitContributions` (``.frame(k)`` for a table of the
+            contributions to the top-k predictions).
+        """
+        from attnres_probe.lens import logit_contributions
+
+        self._own_model("logit_contributions")
+        tokens, _ = self.tokenize(text_or_tokens, truncate=truncate)
+        return logit_contributions(self.model, tokens, position=token, batch=batch, decode=self._decode())
+
+    def logit_lens(self, text_or_tokens: Any, k: int = 5, positions: list[int] | None = None, batch: int = 0, truncate: bool = False):
+        """What every read predicts: its mixed input through the final norm and the
+        unembedding, top ``k`` tokens per read and position (a long DataFrame; see
+        :func:`attnres_probe.lens.logit_lens`)."""
+        from attnres_probe.lens import logit_lens
+
+        self._own_model("logit_lens")
+        tokens, _ = self.tokenize(text_or_tokens, truncate=truncate)
+        return logit_lens(self.model, tokens, k=k, batch=batch, positions=positions, decode=self._decode())
+
+
+def _token_ids(text: Any, index: int) -> torch.Tensor:
+    """Token ids [pos] or [batch, pos] of a corpus entry that is not a string.
+
+    Raises:
+        TypeError: the entry is neither a string nor a sequence (or tensor) of integer ids.
+    """
+    if isinstance(text, (bytes, bytearray)) or text is None or isinstance(text, (int, float, dict)):
+        raise TypeError(
+            f"text {index} of the corpus is {type(text).__name__} {text!r:.40}; pass strings or sequences of "
+            "integer token ids"
+        )
+    try:
+        ids = torch.as_tensor(text)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            f"text {index} of the corpus ({type(text).__name__}) is neither a string nor a sequence of integer "
+            "token ids"
+        ) from None
+    if ids.dim() not in (1, 2):
+        raise TypeError(f"text {index} of the corpus has {ids.dim()} dimensions; token ids are [pos] or [batch, pos]")
+    return ids
 
 
 def _squared_norms(grads: dict[int, torch.Tensor]) -> dict[int, float]:

@@ -23,7 +23,13 @@ class ByteTokenizer:
         """Token ids of ``text``."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str; got {type(text).__name__}")
-        return list(text.encode("utf-8"))
+        try:
+            return list(text.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"text has a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}, which is not "
+                "Unicode text (it has no UTF-8 bytes); decode the source with errors='replace' or remove it"
+            ) from None
 
     def to_tokens(self, text: str, max_len: int | None = None, truncate: bool = False) -> torch.Tensor:
         """LongTensor [1, pos] of byte ids.

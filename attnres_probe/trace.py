@@ -26,8 +26,12 @@ block starts), the string tokens, and flags (non-finite values seen while record
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
+import os
+import secrets
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +40,20 @@ import numpy as np
 import pandas as pd
 
 from attnres_probe._version import __version__
-from attnres_probe.io import atomic_write, sha256_file
+from attnres_probe.axis import RESIDUALS, SourceAxis
+from attnres_probe.io import (
+    atomic_write,
+    exclusive_lock,
+    fault_point,
+    read_json,
+    remove_stale_temps,
+    replace_directory,
+    restore_directory,
+    set_aside,
+    sha256_file,
+    staging_dirs,
+    write_error,
+)
 from attnres_probe.numeric import token_mean
 
 __all__ = ["DepthTrace", "TraceError", "SCHEMA_VERSION", "check_save_target", "unique_names"]
@@ -72,7 +89,8 @@ def check_save_target(directory: str | Path, overwrite: bool = False) -> Path:
     """Check that a trace may be saved into ``directory`` (see :meth:`DepthTrace.save`); return it as a Path.
 
     Raises:
-        FileExistsError: the folder holds a trace (without ``overwrite``) or other files.
+        FileExistsError: the folder holds a trace or an incomplete one (without ``overwrite``),
+            or other files.
         NotADirectoryError: ``directory`` is a file.
     """
     directory = Path(directory)
@@ -88,8 +106,13 @@ def check_save_target(directory: str | Path, overwrite: bool = False) -> Path:
             "save into a new or empty folder (nothing was written)"
         )
     if entries and not overwrite:
+        what = (
+            "already holds a saved DepthTrace"
+            if (directory / META_FILE).is_file()
+            else f"holds an incomplete DepthTrace (trace files without {META_FILE}: an interrupted save?)"
+        )
         raise FileExistsError(
-            f"{directory} already holds a saved DepthTrace; pass overwrite=True "
+            f"{directory} {what}; pass overwrite=True "
             "(attnres-probe record --force) to replace it, or choose another folder (nothing was written)"
         )
     return directory
@@ -167,6 +190,12 @@ class DepthTrace:
         return list(self.meta.get("block_starts") or [])
 
     @property
+    def axis(self) -> SourceAxis:
+        """The trace's common source axis (built from its metadata): which sources each read
+        sees, the partial block's column, the expanded sublayer view."""
+        return SourceAxis.from_meta(self.meta)
+
+    @property
     def has_gradients(self) -> bool:
         return bool(np.isfinite(self.grad_in).any())
 
@@ -187,6 +216,7 @@ class DepthTrace:
             if read not in labels:
                 raise KeyError(f"read {read!r} is not one of {labels}")
             return labels.index(read)
+        read = _integer("read", read, "a label such as 'L0.mlp' or an integer index")
         if not -len(labels) <= read < len(labels):
             raise IndexError(f"read {read} is out of range; this trace has reads 0..{len(labels) - 1}")
         return read % len(labels)
@@ -203,6 +233,7 @@ class DepthTrace:
             if source not in labels:
                 raise KeyError(f"source {source!r} is not one of {labels}")
             return labels.index(source)
+        source = _integer("source", source, "a label such as 'embed' or an integer index")
         if not -len(labels) <= source < len(labels):
             raise IndexError(f"source {source} is out of range; this trace has sources 0..{len(labels) - 1}")
         return source % len(labels)
@@ -213,6 +244,10 @@ class DepthTrace:
         Raises:
             IndexError: ``token`` is not among the sequence's real (unpadded) tokens.
         """
+        token = _integer("token", token, "an integer position")
+        batch = _integer("batch", batch, "an integer index")
+        if not 0 <= batch < self.tokens.shape[0]:
+            raise IndexError(f"batch {batch} is out of range; this trace has {self.tokens.shape[0]} sequences")
         n = int(self.mask[batch].sum())
         if not -n <= token < n:
             raise IndexError(f"token {token} is out of range; sequence {batch} has {n} tokens (0..{n - 1})")
@@ -243,8 +278,6 @@ class DepthTrace:
         if token is None:
             data = token_mean(arr[self.mask])  # (R, S)
         else:
-            if not 0 <= batch < self.tokens.shape[0]:
-                raise IndexError(f"batch {batch} is out of range; this trace has {self.tokens.shape[0]} sequences")
             data = arr[batch, self.token_index(token, batch)]
         df = pd.DataFrame(data, index=pd.Index(self.read_labels, name="read"), columns=pd.Index(self.source_labels, name="source"))
         if read is not None:
@@ -259,18 +292,14 @@ class DepthTrace:
             are returned unchanged.
         """
         arr = self.cube(kind)
-        labels = ["embed", *self.sublayer_labels]
+        axis = self.axis
         if self.residual != "block":
-            return arr, labels
-        starts = [*self.block_starts, len(self.sublayer_labels)]
-        col = [0]
-        for n, (a, b) in enumerate(zip(starts, starts[1:]), start=1):
-            col += [n] * (b - a)
-        out = arr[..., col].copy()
+            return arr, axis.expanded_labels
+        out = arr[..., axis.expanded_columns].copy()
         # a sublayer not yet written by the time of a read is unavailable to it
-        for r in range(len(self.read_labels)):
+        for r in range(axis.n_reads):
             out[:, :, r, r + 1 :] = np.nan
-        return out, labels
+        return out, axis.expanded_labels
 
     # -- tidy frames ---------------------------------------------------------------------
     def to_frame(self, dropna: bool = True) -> pd.DataFrame:
@@ -356,69 +385,141 @@ class DepthTrace:
         """Write the trace into ``directory``: Parquet tables + ``trace.json`` (schema, shapes, hashes).
 
         ``directory`` must be new or empty (hidden files aside). A folder that already holds a
-        saved trace is replaced only with ``overwrite=True``, file by file (each file is
-        replaced atomically, so an interrupted overwrite can leave a trace that no longer
-        loads); a folder holding anything else is never written into (its files could share
-        a name with the trace's).
+        saved trace is replaced only with ``overwrite=True``; a folder holding anything else is
+        never written into (its files could share a name with the trace's).
+
+        The trace is written into a hidden folder beside ``directory`` and put in place by one
+        rename (a folder swap), so at every moment ``directory`` holds the old trace or the new
+        one, complete: a failed write (a full disk) or a killed process leaves the old trace as
+        it was and nothing else behind (hidden leftovers of a killed save are removed by the next
+        one). A folder that exists is replaced as a whole, hidden files included; the working
+        directory (or a folder holding it) and a mount point cannot be renamed and are written
+        into file by file instead, ``trace.json`` last. While saving, the destination is locked
+        (``.{name}.lock`` beside it): a second writer is refused.
 
         Raises:
-            FileExistsError: the folder holds a trace (without ``overwrite``) or other files.
+            FileExistsError: the folder holds a trace (without ``overwrite``) or other files;
+                :class:`~attnres_probe.io.DestinationBusyError` when another writer holds it.
             NotADirectoryError: ``directory`` is a file.
+            OSError: the write failed (one line naming the folder and the cause).
         """
-        directory = check_save_target(directory, overwrite)
-        directory.mkdir(parents=True, exist_ok=True)
-        hashes = {}
-        for fname, names in FILES.items():
-            table = pd.DataFrame({n: getattr(self, n).ravel() for n in names})
-            atomic_write(directory / fname, lambda p, t=table: t.to_parquet(p, index=False))
-            hashes[fname] = sha256_file(directory / fname)
-        doc = {
-            "schema_version": SCHEMA_VERSION,
-            "attnres_probe": __version__,
-            "shapes": {n: list(getattr(self, n).shape) for n in ALL_ARRAYS},
-            "files": hashes,
-            "meta": self.meta,
-        }
-        atomic_write(directory / META_FILE, lambda p: p.write_text(json.dumps(doc, indent=1, default=_json_default)))
+        directory = check_save_target(directory, overwrite)  # fail fast, before taking the lock
+        target = Path(os.path.realpath(directory))
+        had_trace = (target / META_FILE).is_file()
+        json.dumps(self.meta, default=_json_default)  # an unstorable value fails before anything is written
+        try:
+            with exclusive_lock(target):
+                _clear_leftovers(target)
+                check_save_target(target, overwrite)  # again, now that no one else writes here
+                self._save_locked(target)
+        except (FileExistsError, NotADirectoryError):
+            raise
+        except OSError as exc:
+            kept = "the trace already there is unchanged" if had_trace else "nothing was written"
+            raise write_error(exc, "the trace", directory, kept) from None
         return directory
+
+    def _save_locked(self, target: Path) -> None:
+        """The body of :meth:`save`, with the lock held and the target checked."""
+        if target.is_dir() and _holds_cwd(target):
+            self._write_files(target, in_place=True)  # renaming the working directory away would strand it
+            return
+        staging = target.parent / f".{target.name}.new-{os.getpid()}-{secrets.token_hex(4)}"
+        staging.mkdir(0o777)  # the usual permissions (the umask applies) ...
+        try:
+            if target.is_dir():
+                os.chmod(staging, os.stat(target).st_mode & 0o7777)  # ... or the replaced folder's
+            self._write_files(staging, in_place=False)
+            try:
+                replace_directory(staging, target)
+            except OSError as exc:
+                if exc.errno not in (errno.EBUSY, errno.EXDEV) or not target.is_dir():
+                    raise
+                self._write_files(target, in_place=True)  # a mount point cannot be renamed: write into it
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+
+    def _write_files(self, folder: Path, in_place: bool) -> None:
+        """The Parquet tables, then ``trace.json`` naming their hashes (last: it marks the trace complete).
+
+        ``in_place``: ``folder`` is the destination itself; every file is replaced atomically and,
+        if the write fails, the files it added are removed again.
+        """
+        folder.mkdir(parents=True, exist_ok=True)
+        before = {name for name in (*FILES, META_FILE) if (folder / name).exists()}
+        try:
+            hashes = {}
+            for fname, names in FILES.items():
+                table = pd.DataFrame({n: getattr(self, n).ravel() for n in names})
+                path = folder / fname
+                if in_place:
+                    atomic_write(path, lambda p, t=table: t.to_parquet(p, index=False))
+                else:
+                    table.to_parquet(path, index=False)
+                fault_point(f"trace.save:{fname}")
+                hashes[fname] = sha256_file(path)
+            doc = {
+                "schema_version": SCHEMA_VERSION,
+                "attnres_probe": __version__,
+                "shapes": {n: list(getattr(self, n).shape) for n in ALL_ARRAYS},
+                "files": hashes,
+                "meta": self.meta,
+            }
+            text = json.dumps(doc, indent=1, default=_json_default)
+            atomic_write(folder / META_FILE, lambda p: p.write_text(text))
+            fault_point("trace.save:written")
+        except BaseException:
+            if in_place:
+                for name in {*FILES, META_FILE} - before:
+                    (folder / name).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, directory: str | Path) -> DepthTrace:
-        """Read a trace written by :meth:`save`; raises :class:`TraceError` if it is corrupt or too new."""
+        """Read a trace written by :meth:`save`.
+
+        Its ``trace.json`` is checked against the schema before any table is read (types,
+        shapes consistent with one another and with the residual rule, labels as long as the
+        axes), then every table against its hash and shape.
+
+        Raises:
+            TraceError: the trace is missing, corrupt, inconsistent or too new; the message
+                names the first violation in one line.
+        """
         directory = Path(directory)
+        if not directory.exists():  # a save killed in the middle of its two-rename fallback swap
+            aside = [p for p in set_aside(directory) if (p / META_FILE).is_file()]
+            directory = aside[-1] if aside else directory  # the previous trace, put back by the next save
         meta_path = directory / META_FILE
         if not meta_path.is_file():
             raise TraceError(f"{meta_path} is missing: {directory} is not a saved DepthTrace")
-        try:
-            doc = json.loads(meta_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise TraceError(f"{meta_path} is not valid JSON ({exc})") from None
-        version = doc.get("schema_version") if isinstance(doc, dict) else None
-        if not isinstance(version, int):
-            raise TraceError(f"{meta_path} has no integer schema_version")
-        if version > SCHEMA_VERSION:
-            raise TraceError(
-                f"{directory} is a schema-version {version} trace; this attnres-probe ({__version__}) reads "
-                f"versions up to {SCHEMA_VERSION}: upgrade attnres-probe"
-            )
+        doc = read_json(meta_path, TraceError, max_bytes=MAX_META_BYTES)
+        shapes = _check_doc(doc, meta_path, directory)
         arrays: dict[str, np.ndarray] = {}
         for fname, names in FILES.items():
             path = directory / fname
             if not path.is_file():
                 raise TraceError(f"{path} is missing")
-            if doc.get("files", {}).get(fname) != sha256_file(path):
+            if doc["files"][fname] != sha256_file(path):
                 raise TraceError(f"{path} does not match the checksum in {META_FILE}: the trace is corrupt")
             try:
                 table = pd.read_parquet(path)
             except Exception as exc:  # pyarrow raises several types for a damaged file
                 raise TraceError(f"{path} is not a readable Parquet file ({exc})") from None
             for n in names:
-                shape = tuple(doc["shapes"][n])
+                shape = shapes[n]
+                if n not in table.columns:
+                    raise TraceError(f"{path} has no column {n!r}: the trace is corrupt")
                 values = table[n].to_numpy()
                 if values.size != math.prod(shape):
                     raise TraceError(f"{path}: column {n!r} has {values.size} values; shape {shape} needs {math.prod(shape)}")
                 arrays[n] = values.reshape(shape)
-        return cls(**arrays, meta=doc["meta"])
+        _check_meta_against_arrays(doc["meta"], arrays, meta_path)
+        try:
+            return cls(**arrays, meta=doc["meta"])
+        except (TypeError, ValueError) as exc:
+            raise TraceError(f"{directory}: {exc}") from None
 
     # -- display -------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -493,6 +594,153 @@ def unique_names(names: Sequence[str]) -> list[str]:
         seen[n] = seen.get(n, 0) + 1
         out.append(n if seen[n] == 1 else f"{n} ({seen[n]})")
     return out
+
+
+def _integer(what: str, value: Any, accepted: str) -> int:
+    """``value`` as an int; a bool, a float or anything else that is not an integer is refused."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be {accepted}; got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _holds_cwd(folder: Path) -> bool:
+    """Whether ``folder`` is the working directory or one of its parents."""
+    try:
+        cwd = Path(os.getcwd())
+    except OSError:
+        return False
+    return cwd == folder or folder in cwd.parents
+
+
+def _clear_leftovers(target: Path) -> None:
+    """Undo what a killed save left beside ``target`` (call with the lock held).
+
+    A trace set aside by an interrupted folder swap is put back; the hidden folders of
+    unfinished saves and the temporary files of killed writers are removed.
+    """
+    restore_directory(target, lambda p: (p / META_FILE).is_file())
+    for leftover in staging_dirs(target):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if target.is_dir():
+        for name in (*FILES, META_FILE):
+            remove_stale_temps(target / name)
+
+
+# -- the schema of trace.json ----------------------------------------------------------------
+MAX_META_BYTES = 256 * 2**20
+_RANKS = {
+    **{n: 2 for n in TOKEN_ARRAYS},
+    **{n: 4 for n in CUBE},
+    **{n: 3 for n in READ_ARRAYS + SOURCE_ARRAYS},
+    **{n: 1 for n in LAYER_ARRAYS + MIXER_ARRAYS},
+}
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _str_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(v, str) for v in x)
+
+
+def _check_doc(doc: Any, meta_path: Path, directory: Path) -> dict[str, tuple[int, ...]]:
+    """Check ``trace.json`` against the schema; return the arrays' shapes.
+
+    Raises:
+        TraceError: the first violation, in one line.
+    """
+
+    def bad(msg: str) -> TraceError:
+        return TraceError(f"{meta_path}: {msg}; the trace is corrupt")
+
+    if not isinstance(doc, dict):
+        raise bad(f"the document is a {type(doc).__name__}, not an object")
+    version = doc.get("schema_version")
+    if not _is_int(version) or version < 1:
+        raise TraceError(f"{meta_path} has no valid schema_version (a positive integer); got {version!r}")
+    if version > SCHEMA_VERSION:
+        raise TraceError(
+            f"{directory} is a schema-version {version} trace; this attnres-probe ({__version__}) reads "
+            f"versions up to {SCHEMA_VERSION}: upgrade attnres-probe"
+        )
+    for key, kind in (("shapes", dict), ("files", dict), ("meta", dict)):
+        if key not in doc:
+            raise bad(f"the key {key!r} is missing")
+        if not isinstance(doc[key], kind):
+            raise bad(f"{key!r} is a {type(doc[key]).__name__}, not an object")
+    files = doc["files"]
+    for fname in FILES:
+        if not isinstance(files.get(fname), str):
+            raise bad(f"files.{fname} (its sha256) is missing or not a string")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for n in ALL_ARRAYS:
+        shape = doc["shapes"].get(n)
+        if not isinstance(shape, list) or len(shape) != _RANKS[n] or not all(_is_int(d) and d >= 0 for d in shape):
+            raise bad(f"shapes.{n} must be a list of {_RANKS[n]} non-negative integers; got {shape!r}")
+        shapes[n] = tuple(shape)
+    B, P, R, S = shapes["depth_weights"]
+    want = {
+        **{n: (B, P) for n in TOKEN_ARRAYS},
+        **{n: (B, P, R, S) for n in CUBE},
+        **{n: (B, P, R) for n in READ_ARRAYS},
+        "rms_out": (B, P, R),
+        "param_grad": (R - 1,),
+        "mixer_grad": (R,),
+    }
+    for n, shape in want.items():
+        if shapes[n] != shape:
+            raise bad(f"shapes.{n} is {list(shapes[n])}; the other arrays make it {list(shape)}")
+    if B < 1 or P < 1 or R < 3 or R % 2 == 0 or S < 2:
+        raise bad(f"the arrays' shape [B, P, R, S] = {[B, P, R, S]} is not that of a trace (B, P >= 1; R = 2 * n_layers + 1)")
+    meta = doc["meta"]
+    for key in ("residual", "read_labels", "source_labels", "str_tokens"):
+        if key not in meta:
+            raise bad(f"meta.{key} is missing")
+    if meta["residual"] not in RESIDUALS:
+        raise bad(f"meta.residual is {meta['residual']!r}; accepted values are {', '.join(RESIDUALS)}")
+    for key, length in (("read_labels", R), ("source_labels", S), ("sublayer_labels", R - 1)):
+        if key not in meta and key == "sublayer_labels":
+            continue
+        if not _str_list(meta[key]):
+            raise bad(f"meta.{key} must be a list of strings; got a {type(meta[key]).__name__}")
+        if len(meta[key]) != length:
+            raise bad(f"meta.{key} has {len(meta[key])} labels; the arrays have {length}")
+    if meta.get("name") is not None and not isinstance(meta["name"], str):
+        raise bad(f"meta.name must be a string; got {meta['name']!r}")
+    if "flags" in meta and not _str_list(meta["flags"]):
+        raise bad(f"meta.flags must be a list of strings; got {meta['flags']!r}")
+    if meta.get("config") is not None and not isinstance(meta["config"], dict):
+        raise bad(f"meta.config must be an object; got a {type(meta['config']).__name__}")
+    starts = meta.get("block_starts")
+    if starts is not None and not (isinstance(starts, list) and all(_is_int(b) for b in starts)):
+        raise bad(f"meta.block_starts must be a list of integers; got {starts!r}")
+    try:
+        axis = SourceAxis.from_meta(meta)
+    except (ValueError, TypeError) as exc:
+        raise bad(f"meta does not describe a source axis ({exc})") from None
+    if (axis.n_reads, axis.n_sources) != (R, S):
+        raise bad(
+            f"meta describes a {axis.residual} model with {axis.n_reads} reads and {axis.n_sources} sources "
+            f"(residual {axis.residual!r}, n_layers {axis.n_layers}, block_starts {list(axis.block_starts)}); "
+            f"the arrays have {R} reads and {S} sources"
+        )
+    tokens = meta["str_tokens"]
+    if not isinstance(tokens, list) or len(tokens) != B or not all(_str_list(row) for row in tokens):
+        raise bad(f"meta.str_tokens must be {B} list(s) of strings, one per sequence")
+    return shapes
+
+
+def _check_meta_against_arrays(meta: dict[str, Any], arrays: dict[str, np.ndarray], meta_path: Path) -> None:
+    """The checks that need the tables: one string token per real token of every sequence."""
+    mask = arrays["mask"]
+    for b, row in enumerate(meta["str_tokens"]):
+        n = int(mask[b].sum())
+        if len(row) != n:
+            raise TraceError(
+                f"{meta_path}: meta.str_tokens[{b}] has {len(row)} strings; sequence {b} has {n} tokens; "
+                "the trace is corrupt"
+            )
 
 
 def _json_default(obj: Any) -> Any:

@@ -11,6 +11,8 @@ several apps live side by side in one process. Everything is served locally
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,11 +24,42 @@ from attnres_probe.dashboards import callbacks
 from attnres_probe.dashboards.layout import build_layout
 from attnres_probe.dashboards.state import Explorer
 
-__all__ = ["ASSETS", "LOOPBACK_HOSTS", "create_app", "create_server", "demo_entries"]
+__all__ = ["ASSETS", "LOOPBACK_HOSTS", "allowed_hosts_for", "create_app", "create_server", "demo_entries", "is_loopback"]
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 MAX_REQUEST_BYTES = 2 * 2**20  # callback payloads are a few kB; prompts are length-limited
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to is a loopback address (127.0.0.0/8 or ::1).
+
+    Decided from the resolved addresses, not the spelling: ``127.1``, ``0x7f.1`` and
+    ``localhost`` are loopback; ``0.0.0.0``, a LAN name or an unresolvable name are not.
+    """
+    name = host.strip().strip("[]")
+    if not name:
+        return False
+    try:
+        infos = socket.getaddrinfo(name, None)
+    except (OSError, UnicodeError, ValueError):
+        return False
+    try:
+        addrs = {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
+    except ValueError:
+        return False
+    return bool(addrs) and all(a.is_loopback for a in addrs)
+
+
+def allowed_hosts_for(host: str) -> tuple[str, ...] | None:
+    """The Host headers to answer when listening on ``host`` (``create_app``'s ``allowed_hosts``).
+
+    A loopback address (decided by :func:`is_loopback`) answers the loopback names and ``host``
+    as written; any other address answers every Host (None), as a server meant for the network.
+    """
+    if not is_loopback(host):
+        return None
+    return tuple(dict.fromkeys([*LOOPBACK_HOSTS, host.strip().lower()]))
 
 
 def demo_entries() -> dict[str, Any]:
@@ -47,6 +80,7 @@ def create_app(
     cache_size: int = 16,
     allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
     title: str = "attnres-probe · depth routing",
+    stats: Mapping[str, Any] | None = None,
 ) -> dash.Dash:
     """Build the dashboard.
 
@@ -61,12 +95,15 @@ def create_app(
             ignored); the loopback names by default, which blocks DNS-rebinding pages. None
             allows every host (for ``--host 0.0.0.0``).
         title: the browser tab's title.
+        stats: name -> CorpusStats of a recorded corpus (``attnres-probe corpus``); the page then
+            leads with their comparisons: headline panel, metric table with intervals and
+            verdicts, mean heatmaps with spread, profiles with bands.
 
     Returns:
         The ``dash.Dash`` app; ``app.explorer`` is its :class:`Explorer` (models, cache).
     """
     entries = demo_entries() if models_or_traces is None else models_or_traces
-    explorer = Explorer(entries, text=text, cache_size=cache_size)
+    explorer = Explorer(entries, text=text, cache_size=cache_size, stats=stats)
     app = dash.Dash(
         "attnres_probe.dashboards",
         assets_folder=str(ASSETS),

@@ -16,6 +16,7 @@ raised after the forward as :class:`RecorderError` with the hook's name.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -38,12 +39,18 @@ class Recorder:
         contributions: compute contribution shares (one dot product per visible source
             and read).
         gradients: register gradient hooks on the mixed inputs (needs grad enabled).
+        this_thread: record only the forward passes run by the thread that creates the
+            recorder (default): hook points are shared by everyone who runs the model, so
+            another thread's forward neither writes into this recording nor fails it.
 
     After the forward (and backward), :meth:`arrays` returns the recorded tensors.
     """
 
-    def __init__(self, model: Any, spec: ModelSpec, contributions: bool = True, gradients: bool = False):
+    def __init__(
+        self, model: Any, spec: ModelSpec, contributions: bool = True, gradients: bool = False, this_thread: bool = True
+    ):
         self.model = model
+        self._owner = threading.get_ident() if this_thread else None
         self.spec = spec
         self.contributions = contributions
         self.gradients = gradients
@@ -115,8 +122,10 @@ class Recorder:
         return lambda x: fn(index, x)
 
     def _guard(self, name: str, fn):
+        owner = self._owner
+
         def hook(x: torch.Tensor, hook: Any = None) -> None:
-            if self._error is not None:
+            if self._error is not None or (owner is not None and threading.get_ident() != owner):
                 return None
             try:
                 with torch.no_grad():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import Literal
 
 import torch
@@ -74,10 +75,19 @@ def triton_available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _numba_import_error() -> str | None:
+    """Why the Numba kernels cannot be imported (None if they can); warns once, the first time."""
     try:
         from . import numba_depth_attn  # noqa: F401
-    except Exception as exc:  # numba missing or broken
-        return f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # numba missing or broken (e.g. no writable cache folder)
+        reason = f"{type(exc).__name__}: {exc}"
+        warnings.warn(
+            f"the Numba CPU kernels could not be imported ({reason}); depth attention on the CPU uses the "
+            "slower PyTorch reference instead (set ATTNRES_BACKEND=torch to choose it and silence this, or "
+            "NUMBA_CACHE_DIR to a writable folder if the cache is the cause)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return reason
     return None
 
 

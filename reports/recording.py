@@ -25,7 +25,11 @@ from attnres_probe.io import sha256_file
 from attnres_probe.probe import Probe
 from attnres_probe.trace import DepthTrace
 
-__all__ = ["SAMPLE_TEXT", "record_checkpoints", "record_demos", "record_text", "weights_sha256"]
+__all__ = ["MAX_TOKENS", "SAMPLE_TEXT", "record_checkpoints", "record_demos", "record_text", "weights_sha256"]
+
+# A report records its text as one batch with one backward pass: memory grows with the text
+# (about 60 kB per token at the demo size). 8192 tokens stay under about half a gigabyte.
+MAX_TOKENS = 8192
 
 # 256 ASCII bytes = 256 tokens of the byte tokenizer = two windows of the demo models' 128.
 SAMPLE_TEXT = (
@@ -76,10 +80,19 @@ def record_text(
 
     Returns:
         The trace, tokens [B, P], with ``meta`` extended as the module docstring says.
+
+    Raises:
+        ValueError: an empty text, or one of more than :data:`MAX_TOKENS` tokens.
     """
     if not isinstance(text, str) or not text:
         raise ValueError("text is empty: a report needs at least one character of text")
     probe = Probe(model, tokenizer=tokenizer, name=name)
+    n = int(probe.encode(text).numel())
+    if n > MAX_TOKENS:
+        raise ValueError(
+            f"the text has {n} tokens; a report records at most {MAX_TOKENS} (it records the whole text as one batch, "
+            "whose memory grows with its length): pass a shorter text"
+        )
     tokens, mask, str_tokens = next(probe.batches([text], batch_size=sys.maxsize))
     use_backward = backward and bool(mask[:, 1:].any())
     meta: dict[str, Any] = {"text": text, "windows": {"n_ctx": int(probe.spec.n_ctx), "count": int(tokens.shape[0])}}
@@ -111,16 +124,16 @@ def record_checkpoints(
     Raises:
         CheckpointError: a directory is not a readable checkpoint (the message names it).
     """
-    from attnres_probe.model import AttnResTransformer
+    from attnres_probe.pretrained import load_model_folder
 
     if names is not None and len(names) != len(dirs):
         raise ValueError(f"{len(names)} names for {len(dirs)} model directories: give one name per directory")
     traces = []
     for i, d in enumerate(dirs):
         d = Path(d)
-        model = AttnResTransformer.load(d).eval()
+        model, tokenizer = load_model_folder(d)
         name = names[i] if names is not None else (d.resolve().name or model.cfg.residual)
-        traces.append(record_text(model, text, name=name, checkpoint_dir=d, backward=backward))
+        traces.append(record_text(model, text, tokenizer=tokenizer, name=name, checkpoint_dir=d, backward=backward))
     return traces
 
 

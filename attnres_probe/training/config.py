@@ -15,7 +15,7 @@ from typing import Any
 from attnres_probe.config import ConfigError, ModelConfig, dataclass_from_dict
 from attnres_probe.data import NAMED_CORPORA
 
-__all__ = ["TrainConfig", "TrainError", "require_float", "require_int"]
+__all__ = ["TrainConfig", "TrainError", "memory_estimate", "require_float", "require_int"]
 
 
 class TrainError(ValueError):
@@ -98,6 +98,24 @@ class TrainConfig:
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """Inverse of :meth:`to_dict`; unknown keys raise a ConfigError listing the known ones."""
         return dataclass_from_dict(cls, data, "train config", "train config")
+
+
+def memory_estimate(model_cfg: ModelConfig, cfg: TrainConfig) -> int:
+    """Bytes a training step needs, estimated from the sizes alone (float32 everywhere).
+
+    Weights, gradients and AdamW's two moments (4 x the parameters), plus one step's
+    activations kept for the backward pass: per token and transformer block about 12 d_model +
+    3 d_mlp + 4 heads x d_head + 3 heads x seq_len values (norms, attention, MLP, scores), the
+    depth sources (2 (L+1) d_model) and the logits (4 d_vocab). An estimate to refuse sizes that
+    cannot fit before allocating them, not a measurement.
+    """
+    m = model_cfg
+    T = cfg.seq_len if cfg.seq_len is not None else m.n_ctx
+    d, inner = m.d_model, m.n_heads * m.d_head
+    params = 2 * m.d_vocab * d + m.n_ctx * d + m.n_layers * (4 * d * inner + 2 * d * m.d_mlp)
+    per_token = m.n_layers * (12 * d + 3 * m.d_mlp + 4 * inner + 3 * m.n_heads * T) + 2 * m.n_reads * d + 4 * m.d_vocab
+    windows = cfg.batch_size * (1 + cfg.eval_batches)  # training windows, and the validation windows kept
+    return 4 * (4 * params + cfg.batch_size * T * per_token) + 8 * windows * (T + 1)
 
 
 def require_int(name: str, value: Any, low: int) -> None:

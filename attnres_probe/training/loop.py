@@ -30,7 +30,9 @@ from attnres_probe.data import Corpus, load_corpus, sample_batch, validation_bat
 from attnres_probe.kernels import resolve_backend
 from attnres_probe.losses import Reduction, next_token_loss
 from attnres_probe.model import AttnResTransformer
-from attnres_probe.training.config import TrainConfig, TrainError, require_int
+from attnres_probe.io import DestinationBusyError, exclusive_lock, write_error
+from attnres_probe.resources import available_memory, human_bytes
+from attnres_probe.training.config import TrainConfig, TrainError, memory_estimate, require_int
 from attnres_probe.training.schedule import learning_rate, param_groups
 from attnres_probe.training.state import (
     FORMAT_VERSION,
@@ -42,12 +44,13 @@ from attnres_probe.training.state import (
     load_verified,
     read_run_configs,
     read_state,
+    recover_run,
     restore_state,
     save_state,
     write_json,
 )
 
-__all__ = ["TrainResult", "evaluate", "frozen_gc", "lm_loss", "train"]
+__all__ = ["TrainResult", "check_memory", "evaluate", "frozen_gc", "lm_loss", "train"]
 
 
 @dataclass
@@ -199,7 +202,8 @@ def train(
             given it must equal the saved one.
         train_cfg: optimisation settings. With ``resume`` it may be None (the saved one); if
             given, every field but ``steps`` must equal the saved one (``steps`` may grow).
-        out_dir: output folder (created if missing).
+        out_dir: output folder (created if missing). It is locked for the whole call (a second
+            writer is refused), and every save is atomic (see :mod:`attnres_probe.training.state`).
         resume: continue the run saved in ``out_dir`` from its last saved step to ``steps``.
         progress: show a tqdm bar with the loss.
         stop_at: stop after this many updates (as if interrupted), leaving resumable state;
@@ -218,20 +222,52 @@ def train(
         ConfigError: a bad model or train config (e.g. seq_len > n_ctx, batch_size < 1).
         DataError: a missing, empty or too short corpus.
         TrainError: nothing to resume, a resume that disagrees with the saved run, an
-            occupied ``out_dir``, or a loss that became NaN/inf.
+            occupied or locked ``out_dir``, a step too large for the memory available, or a
+            loss that became NaN/inf.
         CheckpointError: an unreadable saved checkpoint.
+        OSError: a save failed (full or read-only disk): one line naming the folder and the
+            cause; the last saved step is unchanged, and a new run leaves no folder behind.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise TrainError(f"out_dir {out_dir} exists and is not a directory")
     device = _torch_device(device)
-    model_cfg, cfg, state = _run_configs(model_cfg, train_cfg, out_dir, resume, overwrite)
     if stop_at is not None:
         require_int("stop_at", stop_at, low=0)
+    created = not out_dir.exists()
+    try:
+        with exclusive_lock(out_dir):  # one writer per run folder, for the whole session
+            try:
+                recover_run(out_dir)
+                return _train_locked(model_cfg, train_cfg, out_dir, resume, progress, stop_at, overwrite, device, backend)
+            finally:
+                if created and out_dir.is_dir() and not any(out_dir.iterdir()):
+                    out_dir.rmdir()  # a new run that saved nothing leaves no folder behind
+    except DestinationBusyError as exc:
+        raise TrainError(str(exc)) from None
+    except OSError as exc:  # a full or read-only disk: one line, the last saved step kept
+        kept = "nothing was saved" if created else "the run's last saved step is unchanged"
+        raise write_error(exc, "the training run", out_dir, kept) from None
+
+
+def _train_locked(
+    model_cfg: ModelConfig | None,
+    train_cfg: TrainConfig | None,
+    out_dir: Path,
+    resume: bool,
+    progress: bool,
+    stop_at: int | None,
+    overwrite: bool,
+    device: torch.device,
+    backend: str | None,
+) -> TrainResult:
+    """The body of :func:`train`, with ``out_dir`` locked and recovered."""
+    model_cfg, cfg, state = _run_configs(model_cfg, train_cfg, out_dir, resume, overwrite)
     try:
         used_backend = resolve_backend(device, backend, dtypes=(torch.float32,), d=model_cfg.d_model)
     except ValueError as exc:
         raise TrainError(str(exc)) from None
+    check_memory(model_cfg, cfg, device)
     data = _load_data(cfg, state, out_dir)
     session = _start(model_cfg, cfg, state, data, out_dir, device, backend)
     history = session.history
@@ -241,6 +277,27 @@ def train(
         session.validate()
     _run_steps(session, end, progress)
     return _finish(session, used_backend)
+
+
+def check_memory(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device) -> None:
+    """Refuse a run whose memory estimate (:func:`memory_estimate`) exceeds what ``device`` has free.
+
+    Raises:
+        TrainError: naming the estimate, the memory available and what to lower.
+    """
+    need = memory_estimate(model_cfg, cfg)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        where = f"{device} has"
+    else:
+        free = available_memory()
+        where = "this machine has"
+    if free is not None and need > free:
+        raise TrainError(
+            f"training needs about {human_bytes(need)} (estimated for batch_size={cfg.batch_size} windows x "
+            f"seq_len={cfg.seq_len} tokens at d_model={model_cfg.d_model}, {model_cfg.n_layers} layers); "
+            f"{where} {human_bytes(free)} available: lower batch_size (--batch-size) or seq_len (--seq-len)"
+        )
 
 
 def _torch_device(device: str | torch.device) -> torch.device:

@@ -9,22 +9,32 @@ A run folder holds
 - ``train_log.json``: written by :func:`~attnres_probe.training.train` at the end of a session.
 
 No pickle anywhere: tensors go to safetensors, scalars to JSON.
+
+A save is one atomic unit. The four files of a step are written into a hidden folder
+``.step-NNNNNNNN.tmp-PID`` inside the run folder; renaming it to ``.step-NNNNNNNN`` commits the
+step; then each file is moved onto its name in the run folder (``train_state.json`` last) and the
+hidden folder removed. A process killed before the commit leaves the previous step in place (the
+uncommitted folder is removed later); one killed after it leaves a committed folder that
+:func:`recover_run` (called by every training session before it reads anything) finishes moving
+into place. So ``resume`` always finds the last complete step.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from attnres_probe.checkpoint import WEIGHTS_FILE, CheckpointError
+from attnres_probe.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, save_safetensors
 from attnres_probe.config import ConfigError, ModelConfig
-from attnres_probe.io import atomic_write, sha256_file
+from attnres_probe.io import atomic_write, fault_point, read_json, remove_stale_temps, sha256_file
 from attnres_probe.model import AttnResTransformer
 from attnres_probe.training.config import TrainConfig, TrainError
 
@@ -42,6 +52,7 @@ __all__ = [
     "optimizer_tensors",
     "read_run_configs",
     "read_state",
+    "recover_run",
     "restore_state",
     "save_state",
     "write_json",
@@ -132,21 +143,22 @@ def read_state(out_dir: Path) -> dict[str, Any]:
     Raises:
         TrainError: the file is missing, not JSON, not a train state, or of another version.
     """
-    path = out_dir / STATE_FILE
-    if not path.is_file():
+    pending = _committed(out_dir)
+    path = pending / STATE_FILE if pending is not None else out_dir / STATE_FILE  # a step being moved into place
+    if not path.exists():
         raise TrainError(
             f"{out_dir} holds no resumable run ({STATE_FILE} is missing); start one without resume"
         )
-    try:
-        state = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TrainError(f"{path} is not valid JSON ({exc})") from None
+    state = read_json(path, TrainError, max_bytes=1 << 30)  # histories grow with the steps
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise TrainError(f"{path} is not an attnres-probe train state (no format {STATE_FORMAT!r})")
     if state.get("format_version") != FORMAT_VERSION:
         raise TrainError(
             f"{path} has format_version {state.get('format_version')!r}; this toolkit resumes version {FORMAT_VERSION}"
         )
+    for key, kind in (("model_config", dict), ("train_config", dict), ("step", int), ("data_sha256", str)):
+        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+            raise TrainError(f"{path}: {key} is missing or not a {kind.__name__}; the train state is corrupt")
     return state
 
 
@@ -197,7 +209,11 @@ def save_state(
     batch_gen: torch.Generator,
     doc: dict[str, Any],
 ) -> None:
-    """Checkpoint + optimizer/RNG tensors, then the JSON that vouches for both (written last).
+    """Save one step as an atomic unit (see the module docstring): checkpoint, optimizer/RNG
+    tensors, and the JSON that vouches for both, committed together.
+
+    Call it with the run folder locked (:func:`~attnres_probe.io.exclusive_lock`). If it fails
+    (a full disk), the previous step is left as it was and nothing of this one remains.
 
     Args:
         out_dir: the run folder.
@@ -206,18 +222,73 @@ def save_state(
         batch_gen: the generator of the batch order.
         doc: the state document (:meth:`History.state_doc`); the two file hashes are added.
     """
-    model.save(out_dir)
-    tensors = optimizer_tensors(opt)
-    tensors["rng.batches"] = batch_gen.get_state()
-    tensors["rng.torch"] = torch.get_rng_state()
-    meta = {"format": STATE_FORMAT, "format_version": str(FORMAT_VERSION)}
-    atomic_write(out_dir / STATE_TENSORS_FILE, lambda p: save_file(tensors, str(p), metadata=meta))
-    doc = {
-        **doc,
-        "weights_sha256": sha256_file(out_dir / WEIGHTS_FILE),
-        "state_tensors_sha256": sha256_file(out_dir / STATE_TENSORS_FILE),
-    }
-    write_json(out_dir / STATE_FILE, doc)
+    recover_run(out_dir)
+    step = int(doc["step"])
+    stage = out_dir / f"{_STEP_PREFIX}{step:08d}.tmp-{os.getpid()}"
+    stage.mkdir()
+    try:
+        model.save(stage)
+        fault_point("train.save:weights")
+        tensors = optimizer_tensors(opt)
+        tensors["rng.batches"] = batch_gen.get_state()
+        tensors["rng.torch"] = torch.get_rng_state()
+        meta = {"format": STATE_FORMAT, "format_version": str(FORMAT_VERSION)}
+        save_safetensors(tensors, stage / STATE_TENSORS_FILE, metadata=meta)
+        doc = {
+            **doc,
+            "weights_sha256": sha256_file(stage / WEIGHTS_FILE),
+            "state_tensors_sha256": sha256_file(stage / STATE_TENSORS_FILE),
+        }
+        write_json(stage / STATE_FILE, doc)
+        fault_point("train.save:staged")
+        committed = out_dir / f"{_STEP_PREFIX}{step:08d}"
+        os.rename(stage, committed)  # the commit: from here on, this step is the run's state
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    fault_point("train.save:committed")
+    _move_into_place(out_dir, committed)
+
+
+_STEP_PREFIX = ".step-"
+_STEP_FILES = (CONFIG_FILE, WEIGHTS_FILE, STATE_TENSORS_FILE, STATE_FILE)  # the vouching JSON last
+
+
+def _committed(out_dir: Path) -> Path | None:
+    """The committed step folder whose files are not all in place yet (the newest, if several)."""
+    found = [
+        p
+        for p in out_dir.glob(f"{_STEP_PREFIX}*")
+        if p.is_dir() and ".tmp-" not in p.name and (p / STATE_FILE).is_file()
+    ]
+    return max(found, key=lambda p: p.name) if found else None
+
+
+def _move_into_place(out_dir: Path, committed: Path) -> None:
+    """Move a committed step's files onto their names in the run folder, the vouching JSON last."""
+    for name in _STEP_FILES:
+        if (committed / name).exists():
+            os.replace(committed / name, out_dir / name)
+            fault_point(f"train.save:moved:{name}")
+    shutil.rmtree(committed, ignore_errors=True)
+
+
+def recover_run(out_dir: Path) -> None:
+    """Finish what a killed save left in ``out_dir`` (call it with the run folder locked).
+
+    A committed step folder is moved into place; uncommitted step folders, empty leftovers and
+    the temporary files of killed writers are removed. Nothing is done to a folder without them.
+    """
+    if not out_dir.is_dir():
+        return
+    pending = _committed(out_dir)
+    if pending is not None:
+        _move_into_place(out_dir, pending)
+    for leftover in out_dir.glob(f"{_STEP_PREFIX}*"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+    for name in (*_STEP_FILES, LOG_FILE):
+        remove_stale_temps(out_dir / name)
 
 
 def restore_state(out_dir: Path, opt: torch.optim.Optimizer, batch_gen: torch.Generator) -> None:
@@ -227,7 +298,13 @@ def restore_state(out_dir: Path, opt: torch.optim.Optimizer, batch_gen: torch.Ge
     and an optimizer freshly built over its parameters.
     """
     path = out_dir / STATE_TENSORS_FILE
-    tensors = load_file(str(path))
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise TrainError(f"cannot resume: {path} is unreadable ({exc})") from None
+    for key in ("rng.batches", "rng.torch"):
+        if key not in tensors:
+            raise TrainError(f"cannot resume: {path} has no tensor {key!r}; the train state is corrupt")
     load_optimizer_tensors(opt, tensors, path)
     batch_gen.set_state(tensors["rng.batches"])
     torch.set_rng_state(tensors["rng.torch"])
