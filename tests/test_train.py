@@ -398,3 +398,30 @@ def test_the_training_loop_sets_the_collectors_old_objects_aside_only_while_it_r
         assert gc.get_freeze_count() > 0  # still frozen (a count only drops as frozen objects are freed)
     finally:
         gc.unfreeze()
+
+
+def test_routing_probes_are_recorded_over_training_and_survive_a_resume(tmp_path):
+    """train --probe-every N: a summary of the held-out probe windows' routing at step 0, every
+    N steps and at the end, the latest full trace in the run folder, the windows' hash in the log;
+    a run stopped and resumed records the same probes (and losses) bit for bit."""
+    import json
+
+    from attnres_probe import DepthTrace, ModelConfig
+    from attnres_probe.figures import over_training
+    from attnres_probe.training import TrainConfig, train
+
+    mc = ModelConfig(residual="block", d_model=32, n_layers=2, n_heads=2, n_ctx=32, block_size=2)
+    tc = TrainConfig(steps=10, batch_size=4, eval_every=5, probe_every=4, probe_windows=2)
+    train(mc, tc, tmp_path / "a", progress=False)
+    train(mc, tc, tmp_path / "b", progress=False, stop_at=6)
+    train(None, None, tmp_path / "b", resume=True, progress=False)
+    logs = [json.loads((tmp_path / r / "train_log.json").read_text()) for r in ("a", "b")]
+    history = logs[0]["probes"]["history"]
+    assert [h["step"] for h in history] == [0, 4, 8, 10]
+    assert logs[0]["probes"] == logs[1]["probes"] and logs[0]["loss"] == logs[1]["loss"]
+    assert len(logs[0]["probes"]["windows_sha256"]) == 64 and logs[0]["probes"]["windows"] == 2
+    assert history[0]["embed_weight"][1] == pytest.approx(0.5)  # zero queries at step 0: uniform over 2 sources
+    last = DepthTrace.load(tmp_path / "a" / "probes" / "last")
+    assert last.tokens.shape == (2, 32) and last.has_gradients
+    fig = over_training({"block": history})
+    assert len(fig.data) == 4 * 5 + 1  # four per-read rows of 5 reads, and the gradient spread

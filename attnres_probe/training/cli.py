@@ -37,6 +37,8 @@ _TRAIN_FLAGS = (
     "eval_batches",
     "corpus",
     "val_fraction",
+    "probe_every",
+    "probe_windows",
 )
 
 
@@ -75,6 +77,11 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     t.add_argument("--corpus", help="pydoc (default) | shakespeare | path to a UTF-8 text file")
     t.add_argument("--val-fraction", type=float, help="held-out share at the end of the corpus (default 0.1)")
     t.add_argument("--seed", type=int, help="seed of the model init and the batch order (default 0)")
+    t.add_argument(
+        "--probe-every", type=int,
+        help="record the routing of held-out probe windows every N steps into the run (0 = never, the default)",
+    )
+    t.add_argument("--probe-windows", type=int, help="validation windows a routing probe records (default 4)")
     r = p.add_argument_group("run")
     r.add_argument("--resume", action="store_true", help="continue the run saved in --out up to --steps")
     r.add_argument("--overwrite", action="store_true", help="replace a run already saved in --out")

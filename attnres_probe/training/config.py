@@ -41,6 +41,8 @@ class TrainConfig:
     seed: int = 0  # batch order and torch's global RNG (model init uses ModelConfig.seed)
     corpus: str = "pydoc"  # "pydoc" | "shakespeare" | path to a UTF-8 text file
     val_fraction: float = 0.1  # the last share of the corpus held out for validation
+    probe_every: int = 0  # record the probe windows' routing every this many steps (0: never)
+    probe_windows: int = 4  # how many held-out validation windows a probe records
 
     def __post_init__(self) -> None:
         if isinstance(self.corpus, Path):
@@ -56,8 +58,9 @@ class TrainConfig:
             require_int(name, getattr(self, name), low=1)
         if self.seq_len is not None:
             require_int("seq_len", self.seq_len, low=1)
-        for name in ("eval_every", "seed"):
+        for name in ("eval_every", "seed", "probe_every"):
             require_int(name, getattr(self, name), low=0)
+        require_int("probe_windows", self.probe_windows, low=1)
         if self.warmup_steps is not None:
             require_int("warmup_steps", self.warmup_steps, low=0)
             if self.warmup_steps > self.steps:

@@ -178,6 +178,21 @@ class _Session:
     def validate(self) -> None:
         self.history.val_losses.append((self.history.step, evaluate(self.model, self.data.val_batches)))
 
+    def probe(self) -> None:
+        """Record the probe windows' routing at this step (``probe_every``), keep its summary
+        and the latest full trace."""
+        from attnres_probe.training.probes import probe_tokens, record_probe, save_last, summarize
+
+        tokens = probe_tokens(self.data.val_batches, self.cfg.probe_windows, self.cfg.seq_len)
+        trace = record_probe(self.model, tokens)
+        self.history.probes.append(summarize(trace, self.history.step))
+        save_last(trace, self.out_dir)
+
+    def probe_due(self) -> bool:
+        every = self.cfg.probe_every
+        done = {p["step"] for p in self.history.probes}
+        return bool(every) and (self.history.step % every == 0 or self.history.step == self.cfg.steps) and self.history.step not in done
+
     def save(self) -> None:
         doc = self.history.state_doc(self.base, self.wall_time())
         save_state(self.out_dir, self.model, self.opt, self.batch_gen, doc)
@@ -275,6 +290,8 @@ def _train_locked(
     out_dir.mkdir(parents=True, exist_ok=True)
     if history.step == 0 and cfg.eval_every and not history.val_losses:
         session.validate()
+    if session.probe_due():  # the routing at initialisation (uniform for AttnRes)
+        session.probe()
     _run_steps(session, end, progress)
     return _finish(session, used_backend)
 
@@ -416,10 +433,15 @@ def _run_steps(session: _Session, end: int, progress: bool) -> None:
                 history.losses.append(value)
                 history.grad_norms.append(norm)
                 history.lrs.append(lr)
+                probed = session.probe_due()
+                if probed:
+                    session.probe()
                 if cfg.eval_every and history.step % cfg.eval_every == 0 or history.step == cfg.steps:
                     session.validate()
                     if history.step < end:  # the end of the session saves in _finish
                         session.save()
+                elif probed and history.step < end:
+                    session.save()  # a probe's summary survives a kill
                 if bar is not None:
                     postfix = {"loss": f"{value:.3f}"}
                     if history.val_losses:
@@ -463,6 +485,7 @@ def _finish(session: _Session, used_backend: str) -> TrainResult:
         "n_params": model.n_params(),
         "wall_time_s": wall,
         "resumed_at": history.resumed_at,
+        "probes": _probe_log(session),
         "device": str(session.device),
         "backend": used_backend,
         "attnres_probe": __version__,
@@ -481,6 +504,24 @@ def _finish(session: _Session, used_backend: str) -> TrainResult:
         wall_time_s=wall,
         log=log,
     )
+
+
+def _probe_log(session: _Session) -> dict[str, Any] | None:
+    """The log's record of the routing probes: settings, the windows' hash, every summary."""
+    cfg = session.cfg
+    if not cfg.probe_every:
+        return None
+    from attnres_probe.training.probes import PROBE_DIR, probe_tokens, tokens_sha256
+
+    tokens = probe_tokens(session.data.val_batches, cfg.probe_windows, cfg.seq_len)
+    return {
+        "every": cfg.probe_every,
+        "windows": int(tokens.shape[0]),
+        "window_tokens": int(tokens.shape[1]),
+        "windows_sha256": tokens_sha256(tokens),
+        "last_trace": PROBE_DIR,
+        "history": session.history.probes,
+    }
 
 
 def _progress_bar(enabled: bool, initial: int, total: int, residual: str):

@@ -78,6 +78,8 @@ class History:
         val_losses: ``(step, loss)`` of every validation.
         wall_before: seconds spent training in earlier sessions of the run.
         resumed_at: the step at which each later session started.
+        probes: the summary of every routing probe so far (``train --probe-every``; see
+            :func:`attnres_probe.training.probes.summarize`).
     """
 
     step: int = 0
@@ -87,6 +89,7 @@ class History:
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     wall_before: float = 0.0
     resumed_at: list[int] = field(default_factory=list)
+    probes: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def resumed(cls, state: dict[str, Any]) -> History:
@@ -100,6 +103,7 @@ class History:
             val_losses=[(int(s), float(v)) for s, v in state["val"]],
             wall_before=float(state["wall_time_s"]),
             resumed_at=[*state["resumed_at"], step],
+            probes=list(state.get("probes", [])),
         )
 
     def state_doc(self, base: dict[str, Any], wall_time_s: float) -> dict[str, Any]:
@@ -121,6 +125,7 @@ class History:
             "val": self.val_losses,
             "wall_time_s": wall_time_s,
             "resumed_at": self.resumed_at,
+            "probes": self.probes,
         }
 
 
