@@ -35,7 +35,7 @@ cd "$(dirname "$0")/.."
 GPU_EXTRA=(fla-core==0.6.0 fast-attnres==2.1.0 flash-attn-res==0.1.12)
 MODEL_DEPS=(transformer-lens==4.3.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
 # gpu_fla.py (issue #19): fla's models and what they import, at the versions the CPU tests use
-FLA_DEPS=(flash-linear-attention==0.6.0 transformers==5.24.0 tokenizers==0.23.3 safetensors==0.8.0 einops==0.8.2)
+FLA_DEPS=(flash-linear-attention==0.6.0 transformers==5.24.0 huggingface-hub==2.4.0 tokenizers==0.23.3 safetensors==0.8.0 einops==0.8.2)
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
     PIP_PY=.venv/bin/python
