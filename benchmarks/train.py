@@ -4,8 +4,10 @@ One optimizer step (AdamW, forward + backward + clip + update) of each architect
 turn (the order rotating from round to round), repeatedly (with Python's collector set up as in the trainer's loop, see
 ``attnres_probe.training.frozen_gc``), so that machine noise hits all three alike. The median step time gives
 tokens/s; the ratio to PreNorm is the median over rounds of each round's ratio (the steps of
-one round run back to back, so a slow spell of the shared machine cancels out of it). Target:
-Block <= 1.15x PreNorm's step time (Full is reported).
+one round run back to back, so a slow spell of the shared machine cancels out of it). Targets:
+Block <= 1.20x PreNorm's step time at the demo size and <= 1.10x at d=256 / 12 layers / 256
+tokens (Full is reported). Every model runs its one forward, through its hook points and norm
+modules; only the depth-attention op differs by backend.
 
     python benchmarks/train.py                  # demo size, and d=256 / 12 layers / 256 tokens
     python benchmarks/train.py --quick
@@ -29,6 +31,7 @@ SIZES = {
     "quick": dict(d_model=32, n_layers=2, n_heads=2, n_ctx=64, batch=4),
 }
 RESIDUALS = ("prenorm", "full", "block")
+TARGETS = {"demo": 1.20, "large": 1.10, "quick": 1.20}  # Block / PreNorm step time
 
 
 def make_step(size: str, residual: str):
@@ -80,8 +83,9 @@ def main(argv=None) -> int:
             tokens = steps[r][1]
             note = ""
             if r == "block":
-                note = "  ok (<= 1.15)" if ratio <= 1.15 else "  MISSES TARGET (<= 1.15)"
-                met &= ratio <= 1.15
+                target = TARGETS[size]
+                note = f"  ok (<= {target:.2f})" if ratio <= target else f"  MISSES TARGET (<= {target:.2f})"
+                met &= ratio <= target
             print(f"{size:6s} {r:8s} {med[r] * 1e3:8.1f} {tokens / med[r]:9.0f} {ratio:9.3f}{note}")
     print("\nBlock target met at every size" if met else "\nBlock target missed somewhere")
     return 0
