@@ -23,6 +23,7 @@ SUBCOMMANDS: list[tuple[str, str, str, str]] = [
     ("summary", "attnres_probe.commands", "add_summary_parser", "print a per-layer summary of a model on a text"),
     ("dash", "attnres_probe.dashboards.cli", "add_dash_parser", "open the interactive depth-routing explorer (Dash)"),
     ("report", "attnres_probe.reports.cli", "add_report_parser", "export a self-contained HTML report (opens offline)"),
+    ("corpus", "attnres_probe.corpus", "add_corpus_parser", "record a corpus through models: per-window metrics, intervals, verdicts"),
     ("demo", "attnres_probe.commands", "add_demo_parser", "open the dashboard on the bundled demo models"),
     ("demo-models", "attnres_probe.demo", "add_demo_models_parser", "regenerate the bundled demo models (PreNorm, Full, Block)"),
     ("study", "attnres_probe.study", "add_study_parser", "run the reproduction study on the bundled demo models"),
@@ -93,6 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
+    except OSError as exc:  # a full or read-only disk, a locked destination: one line, no traceback
+        print(f"attnres-probe {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

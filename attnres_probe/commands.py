@@ -109,8 +109,14 @@ def _run_demo(args: argparse.Namespace) -> int:
             print(f"\n== {t.name}")
             with pd.option_context("display.width", 120, "display.float_format", "{:.4g}".format):
                 print(layer_summary(t).to_string())
-        with pd.option_context("display.width", 160, "display.float_format", "{:.4g}".format):
-            print("\n== metrics\n" + metrics.compare(*traces).to_string())
+        from attnres_probe.analysis.display import table_rows
+
+        t = table_rows(metrics.compare(*traces))
+        n = len(t["models"])
+        table = pd.DataFrame([[*r["cells"], *r["verdicts"]] for r in t["rows"]], index=[r["metric"] for r in t["rows"]],
+                             columns=[*t["columns"], *[f"verdict: {c}" for c in t["comparisons"]]])
+        with pd.option_context("display.width", 200, "display.max_columns", 2 * n + 2, "display.max_colwidth", 40):
+            print("\n== metrics (one text = one window: no intervals, every verdict inconclusive)\n" + table.to_string())
         return 0
     from attnres_probe.dashboards.cli import run_demo
 

@@ -36,7 +36,11 @@ __all__ = [
     "MODEL_PALETTE",
     "WEIGHT_COLORSCALE",
     "ablation_chart",
+    "corpus_heatmap",
+    "corpus_side_by_side",
+    "gradient_bands",
     "gradient_norms",
+    "magnitude_bands",
     "magnitudes",
     "mean_heatmap",
     "metric_table_figure",
@@ -444,6 +448,136 @@ def gradient_norms(traces: Sequence[DepthTrace]) -> go.Figure:
     return fig
 
 
+# -- corpus aggregates (CorpusStats) ---------------------------------------------------------
+def corpus_heatmap(stats, kind: str = "weights", name: str | None = None, value: str = "mean") -> go.Figure:
+    """Mean depth routing over a corpus, reads (y) x sources (x), with each cell's spread.
+
+    Each cell is the mean over every real token of the corpus (``stats.mean(kind)``); the hover
+    adds the standard deviation over tokens and the count, so a mean of 0.3 made of 0.3s reads
+    differently from one made of 0s and 1s. Unavailable cells stay blank.
+
+    Args:
+        stats: a :class:`~attnres_probe.stats.CorpusStats`.
+        kind: ``"weights"`` | ``"contrib"`` | ``"logits"``.
+        name: the model's label (default ``stats.name``).
+        value: ``"mean"`` colours the mean; ``"sd"`` colours the standard deviation over tokens
+            (the spread, from 0 up), with the mean in the hover.
+
+    Returns:
+        Figure with one Heatmap: ``z`` [R, S] means (or sds), ``customdata`` [R, S, 3] = (mean, sd, count).
+    """
+    _check_kind(kind)
+    if value not in ("mean", "sd"):
+        raise ValueError(f"value is {value!r}; accepted values are 'mean' and 'sd'")
+    trace = stats.to_trace()
+    key = {"weights": "depth_weights", "contrib": "contrib", "logits": "logits"}[kind]
+    mean = np.asarray(stats.mean(key), np.float64)
+    mean = np.where(np.isinf(mean), np.nan, mean)
+    sd = np.sqrt(np.asarray(stats.var(key), np.float64))
+    count = np.asarray(stats.stats[key].count, np.float64)
+    name = name or stats.name
+    z = mean if value == "mean" else sd
+    if value == "mean":
+        colors = _color_range(kind, z)
+    else:
+        top = float(np.nanmax(z)) if np.isfinite(z).any() else 1.0
+        colors = {"zmin": 0.0, "zmax": max(top, 1e-6)}
+    fig = go.Figure(
+        go.Heatmap(
+            z=z, x=trace.source_labels, y=trace.read_labels, customdata=np.stack([mean, sd, count], axis=-1),
+            hovertemplate="read %{y}<br>source %{x}<br>mean %{customdata[0]:.4~g}<br>sd over tokens %{customdata[1]:.3~g}"
+            "<br>tokens %{customdata[2]:.0f}<extra></extra>",
+            hoverongaps=False, colorscale=COLORSCALES[kind] if value == "mean" else "Greys",
+            colorbar={"title": {"text": kind if value == "mean" else "sd"}}, **colors,
+        )
+    )
+    notes = _empty_note(trace, kind, z)
+    if kind == "weights" and trace.residual == "prenorm" and not notes:
+        notes = [_note("PreNorm: every coefficient is 1 (see kind='contrib')", y=1.06)]
+    fig.update_layout(
+        title={"text": f"{name} · {'mean' if value == 'mean' else 'sd'} over {stats.n_tokens} tokens in {stats.n_windows} windows"
+                       f" · {KIND_TITLES[kind]}"},
+        shapes=_read_block_lines(trace), annotations=notes, plot_bgcolor="white",
+        height=max(320, 24 * len(trace.read_labels) + 140),
+        xaxis={"title": {"text": "source"}, "showgrid": False, "tickangle": -45 if len(trace.source_labels) > 8 else 0},
+        yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
+    )
+    return fig
+
+
+def corpus_side_by_side(stats: Sequence, kind: str = "weights", names: Sequence[str] | None = None, value: str = "mean") -> go.Figure:
+    """:func:`corpus_heatmap` of several models in a row, as :func:`side_by_side` (``value="sd"``: the spreads,
+    on one shared range)."""
+    stats = list(stats)
+    if not stats:
+        raise ValueError("corpus_side_by_side() needs at least one CorpusStats")
+    names = list(names) if names is not None else [s.name for s in stats]
+    by_id = {id(s): n for s, n in zip(stats, names)}
+    fig = side_by_side(stats, lambda s, kind: corpus_heatmap(s, kind, name=by_id[id(s)], value=value), names=names, kind=kind)
+    if value == "sd":
+        top = max(float(t.zmax) for t in fig.data)
+        fig.update_traces(zmin=0.0, zmax=top)
+        fig.update_layout(title={"text": f"spread over tokens (sd) of the {KIND_TITLES.get(kind, kind)}"})
+    return fig
+
+
+BAND_NOTE = "lines: mean over windows; bands: 95% interval of that mean"
+
+
+def _hex_rgba(color: str, alpha: float) -> str:
+    c = color.lstrip("#")
+    return f"rgba({int(c[0:2], 16)},{int(c[2:4], 16)},{int(c[4:6], 16)},{alpha})"
+
+
+def _band_figure(stats: Sequence, names: Sequence[str] | None, panels: list[tuple[str, str, str]], title: str) -> go.Figure:
+    """Line + band per model on each panel; panels = [(profile name, subplot title, y label)]."""
+    stats = list(stats)
+    if not stats:
+        raise ValueError("pass at least one CorpusStats")
+    names = unique_names(list(names) if names is not None else [s.name for s in stats])
+    colors = model_colors(names)
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[p[1] for p in panels])
+    notes = list(fig.layout.annotations)
+    for col, (prof_name, _, ylabel) in enumerate(panels, start=1):
+        missing = 0
+        for s, name in zip(stats, names):
+            prof = s.profile(prof_name)
+            if not np.isfinite(prof["mean"].to_numpy(float)).any():
+                sfx = "" if col == 1 else str(col)
+                notes.append(_note(f"{name}: not recorded", f"x{sfx} domain", f"y{sfx} domain", 0.9 - 0.08 * missing))
+                missing += 1
+                continue
+            x = list(prof.index)
+            lo, hi = prof["low"].to_numpy(float), prof["high"].to_numpy(float)
+            fig.add_trace(go.Scatter(x=x + x[::-1], y=np.concatenate([hi, lo[::-1]]), fill="toself", mode="lines",
+                                     line={"width": 0}, fillcolor=_hex_rgba(colors[name], 0.2), hoverinfo="skip",
+                                     legendgroup=name, showlegend=False, name=f"{name} band"), row=1, col=col)
+            fig.add_trace(go.Scatter(
+                x=x, y=prof["mean"].to_numpy(float), name=name, legendgroup=name, showlegend=col == 1, mode="lines+markers",
+                line={"color": colors[name]}, customdata=np.stack([lo, hi, prof["windows"].to_numpy(float)], axis=-1),
+                hovertemplate=f"{name}<br>%{{x}}<br>{ylabel} %{{y:.4~g}}<br>95% interval [%{{customdata[0]:.4~g}}, "
+                "%{customdata[1]:.4~g}]<br>windows %{customdata[2]:.0f}<extra></extra>",
+            ), row=1, col=col)
+    for col, (_, _, ylabel) in enumerate(panels, start=1):
+        fig.update_yaxes(type="log", title_text=f"{ylabel} (log)", row=1, col=col)
+    fig.update_layout(title={"text": f"{title} ({BAND_NOTE})"}, annotations=notes, height=440)
+    return fig
+
+
+def magnitude_bands(stats: Sequence, names: Sequence[str] | None = None) -> go.Figure:
+    """Magnitudes by depth over a corpus: RMS of mixed inputs by read and of written sources, each a
+    line (mean over windows of the window's mean) with a band (95% interval of that mean)."""
+    return _band_figure(stats, names, [("rms_in", "RMS of mixed input h, by read", "rms(h)"),
+                                       ("rms_out", "RMS of written source v", "rms(v)")], "Magnitudes by depth")
+
+
+def gradient_bands(stats: Sequence, names: Sequence[str] | None = None) -> go.Figure:
+    """Gradient norms by depth over a corpus: ‖∂Loss/∂h‖ by read and parameter-gradient norm by
+    sublayer, each a line (mean over windows) with a band (95% interval of that mean)."""
+    return _band_figure(stats, names, [("grad_in", "‖∂Loss/∂h‖ at mixed inputs, by read", "‖∂L/∂h‖"),
+                                       ("param_grad", "parameter-gradient norm per sublayer", "‖∂L/∂θ‖")], "Gradient norms by depth")
+
+
 # -- ablation and tables ----------------------------------------------------------------------
 ABLATION_COLUMNS = ("read", "source", "mass", "contrib", "delta_loss")
 ABLATION_BAR_COLORS = ("#D62728", "#FF9896", "#8C564B")  # one per ablation mode
@@ -551,3 +685,72 @@ def trace_summary_html(trace: DepthTrace, n_tokens: int = 40) -> str:
         f"<div style='margin-top:6px'>text: <code style='white-space:pre-wrap'>{text}</code></div>"
         "</div>"
     )
+
+
+# -- routing over training (train --probe-every) ----------------------------------------------
+OVER_TRAINING_ROWS = (
+    ("embed_weight", "weight on the embedding"),
+    ("recent_mass", "mass on the most recent source"),
+    ("entropy", "routing entropy (1 = uniform)"),
+    ("rms_in", "RMS of the mixed input"),
+)
+
+
+def over_training(histories: dict[str, Sequence[dict]], read_labels: Sequence[str] | None = None) -> go.Figure:
+    """How routing changes during training: per read, against the training step, one column per run.
+
+    Args:
+        histories: run name -> its probe summaries (``train_log.json``'s ``probes.history``,
+            recorded with ``train --probe-every N``; see :mod:`attnres_probe.training.probes`).
+        read_labels: the reads' labels (default ``L0.attn`` … ``final`` from the history's length).
+
+    Returns:
+        Figure: rows = embedding weight, recent-source mass, entropy, mixed-input RMS (one line
+        per read, early reads light, late reads dark), and the gradient spread (the CV of the
+        per-read gradient norms, one line); columns = runs. PreNorm has no routing weights: its
+        weight rows say so instead of drawing a constant.
+    """
+    names = list(histories)
+    if not names:
+        raise ValueError("over_training() needs at least one run's probe history")
+    for name in names:
+        if not histories[name]:
+            raise ValueError(f"run {name!r} has no routing probes (train it with --probe-every N)")
+    rows = [*OVER_TRAINING_ROWS, ("act_grad_cv", "gradient spread (CV over reads)")]
+    fig = make_subplots(
+        rows=len(rows), cols=len(names), shared_xaxes=True, column_titles=names,
+        row_titles=None, vertical_spacing=0.05, horizontal_spacing=0.06,
+    )
+    import plotly.colors as pc
+
+    for c, name in enumerate(names, start=1):
+        hist = sorted(histories[name], key=lambda h: h["step"])
+        steps = [h["step"] for h in hist]
+        n_reads = len(hist[0]["rms_in"])
+        labels = list(read_labels) if read_labels is not None and len(read_labels) == n_reads else [
+            *(f"L{i // 2}.{'attn' if i % 2 == 0 else 'mlp'}" for i in range(n_reads - 1)), "final"]
+        shades = pc.sample_colorscale("Viridis", [0.9 - 0.8 * r / max(1, n_reads - 1) for r in range(n_reads)])
+        for rw, (key, title) in enumerate(rows, start=1):
+            if key == "act_grad_cv":
+                fig.add_trace(go.Scatter(x=steps, y=[h.get(key) for h in hist], mode="lines+markers", name=f"{name} · grad CV",
+                                         line={"color": "#444"}, showlegend=False,
+                                         hovertemplate="step %{x}<br>CV %{y:.3f}<extra>" + html.escape(name) + "</extra>"), row=rw, col=c)
+            else:
+                values = np.array([[np.nan if v is None else v for v in h[key]] for h in hist], dtype=float)  # (steps, R)
+                if not np.isfinite(values).any():
+                    fig.add_annotation(text="no routing weights (PreNorm)" if key != "rms_in" else "not recorded",
+                                       xref="x domain" if rw == 1 and c == 1 else f"x{(rw - 1) * len(names) + c} domain",
+                                       yref="y domain" if rw == 1 and c == 1 else f"y{(rw - 1) * len(names) + c} domain",
+                                       x=0.5, y=0.5, showarrow=False, font={"color": "#777"})
+                for r in range(n_reads):
+                    fig.add_trace(go.Scatter(
+                        x=steps, y=values[:, r], mode="lines", line={"color": shades[r], "width": 1.5},
+                        name=labels[r], legendgroup=labels[r], showlegend=(rw == 1 and c == 1),
+                        hovertemplate=f"{html.escape(labels[r])}<br>step %{{x}}<br>%{{y:.3f}}<extra>{html.escape(name)}</extra>",
+                    ), row=rw, col=c)
+            if c == 1:
+                fig.update_yaxes(title={"text": title, "font": {"size": 11}}, row=rw, col=c)
+        fig.update_xaxes(title={"text": "training step"}, row=len(rows), col=c)
+    fig.update_layout(height=190 * len(rows) + 120, title={"text": "Routing over training (held-out probe windows)"},
+                      plot_bgcolor="white", legend={"title": {"text": "read"}})
+    return fig

@@ -20,6 +20,7 @@ Which routing array a metric reads (``kind``):
 
 from __future__ import annotations
 
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -61,6 +62,8 @@ FORMULAS: dict[str, str] = {
     # magnitude growth
     "rms_in_growth": "m_{L−1} / m_0, m_r = mean over tokens of rms(h_r) at sublayer read r",
     "rms_in_log_slope": "least-squares slope of log m_r against r = 0 … L−1 (natural log, per read)",
+    "rms_in_max_min": "max_r m_r / min_r m_r over the L sublayer reads (how far the magnitude swings, not only end to end)",
+    "rms_in_peak": "max_r m_r: the largest mean rms(h_r) over the L sublayer reads",
     "rms_out_growth": "o_L / o_1, o_j = mean over tokens of rms(v_j), v_1 … v_L the sublayer outputs",
     "rms_out_log_slope": "least-squares slope of log o_j against j = 1 … L (natural log, per sublayer)",
     # summary headline numbers
@@ -72,13 +75,16 @@ FORMULAS: dict[str, str] = {
     "mean_loss": "mean next-token loss over real tokens with a target",
 }
 
-# how compare() sets a model against the PreNorm baseline, per summary row
+# metrics compare() sets against the PreNorm baseline as model / baseline (the rest: model − baseline);
+# analysis.verdicts.EXPECTED is the owner of this choice
 RATIO_METRICS = (
     "param_grad_cv",
     "param_grad_max_min",
     "act_grad_cv",
     "act_grad_max_min",
     "rms_in_growth",
+    "rms_in_max_min",
+    "rms_in_peak",
     "rms_out_growth",
 )
 
@@ -255,14 +261,14 @@ def gradient_uniformity(trace: DepthTrace) -> pd.Series:
     )
 
 
-def _growth(m: np.ndarray) -> tuple[float, float]:
-    """(last/first, least-squares slope of log m over index)."""
+def _growth(m: np.ndarray) -> tuple[float, float, float, float]:
+    """(last/first, least-squares slope of log m over index, max/min, max)."""
     m = np.asarray(m, dtype=np.float64)
     if m.size == 0 or not (np.isfinite(m).all() and (m > 0).all()):
-        return float("nan"), float("nan")
+        return float("nan"), float("nan"), float("nan"), float("nan")
     ratio = float(m[-1] / m[0])
     slope = float(np.polyfit(np.arange(m.size), np.log(m), 1)[0]) if m.size > 1 else float("nan")
-    return ratio, slope
+    return ratio, slope, float(m.max() / m.min()), float(m.max())
 
 
 def magnitude_growth(trace: DepthTrace) -> pd.Series:
@@ -270,6 +276,8 @@ def magnitude_growth(trace: DepthTrace) -> pd.Series:
 
         rms_in_growth      m_{L−1} / m_0, m_r = mean over real tokens of rms(h_r), the L sublayer reads
         rms_in_log_slope   least-squares slope of log m_r over r = 0 … L−1 (natural log per read)
+        rms_in_max_min     max_r m_r / min_r m_r (a stream can end where it began and still swing)
+        rms_in_peak        max_r m_r
         rms_out_growth     o_L / o_1, o_j = mean over real tokens of rms(v_j), the L sublayer outputs
                            (the embedding v_0 left out)
         rms_out_log_slope  least-squares slope of log o_j over j = 1 … L
@@ -277,17 +285,19 @@ def magnitude_growth(trace: DepthTrace) -> pd.Series:
     PreNorm's growing stream shows as a ratio well above one and a positive slope.
 
     Returns:
-        Series indexed by the four names above (NaN where a mean is not finite and positive).
+        Series indexed by the six names above (NaN where a mean is not finite and positive).
     """
     L = len(trace.sublayer_labels)
     m_in = token_mean(_real(trace, trace.rms_in))[:L]
     m_out = token_mean(_real(trace, trace.rms_out))[1 : L + 1]
-    in_ratio, in_slope = _growth(m_in)
-    out_ratio, out_slope = _growth(m_out)
+    in_ratio, in_slope, in_max_min, in_peak = _growth(m_in)
+    out_ratio, out_slope, _, _ = _growth(m_out)
     return pd.Series(
         {
             "rms_in_growth": in_ratio,
             "rms_in_log_slope": in_slope,
+            "rms_in_max_min": in_max_min,
+            "rms_in_peak": in_peak,
             "rms_out_growth": out_ratio,
             "rms_out_log_slope": out_slope,
         },
@@ -327,34 +337,57 @@ def summary(trace: DepthTrace) -> pd.Series:
     )
 
 
-def compare(*traces: DepthTrace, names: list[str] | None = None) -> pd.DataFrame:
-    """:func:`summary` of several traces side by side, set against the PreNorm baseline.
+def compare(
+    *items: DepthTrace | Any,
+    names: list[str] | None = None,
+    n_resamples: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+    baseline: str | None = None,
+) -> pd.DataFrame:
+    """Every headline metric of several models with bootstrap intervals over windows, and each
+    model set against the PreNorm baseline with a paired interval and a verdict.
 
-    Rows are metric names (keys of :data:`FORMULAS`); one column per trace, named by
-    ``names`` or ``trace.name`` (duplicates get " (2)", ...). If one of the traces is PreNorm
-    (the first such is the baseline), every other trace gets a column ``"<name> vs <baseline>"``:
-    model / baseline for the spread and growth ratios (``RATIO_METRICS``), model − baseline for
-    everything else; the column ``comparison`` says which ("ratio" or "difference").
+    A *window* is one sequence of a trace (a trace of one prompt is one window) or one window a
+    :class:`~attnres_probe.stats.CorpusStats` recorded. For each model and metric the estimate
+    is the mean over windows with a percentile-bootstrap interval; for each AttnRes model
+    against the baseline (the first PreNorm model unless ``baseline`` names one) it is the mean
+    paired difference, or for spreads, growths and peaks (:data:`RATIO_METRICS`) the ratio of
+    means, on the windows both recorded, with its interval and the verdict of
+    :func:`attnres_probe.analysis.verdicts.verdict` against the paper's direction. With one
+    window there is no interval (the note says so) and every verdict is "inconclusive".
+
+    Args:
+        *items: DepthTraces and/or CorpusStats, one per model.
+        names: display names (default each item's name; duplicates get " (2)", ...).
+        n_resamples: bootstrap resamples (shared by every metric and model).
+        seed: seeds the resampling; the same inputs and seed give the same frame.
+        level: interval coverage.
+        baseline: name of the model to compare against (default: the first PreNorm one).
 
     Returns:
-        DataFrame indexed by metric name.
+        The tidy frame of :func:`attnres_probe.analysis.compare.compare_windows`: columns
+        metric, model, baseline, comparison ("value" / "difference" / "ratio"), estimate, low,
+        high, pooled, windows, held, expected, verdict, note.
     """
-    if not traces:
-        raise ValueError("compare() needs at least one DepthTrace")
-    if names is not None and len(names) != len(traces):
-        raise ValueError(f"names has {len(names)} entries for {len(traces)} traces; give one name per trace")
-    cols = unique_names(list(names) if names is not None else [t.name for t in traces])
-    frame = pd.concat([summary(t).rename(c) for t, c in zip(traces, cols)], axis=1)
-    frame.index.name = "metric"
-    base = next((i for i, t in enumerate(traces) if t.residual == "prenorm"), None)
-    if base is None:
-        return frame
-    ratio = frame.index.isin(RATIO_METRICS)
-    b = frame[cols[base]]
-    for i, c in enumerate(cols):
-        if i == base:
-            continue
-        with np.errstate(divide="ignore", invalid="ignore"):
-            frame[f"{c} vs {cols[base]}"] = np.where(ratio, frame[c] / b.where(b != 0), frame[c] - b)
-    frame["comparison"] = np.where(ratio, "ratio", "difference")
-    return frame
+    from attnres_probe.analysis.compare import Windows, compare_windows
+    from attnres_probe.stats import CorpusStats
+
+    if not items:
+        raise ValueError("compare() needs at least one DepthTrace or CorpusStats")
+    if names is not None and len(names) != len(items):
+        raise ValueError(f"names has {len(names)} entries for {len(items)} models; give one name per model")
+    cols = unique_names(list(names) if names is not None else [_item_name(t) for t in items])
+    windows = []
+    for item, name in zip(items, cols):
+        if isinstance(item, DepthTrace):
+            windows.append(Windows.of_trace(item, name))
+        elif isinstance(item, CorpusStats):
+            windows.append(Windows.of_stats(item, name))
+        else:
+            raise TypeError(f"compare() takes DepthTrace or CorpusStats objects; got {type(item).__name__}")
+    return compare_windows(windows, n_resamples=n_resamples, seed=seed, level=level, baseline=baseline)
+
+
+def _item_name(item: Any) -> str:
+    return item.name if hasattr(item, "name") else str(item)

@@ -1,22 +1,46 @@
-"""CorpusStats: running aggregates over many traces, in memory independent of corpus size.
+"""CorpusStats: running aggregates over many windows, in memory independent of corpus size, mergeable.
 
-Every per-token quantity is aggregated cell by cell (count, mean, population variance) with
-Chan et al.'s parallel update, skipping NaN cells (unavailable sources, padding), so the result
-equals the statistics of all tokens pooled. Per-batch quantities (parameter-gradient norms) are
-aggregated over batches.
+Three kinds of aggregate, all combinable across batches, processes and machines:
+
+- per token, cell by cell (count, mean, M2 with Chan et al.'s parallel update, NaN cells
+  skipped): the depth weights, logits and contribution shares [R, S], RMS in [R] and out
+  [L+1], activation-gradient norms [R] and the loss, so the means equal those of all tokens
+  pooled; parameter- and mixer-gradient norms are aggregated per backward pass (per batch);
+- per window, the same way: each window's mean depth profiles (``profiles``: rms_in, grad_in,
+  rms_out, param_grad), for bands across windows;
+- the value of every headline metric in every window (``window_table()``), kept for the
+  bootstrap (a few dozen numbers per window).
+
+``merge`` combines two aggregates of the same model (refusing any other, with the reason);
+``save``/``load`` write one folder of JSON + NPZ (loaded with ``allow_pickle=False``) + Parquet,
+never a pickle. Windows are kept in (document, offset) order, so a merge of shards equals one
+run over the same documents.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from attnres_probe._version import __version__
+from attnres_probe.analysis.windows import KEY_COLUMNS, WINDOW_METRICS, window_digests, window_metric_arrays, window_profiles
+from attnres_probe.io import atomic_write, sha256_file
 from attnres_probe.trace import DepthTrace
 
-__all__ = ["CorpusStats", "RunningStats"]
+__all__ = ["CorpusStats", "RunningStats", "StatsError", "STATS_SCHEMA_VERSION"]
+
+STATS_SCHEMA_VERSION = 1
+STATS_FILE = "stats.json"
+ARRAYS_FILE = "arrays.npz"
+WINDOWS_FILE = "windows.parquet"
 
 # trace array -> aggregated per token (True) or per batch (False)
 AGGREGATED = {
@@ -30,6 +54,13 @@ AGGREGATED = {
     "param_grad": False,
     "mixer_grad": False,
 }
+PROFILES = ("rms_in", "grad_in", "rms_out", "param_grad")  # per-window mean profiles
+# what must agree for two aggregates to be of the same model
+IDENTITY_KEYS = ("residual", "config", "read_labels", "source_labels", "block_starts", "weights_sha256")
+
+
+class StatsError(ValueError):
+    """Stats that cannot be combined or loaded (another model, a corrupt or too new folder)."""
 
 
 @dataclass
@@ -52,6 +83,10 @@ class RunningStats:
         with np.errstate(invalid="ignore", divide="ignore"):
             mean_b = np.where(n_b > 0, np.where(ok, x, 0).sum(axis=0) / np.maximum(n_b, 1), 0.0)
             m2_b = np.where(ok, (x - mean_b) ** 2, 0).sum(axis=0)
+        self._combine(n_b, mean_b, m2_b)
+
+    def _combine(self, n_b: np.ndarray, mean_b: np.ndarray, m2_b: np.ndarray) -> None:
+        """Chan et al.'s parallel update with another (count, mean, M2)."""
         n_a = self.count
         n = n_a + n_b
         delta = mean_b - self.mean
@@ -59,6 +94,14 @@ class RunningStats:
         self.mean = np.where(n > 0, self.mean + delta * n_b / safe, 0.0)
         self.m2 = np.where(n > 0, self.m2 + m2_b + delta**2 * n_a * n_b / safe, 0.0)
         self.count = n
+
+    def merged(self, other: RunningStats) -> RunningStats:
+        """A new RunningStats holding both sets of observations (shapes must match)."""
+        if self.count.shape != other.count.shape:
+            raise StatsError(f"cannot merge aggregates of shapes {self.count.shape} and {other.count.shape}")
+        out = RunningStats(self.count.copy(), self.mean.copy(), self.m2.copy())
+        out._combine(other.count, other.mean, other.m2)
+        return out
 
     @property
     def mean_or_nan(self) -> np.ndarray:
@@ -69,30 +112,69 @@ class RunningStats:
         """Population variance (ddof = 0); NaN where nothing was observed."""
         return np.where(self.count > 0, self.m2 / np.maximum(self.count, 1), np.nan)
 
+    @property
+    def sample_var(self) -> np.ndarray:
+        """Sample variance (ddof = 1); NaN with fewer than two observations."""
+        return np.where(self.count > 1, self.m2 / np.maximum(self.count - 1, 1), np.nan)
+
+
+def _empty_windows() -> dict[str, list]:
+    return {c: [] for c in (*KEY_COLUMNS, *WINDOW_METRICS)}
+
 
 @dataclass
 class CorpusStats:
-    """Aggregates of one model over a corpus: ``stats["depth_weights"].mean_or_nan`` is [R, S]."""
+    """Aggregates of one model over a corpus: ``stats["depth_weights"].mean_or_nan`` is [R, S].
+
+    Attributes:
+        meta: the model's description (name, residual, config, labels; ``weights_sha256`` when
+            the recorder knew it) plus ``progress`` bookkeeping of a resumable run.
+        stats: per-token aggregates (per-batch for ``param_grad``, ``mixer_grad``).
+        profiles: per-window aggregates of each window's mean depth profile.
+        windows: per-window keys and headline metric values (see :meth:`window_table`).
+        n_tokens, n_sequences, n_batches: what was folded in.
+        n_skipped: windows left out for being shorter than the minimum (two tokens by default).
+    """
 
     meta: dict[str, Any]
     stats: dict[str, RunningStats] = field(default_factory=dict)
     n_tokens: int = 0
     n_sequences: int = 0
     n_batches: int = 0
+    profiles: dict[str, RunningStats] = field(default_factory=dict)
+    windows: dict[str, list] = field(default_factory=_empty_windows)
+    n_skipped: int = 0
 
     @classmethod
     def empty(cls, meta: dict[str, Any]) -> CorpusStats:
-        return cls(meta=dict(meta))
+        meta = {k: v for k, v in dict(meta).items() if k not in ("str_tokens", "flags", "mean_loss", "backward")}
+        return cls(meta=meta)
+
+    @property
+    def name(self) -> str:
+        return self.meta.get("name") or self.meta.get("residual", "?")
+
+    @property
+    def n_windows(self) -> int:
+        return len(self.windows["doc"])
 
     def __repr__(self) -> str:
-        name = self.meta.get("name", "?")
         return (
-            f"CorpusStats(name={name!r}, sequences={self.n_sequences}, tokens={self.n_tokens}, "
-            f"batches={self.n_batches}; .mean(name), .var(name), .frame(name), .to_trace() for the aggregates)"
+            f"CorpusStats(name={self.name!r}, sequences={self.n_sequences}, tokens={self.n_tokens}, "
+            f"batches={self.n_batches}, windows={self.n_windows}; .mean(name), .var(name), .frame(name), "
+            ".window_table(), .to_trace() for the aggregates)"
         )
 
-    def update(self, trace: DepthTrace) -> None:
-        """Fold one trace's real tokens into the aggregates."""
+    # -- folding in ---------------------------------------------------------------------------
+    def update(self, trace: DepthTrace, docs: list[int] | None = None, starts: list[int] | None = None) -> None:
+        """Fold one trace's real tokens, and each of its windows (sequences), into the aggregates.
+
+        Args:
+            trace: a recorded batch.
+            docs, starts: per sequence, the document index and the offset (in tokens) of its
+                first token in that document; default: documents numbered after those seen
+                so far, offset 0.
+        """
         m = trace.mask
         for name, per_token in AGGREGATED.items():
             arr = getattr(trace, name)
@@ -100,15 +182,67 @@ class CorpusStats:
             if name not in self.stats:
                 self.stats[name] = RunningStats.zeros(obs.shape[1:])
             self.stats[name].update(obs)
+        B = trace.tokens.shape[0]
+        for name, prof in window_profiles(trace).items():
+            if name not in self.profiles:
+                self.profiles[name] = RunningStats.zeros(prof.shape[1:])
+            self.profiles[name].update(prof)
+        first = (self.windows["doc"][-1] + 1) if self.windows["doc"] else 0  # windows are kept in document order
+        docs = list(range(first, first + B)) if docs is None else [int(d) for d in docs]
+        starts = [0] * B if starts is None else [int(s) for s in starts]
+        if len(docs) != B or len(starts) != B:
+            raise ValueError(f"docs and starts need one entry per sequence ({B}); got {len(docs)} and {len(starts)}")
+        values = window_metric_arrays(trace)
+        self.windows["doc"] += docs
+        self.windows["start"] += starts
+        self.windows["n_tokens"] += [int(n) for n in m.sum(1)]
+        self.windows["digest"] += window_digests(trace)
+        for c in WINDOW_METRICS:
+            self.windows[c] += values[c].tolist()
         self.n_tokens += int(m.sum())
-        self.n_sequences += int(trace.tokens.shape[0])
+        self.n_sequences += B
         self.n_batches += 1
 
+    # -- reading ------------------------------------------------------------------------------
     def mean(self, name: str) -> np.ndarray:
         return self.stats[name].mean_or_nan
 
     def var(self, name: str) -> np.ndarray:
         return self.stats[name].var
+
+    def window_table(self) -> pd.DataFrame:
+        """One row per window: doc, start, n_tokens, digest, then every headline metric."""
+        df = pd.DataFrame({c: self.windows[c] for c in (*KEY_COLUMNS, *WINDOW_METRICS)})
+        df = df.astype({"doc": np.int64, "start": np.int64, "n_tokens": np.int64, "digest": object,
+                        **{c: np.float64 for c in WINDOW_METRICS}})
+        return df
+
+    def profile(self, name: str, level: float = 0.95) -> pd.DataFrame:
+        """A depth profile over windows: the mean of the per-window means, its interval, the spread.
+
+        Columns ``mean``, ``low``, ``high`` (normal-approximation interval of the mean over
+        windows, mean ± z·sd/√n), ``sd`` (standard deviation across windows) and ``windows``;
+        indexed by read (rms_in, grad_in), source (rms_out) or sublayer (param_grad).
+        """
+        from statistics import NormalDist
+
+        if name not in PROFILES:
+            raise ValueError(f"profile {name!r} is not one of {', '.join(PROFILES)}")
+        labels = {
+            "rms_in": self.meta["read_labels"],
+            "grad_in": self.meta["read_labels"],
+            "rms_out": ["embed", *self.meta["read_labels"][:-1]],
+            "param_grad": self.meta["read_labels"][:-1],
+        }[name]
+        s = self.profiles.get(name) or RunningStats.zeros((len(labels),))
+        z = NormalDist().inv_cdf((1 + level) / 2)
+        sd = np.sqrt(s.sample_var)
+        half = z * sd / np.sqrt(np.maximum(s.count, 1))
+        mean = s.mean_or_nan
+        return pd.DataFrame(
+            {"mean": mean, "low": mean - half, "high": mean + half, "sd": sd, "windows": s.count},
+            index=pd.Index(list(labels), name="read" if name != "rms_out" else "source"),
+        )
 
     def frame(self, name: str = "depth_weights") -> pd.DataFrame:
         """Tidy (read, source, mean, var, count) frame of a [R, S] aggregate."""
@@ -128,9 +262,206 @@ class CorpusStats:
 
     def to_trace(self) -> DepthTrace:
         """A one-token DepthTrace holding the corpus means (for the same figures and metrics)."""
+        if not self.stats:
+            raise StatsError(f"the stats of {self.name!r} hold no tokens yet")
         arrays = {name: self.mean(name).astype(np.float32)[None, None] if per_token else self.mean(name).astype(np.float32)
                   for name, per_token in AGGREGATED.items()}
         arrays["loss"] = arrays["loss"].reshape(1, 1)
         meta = {**self.meta, "str_tokens": [["<corpus mean>"]], "corpus": {"tokens": self.n_tokens, "sequences": self.n_sequences}}
         meta.pop("flags", None)
+        meta.pop("progress", None)
         return DepthTrace(tokens=np.zeros((1, 1), np.int64), mask=np.ones((1, 1), bool), meta=meta, **arrays)
+
+    # -- combining ----------------------------------------------------------------------------
+    def identity(self) -> dict[str, Any]:
+        """What makes two aggregates comparable: residual, config, labels, block starts, weights digest."""
+        return {k: self.meta.get(k) for k in IDENTITY_KEYS}
+
+    def check_same_model(self, other: CorpusStats | dict[str, Any], what: str = "merge") -> None:
+        """Raise :class:`StatsError` naming the first difference if ``other`` (stats or model meta) is another model.
+
+        A weights digest missing on either side is not compared; everything else must agree.
+        """
+        mine = self.identity()
+        theirs = other.identity() if isinstance(other, CorpusStats) else {k: other.get(k) for k in IDENTITY_KEYS}
+        other_name = other.name if isinstance(other, CorpusStats) else other.get("name", "?")
+        for key in IDENTITY_KEYS:
+            a, b = mine[key], theirs[key]
+            if key == "weights_sha256" and (a is None or b is None):
+                continue
+            if key == "config" and isinstance(a, dict) and isinstance(b, dict):
+                diff = sorted(k for k in set(a) | set(b) if k != "extra" and a.get(k) != b.get(k))
+                if diff:
+                    shown = ", ".join(f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in diff[:4])
+                    raise StatsError(
+                        f"cannot {what}: the stats of {self.name!r} and {other_name!r} are of different models "
+                        f"(config {shown}{', …' if len(diff) > 4 else ''})"
+                    )
+                continue
+            if _jsonable(a) != _jsonable(b):
+                shown = (lambda v: f"{str(v)[:16]}…") if key == "weights_sha256" else repr
+                raise StatsError(
+                    f"cannot {what}: the stats of {self.name!r} and {other_name!r} are of different models "
+                    f"({key}: {shown(a)} vs {shown(b)})"
+                )
+
+    def merge(self, other: CorpusStats) -> CorpusStats:
+        """A new CorpusStats holding both aggregates, as if one run had recorded both sets of windows.
+
+        Raises:
+            StatsError: ``other`` is another model (the message names the difference), or both
+                hold the same window (document, offset and tokens).
+        """
+        self.check_same_model(other)
+        mine = set(zip(self.windows["doc"], self.windows["start"], self.windows["digest"]))
+        dup = next((k for k in zip(other.windows["doc"], other.windows["start"], other.windows["digest"]) if k in mine), None)
+        if dup is not None:
+            raise StatsError(f"cannot merge: both stats hold window (document {dup[0]}, offset {dup[1]}); each window must be recorded once")
+        out = CorpusStats(meta=dict(self.meta))
+        for attr in ("stats", "profiles"):
+            a, b = getattr(self, attr), getattr(other, attr)
+            merged = {}
+            for k in dict.fromkeys([*a, *b]):
+                merged[k] = a[k].merged(b[k]) if k in a and k in b else _copy(a.get(k) or b[k])
+            setattr(out, attr, merged)
+        table = pd.concat([self.window_table(), other.window_table()], ignore_index=True)
+        table = table.sort_values(["doc", "start"], kind="stable").reset_index(drop=True)
+        out.windows = {c: table[c].tolist() for c in (*KEY_COLUMNS, *WINDOW_METRICS)}
+        out.n_tokens = self.n_tokens + other.n_tokens
+        out.n_sequences = self.n_sequences + other.n_sequences
+        out.n_batches = self.n_batches + other.n_batches
+        out.n_skipped = self.n_skipped + other.n_skipped
+        out.meta.pop("progress", None)
+        return out
+
+    # -- serialisation ------------------------------------------------------------------------
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """(JSON-able document, name -> array): everything, without pickle. See :meth:`from_state`."""
+        arrays: dict[str, np.ndarray] = {}
+        for prefix, group in (("token", self.stats), ("window", self.profiles)):
+            for name, s in group.items():
+                arrays[f"{prefix}.{name}.count"] = s.count
+                arrays[f"{prefix}.{name}.mean"] = s.mean
+                arrays[f"{prefix}.{name}.m2"] = s.m2
+        doc = {
+            "schema_version": STATS_SCHEMA_VERSION,
+            "attnres_probe": __version__,
+            "meta": self.meta,
+            "n_tokens": self.n_tokens,
+            "n_sequences": self.n_sequences,
+            "n_batches": self.n_batches,
+            "n_skipped": self.n_skipped,
+            "n_windows": self.n_windows,
+        }
+        return doc, arrays
+
+    @classmethod
+    def from_state(cls, doc: dict[str, Any], arrays: dict[str, np.ndarray], table: pd.DataFrame | None = None) -> CorpusStats:
+        """Rebuild from :meth:`state` (and the window table, :meth:`window_table`)."""
+        out = cls(meta=dict(doc["meta"]))
+        for key in ("n_tokens", "n_sequences", "n_batches", "n_skipped"):
+            setattr(out, key, int(doc.get(key, 0)))
+        for name in {k.rsplit(".", 1)[0] for k in arrays}:
+            prefix, stat = name.split(".", 1)
+            rs = RunningStats(np.asarray(arrays[f"{name}.count"], np.int64), np.asarray(arrays[f"{name}.mean"], np.float64),
+                              np.asarray(arrays[f"{name}.m2"], np.float64))
+            (out.stats if prefix == "token" else out.profiles)[stat] = rs
+        if table is not None:
+            missing = [c for c in (*KEY_COLUMNS, *WINDOW_METRICS) if c not in table.columns]
+            if missing:
+                raise StatsError(f"the window table lacks columns {missing}")
+            out.windows = {c: table[c].tolist() for c in (*KEY_COLUMNS, *WINDOW_METRICS)}
+        return out
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the stats into ``directory`` (created or replaced as a whole): stats.json, arrays.npz, windows.parquet.
+
+        The files are written into a temporary folder beside it, which then takes its place, so
+        a reader (or a resumed run) sees the old stats or the new ones, never a mix.
+        """
+        directory = Path(directory)
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(f"{directory} is a file; stats are saved as a folder")
+        if directory.is_dir() and any(p.name not in (STATS_FILE, ARRAYS_FILE, WINDOWS_FILE) for p in directory.iterdir()
+                                      if not p.name.startswith(".")):
+            raise FileExistsError(f"{directory} holds files that are not corpus stats; save into a new folder (nothing was written)")
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = directory.parent / f".{directory.name}.saving-{os.getpid()}"
+        old = directory.parent / f".{directory.name}.old"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            doc, arrays = self.state()
+            with open(tmp / ARRAYS_FILE, "wb") as f:
+                np.savez(f, **arrays)
+            self.window_table().to_parquet(tmp / WINDOWS_FILE, index=False)
+            doc["files"] = {n: sha256_file(tmp / n) for n in (ARRAYS_FILE, WINDOWS_FILE)}
+            (tmp / STATS_FILE).write_text(json.dumps(doc, indent=1, default=_json_default, allow_nan=True))
+            shutil.rmtree(old, ignore_errors=True)
+            if directory.exists():
+                os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not directory.exists() and old.exists():
+                os.replace(old, directory)
+            raise
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> CorpusStats:
+        """Read stats written by :meth:`save`.
+
+        Raises:
+            StatsError: not a stats folder, a checksum mismatch, a newer schema, unreadable files.
+        """
+        directory = Path(directory)
+        old = directory.parent / f".{directory.name}.old"
+        if not directory.is_dir() and old.is_dir():  # a save was interrupted between its two renames
+            os.replace(old, directory)
+        path = directory / STATS_FILE
+        if not path.is_file():
+            raise StatsError(f"{path} is missing: {directory} is not a saved CorpusStats folder")
+        try:
+            doc = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise StatsError(f"{path} is not valid JSON ({exc})") from None
+        version = doc.get("schema_version") if isinstance(doc, dict) else None
+        if not isinstance(version, int):
+            raise StatsError(f"{path} has no integer schema_version")
+        if version > STATS_SCHEMA_VERSION:
+            raise StatsError(
+                f"{directory} holds schema-version {version} stats; this attnres-probe ({__version__}) reads "
+                f"versions up to {STATS_SCHEMA_VERSION}: upgrade attnres-probe"
+            )
+        for name in (ARRAYS_FILE, WINDOWS_FILE):
+            if not (directory / name).is_file():
+                raise StatsError(f"{directory / name} is missing")
+            if doc.get("files", {}).get(name) != sha256_file(directory / name):
+                raise StatsError(f"{directory / name} does not match the checksum in {STATS_FILE}: the stats are corrupt")
+        try:
+            with np.load(directory / ARRAYS_FILE, allow_pickle=False) as npz:
+                arrays = {k: npz[k] for k in npz.files}
+            table = pd.read_parquet(directory / WINDOWS_FILE)
+        except Exception as exc:  # numpy / pyarrow raise several types for damaged files
+            raise StatsError(f"{directory}: the stats files cannot be read ({exc})") from None
+        return cls.from_state(doc, arrays, table)
+
+
+def _copy(s: RunningStats) -> RunningStats:
+    return RunningStats(s.count.copy(), s.mean.copy(), s.m2.copy())
+
+
+def _jsonable(v: Any) -> Any:
+    return json.loads(json.dumps(v, default=_json_default)) if v is not None else None
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"cannot store {type(obj).__name__} in stats metadata")

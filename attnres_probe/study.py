@@ -1,12 +1,21 @@
-"""Reproduction study: do the small demo models show the paper's diagnostics?
+"""Reproduction study: do the small demo models show the paper's diagnostics, window by window?
 
-Loads (or trains) the three demo models, records a fixed validation set with the probe
-(forward + backward), and writes into ``--out``:
+Loads the three shipped demo models, records the fixed validation windows their logged loss was
+measured on (one forward and one backward pass per window: :meth:`Probe.run_corpus`), and
+judges every finding with windows as the unit: the estimate (mean over windows), its 95%
+bootstrap interval, the paper's direction and the verdict of
+:func:`attnres_probe.analysis.verdicts.verdict` (consistent / contrary / inconclusive), how many
+windows go the paper's way, and the pooled value (all windows recorded together as one batch,
+gradients from one backward pass of their mean loss, as a single-batch analysis would). A finding
+*holds per window* when its verdict is consistent; it holds *only in the pool* when the pooled
+number points the paper's way but the windows do not bear it out. It writes into ``--out``:
 
-- ``results.json``: every number below, per model, plus the verdict of each finding;
-- ``study.md``: the table and the findings, stating plainly which reproduce;
-- figures (PNG when kaleido is installed, else self-contained HTML): RMS of mixed inputs by
-  depth, gradient norms by layer, locality and embedding retention by read, mean weight heatmaps.
+- ``results.json``: every number below, per model and finding;
+- ``windows.csv``: every window's value of every metric, per model (the findings can be
+  recomputed from it and results.json's pooled numbers and references);
+- ``study.md``: the findings with intervals and verdicts, and the table of every metric;
+- figures (PNG when kaleido is installed, else self-contained HTML): magnitudes and gradients by
+  depth with bands over windows, mean routing heatmaps, the embedding's weight per token.
 
     attnres-probe study --out docs/study
 """
@@ -15,95 +24,148 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import torch
 
 from attnres_probe import figures, metrics
+from attnres_probe.analysis import bootstrap
+from attnres_probe.analysis.display import LABELS, fmt_number, table_rows
+from attnres_probe.analysis.verdicts import verdict
+from attnres_probe.analysis.windows import window_metrics
 from attnres_probe.demo import DEMO_NAMES, demo_log, demo_validation_batches, load_demo
 from attnres_probe.io import atomic_write
 from attnres_probe.probe import Probe
 from attnres_probe.trace import DepthTrace
 
-__all__ = ["FINDINGS", "record_validation", "run_study", "study_numbers"]
+__all__ = [
+    "FINDINGS",
+    "Finding",
+    "evaluate_findings",
+    "pooled_numbers",
+    "record_pooled",
+    "record_validation",
+    "run_study",
+    "study_windows",
+    "uniform_reference",
+]
 
-N_WINDOWS = 16  # validation windows recorded per model (16 x 128 tokens)
+N_WINDOWS = 128  # every validation window of the demo models (8 batches of 16 x 128 tokens)
+N_RESAMPLES = 2000
+SEED = 0
+WINDOWS_FILE = "windows.csv"  # every window's value of every metric, per model
 
 
-def record_validation(name: str, n_windows: int = N_WINDOWS) -> DepthTrace:
-    """Record the fixed validation windows of the shipped demo model ``name`` (forward + backward)."""
+@dataclass(frozen=True)
+class Finding:
+    """One claim of the paper, checked on one model.
+
+    Attributes:
+        key: identifier in results.json.
+        statement: the claim in words.
+        model: the model it is about.
+        metric: a per-window column (a headline metric or one of the study's extras).
+        against: ``"baseline"`` (paired with PreNorm on the same windows), a number, or a
+            uniform-mixture reference (``"uniform_distance"`` …, see :func:`uniform_reference`).
+        expected: the paper's direction, ``"lower"`` or ``"higher"`` than what it is set against.
+        kind: for ``against="baseline"``: ``"ratio"`` or ``"difference"``.
+    """
+
+    key: str
+    statement: str
+    model: str
+    metric: str
+    against: Any
+    expected: str
+    kind: str = "difference"
+
+
+FINDINGS: list[Finding] = [
+    Finding("prenorm_magnitude_grows", "PreNorm: the hidden-state magnitude grows with depth (RMS of the last sublayer "
+            "read over the first > 1)", "prenorm", "rms_in_growth", 1.0, "higher"),
+    Finding("prenorm_log_rms_slope_positive", "PreNorm: log RMS rises with depth (least-squares slope per read > 0)",
+            "prenorm", "rms_in_log_slope", 0.0, "higher"),
+    *[Finding(f"{m}_magnitude_growth_below_prenorm", f"{m.title()} AttnRes: magnitude grows less than PreNorm's "
+              "(last/first RMS ratio below PreNorm's)", m, "rms_in_growth", "baseline", "lower", "ratio") for m in ("full", "block")],
+    *[Finding(f"{m}_magnitude_peak_below_prenorm", f"{m.title()} AttnRes: magnitudes stay bounded: the peak RMS over "
+              "sublayer reads is below PreNorm's", m, "rms_in_peak", "baseline", "lower", "ratio") for m in ("full", "block")],
+    *[Finding(f"{m}_magnitude_swing_below_prenorm", f"{m.title()} AttnRes: magnitudes swing less over depth than "
+              "PreNorm's (max/min RMS over sublayer reads)", m, "rms_in_max_min", "baseline", "lower", "ratio") for m in ("full", "block")],
+    Finding("prenorm_early_activation_gradients_largest", "PreNorm: the earliest layers get the largest gradients at their "
+            "inputs (‖∂L/∂h‖ at the first read over the last sublayer read > 1)", "prenorm", "act_grad_first_last", 1.0, "higher"),
+    Finding("prenorm_early_parameter_gradients_largest", "PreNorm: the earliest layers get the largest parameter gradients "
+            "(mean parameter-gradient norm of the first half of sublayers over the second half > 1)", "prenorm",
+            "param_grad_early_late", 1.0, "higher"),
+    *[Finding(f"{m}_parameter_gradients_more_uniform", f"{m.title()} AttnRes: parameter gradients are more uniform across "
+              "layers than PreNorm's (lower coefficient of variation of the per-sublayer norms)", m, "param_grad_cv",
+              "baseline", "lower", "ratio") for m in ("block", "full")],
+    *[Finding(f"{m}_activation_gradients_more_uniform", f"{m.title()} AttnRes: gradients at the mixed inputs are more "
+              "uniform across reads than PreNorm's (lower CV of ‖∂L/∂h‖)", m, "act_grad_cv", "baseline", "lower", "ratio")
+      for m in ("block", "full")],
+    *[Finding(f"{m}_weights_closer_than_uniform", f"{m.title()} AttnRes: depth weights are local: expected depth distance "
+              "below a uniform mixture's over the same sources", m, "locality_distance", "uniform_distance", "lower")
+      for m in ("full", "block")],
+    *[Finding(f"{m}_recent_mass_above_uniform", f"{m.title()} AttnRes: depth weights are local: more mass on the most "
+              "recent source than a uniform mixture", m, "locality_recent_mass", "uniform_recent_mass", "higher")
+      for m in ("full", "block")],
+    *[Finding(f"{m}_embedding_retained", f"{m.title()} AttnRes: the embedding keeps weight deep into the network (mean "
+              "embedding weight over the deepest half of reads above a uniform share)", m, "embed_weight_deep",
+              "uniform_embed_deep", "higher") for m in ("full", "block")],
+    *[Finding(f"{m}_loss_below_prenorm", f"{m.title()} AttnRes: next-token loss below PreNorm's on the same windows", m,
+              "mean_loss", "baseline", "lower") for m in ("block", "full")],
+]
+EXTRAS = {
+    "act_grad_first_last": "‖∂L/∂h‖ at the first read / at the last sublayer read (mean over the window's tokens)",
+    "param_grad_early_late": "mean parameter-gradient norm of the first half of sublayers / of the second half",
+}
+
+
+def record_validation(name: str, n_windows: int = N_WINDOWS, progress: bool = False) -> tuple[Any, list[DepthTrace]]:
+    """Record the fixed validation windows of the shipped demo model ``name``, one forward and backward pass each.
+
+    Returns:
+        (CorpusStats with every window's metrics, the per-window traces).
+    """
     model, _ = load_demo(name)
-    batches = demo_validation_batches(demo_log(name))
-    windows = torch.cat(batches)[:n_windows, :-1]  # (n, n_ctx): the inputs of the first windows
+    windows = torch.cat(demo_validation_batches(demo_log(name)))[:n_windows, :-1]  # (n, n_ctx): the inputs
+    return Probe(model, name=name).run_corpus(list(windows), backward=True, progress=progress, keep_traces=True)
+
+
+def study_windows(traces: list[DepthTrace]) -> pd.DataFrame:
+    """One row per window: every headline metric plus the study's extras (:data:`EXTRAS`)."""
+    rows = []
+    for t in traces:
+        table = window_metrics(t)
+        L = len(t.sublayer_labels)
+        act = np.nanmean(np.where(t.mask[..., None], t.grad_in, np.nan), axis=1)[:, :L]  # (B, L)
+        table["act_grad_first_last"] = act[:, 0] / act[:, -1]
+        grads = np.asarray(t.param_grad, np.float64)
+        half = L // 2
+        table["param_grad_early_late"] = grads[:half].mean() / grads[half:].mean() if t.tokens.shape[0] == 1 else np.nan
+        rows.append(table)
+    return pd.concat(rows, ignore_index=True)
+
+
+def record_pooled(name: str, n_windows: int = N_WINDOWS) -> DepthTrace:
+    """The same windows recorded together, as one batch with one backward pass of their mean loss (the pool)."""
+    model, _ = load_demo(name)
+    windows = torch.cat(demo_validation_batches(demo_log(name)))[:n_windows, :-1]
     return Probe(model, name=name).run(windows, backward=True)
 
 
-def study_numbers(traces: dict[str, DepthTrace]) -> dict[str, dict[str, float]]:
-    """Per model: the headline metrics the study reports."""
-    out: dict[str, dict[str, float]] = {}
-    for name, t in traces.items():
-        s = metrics.summary(t)
-        prof = metrics.read_profile(t)
-        grads = np.asarray(t.param_grad, np.float64)
-        half = len(grads) // 2
-        row = {k: float(v) for k, v in s.items()}
-        row["val_loss_shipped"] = float(demo_log(name)["shipped"]["val_loss"])
-        row["param_grad_early_late"] = float(grads[:half].mean() / grads[half:].mean())
-        act = prof["grad_in"].to_numpy()[:-1]
-        row["act_grad_first_last"] = float(act[0] / act[-1]) if np.isfinite(act).all() else float("nan")
-        rms = prof["rms_in"].to_numpy()[:-1]
-        row["rms_in_max_over_min"] = float(rms.max() / rms.min())
-        out[name] = row
+def pooled_numbers(trace: DepthTrace) -> dict[str, float]:
+    """Every metric of the pool: all windows' tokens together, gradients of their mean loss (one backward)."""
+    out = {k: float(v) for k, v in metrics.summary(trace).items()}
+    L = len(trace.sublayer_labels)
+    act = metrics.read_profile(trace)["grad_in"].to_numpy()[:L]
+    grads = np.asarray(trace.param_grad, np.float64)
+    out["act_grad_first_last"] = float(act[0] / act[-1])
+    out["param_grad_early_late"] = float(grads[: L // 2].mean() / grads[L // 2 :].mean())
     return out
-
-
-# finding -> (statement, test on the numbers). Criteria are fixed in advance and principled:
-# a direction (> 1, < baseline) or a comparison with a uniform mixture over the same sources.
-FINDINGS: list[tuple[str, str, Any]] = [
-    ("prenorm_magnitude_grows",
-     "PreNorm: the hidden-state magnitude grows with depth (RMS growth last/first sublayer read > 1 and a "
-     "positive slope of log RMS)",
-     lambda n: n["prenorm"]["rms_in_growth"] > 1 and n["prenorm"]["rms_in_log_slope"] > 0),
-    ("attnres_magnitude_bounded",
-     "AttnRes: magnitudes stay bounded (growth ratio below PreNorm's, for Full and Block)",
-     lambda n: max(n["full"]["rms_in_growth"], n["block"]["rms_in_growth"]) < n["prenorm"]["rms_in_growth"]),
-    ("prenorm_early_activation_gradients_largest",
-     "PreNorm: the earliest layers get the largest gradients at their inputs (activation-gradient norm at the "
-     "first read over the last sublayer read > 1)",
-     lambda n: n["prenorm"]["act_grad_first_last"] > 1),
-    ("prenorm_early_parameter_gradients_largest",
-     "PreNorm: the earliest layers get the largest parameter gradients (mean parameter-gradient norm of the "
-     "first half of sublayers over the second half > 1)",
-     lambda n: n["prenorm"]["param_grad_early_late"] > 1),
-    ("block_gradients_more_uniform",
-     "Block AttnRes: parameter gradients are more uniform across layers than PreNorm's (lower coefficient of "
-     "variation of the per-sublayer gradient norms)",
-     lambda n: n["block"]["param_grad_cv"] < n["prenorm"]["param_grad_cv"]),
-    ("full_gradients_more_uniform",
-     "Full AttnRes: parameter gradients are more uniform across layers than PreNorm's",
-     lambda n: n["full"]["param_grad_cv"] < n["prenorm"]["param_grad_cv"]),
-    ("full_mostly_local",
-     "Full AttnRes: depth weights are mostly local (more mass on the most recent source AND a smaller expected "
-     "depth distance than a uniform mixture over the same sources)",
-     lambda n: n["full"]["locality_distance"] < n["full"]["uniform_distance"]
-     and n["full"]["locality_recent_mass"] > n["full"]["uniform_recent_mass"]),
-    ("block_mostly_local",
-     "Block AttnRes: depth weights are mostly local (as above, against a uniform mixture over its sources)",
-     lambda n: n["block"]["locality_distance"] < n["block"]["uniform_distance"]
-     and n["block"]["locality_recent_mass"] > n["block"]["uniform_recent_mass"]),
-    ("embedding_retained",
-     "AttnRes: the embedding keeps weight deep into the network (mean embedding weight over the deepest half of "
-     "reads at least a uniform share of those reads, for Full and Block)",
-     lambda n: all(n[m]["embed_weight_deep"] >= n[m]["uniform_embed_deep"] for m in ("full", "block"))),
-    ("block_loss_not_worse",
-     "Block AttnRes: validation loss no worse than PreNorm's",
-     lambda n: n["block"]["val_loss_shipped"] <= n["prenorm"]["val_loss_shipped"]),
-    ("full_loss_not_worse",
-     "Full AttnRes: validation loss no worse than PreNorm's",
-     lambda n: n["full"]["val_loss_shipped"] <= n["prenorm"]["val_loss_shipped"]),
-]
 
 
 def uniform_reference(trace: DepthTrace) -> dict[str, float]:
@@ -122,38 +184,124 @@ def uniform_reference(trace: DepthTrace) -> dict[str, float]:
     }
 
 
-def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto") -> dict[str, Any]:
-    """Record the demo models, compute the study's numbers and write results, page and figures."""
+def _where(verdict_: str, pooled_ok: bool | None) -> str:
+    if verdict_ == "consistent":
+        return "per window" if pooled_ok is not False else "per window (the pooled number points the other way)"
+    if verdict_ == "contrary":
+        return "contrary"
+    return "only in the pool" if pooled_ok else "neither"
+
+
+def evaluate_findings(
+    windows: dict[str, pd.DataFrame],
+    pooled: dict[str, dict[str, float]],
+    references: dict[str, dict[str, float]],
+    n_resamples: int = N_RESAMPLES,
+    seed: int = SEED,
+    level: float = 0.95,
+) -> list[dict[str, Any]]:
+    """Every :data:`FINDINGS` entry with its estimate, interval, verdict, windows held and where it holds.
+
+    Args:
+        windows: model -> :func:`study_windows` table (all models on the same windows, same order).
+        pooled: model -> pooled metric values.
+        references: model -> :func:`uniform_reference`.
+    """
+    out = []
+    for f in FINDINGS:
+        a = windows[f.model][f.metric].to_numpy(np.float64)
+        counts = bootstrap.resample_counts(len(a), n_resamples, seed)
+        if f.against == "baseline":
+            b = windows["prenorm"][f.metric].to_numpy(np.float64)
+            est, lo, hi = bootstrap.paired_interval(a, b, counts, f.kind, level)
+            null = 1.0 if f.kind == "ratio" else 0.0
+            ok = np.isfinite(a) & np.isfinite(b)
+            held = int(((a < b) if f.expected == "lower" else (a > b))[ok].sum())
+            pa, pb = pooled[f.model][f.metric], pooled["prenorm"][f.metric]
+            pooled_value = pa / pb if f.kind == "ratio" else pa - pb
+            against = "PreNorm on the same windows"
+        else:
+            null = float(references[f.model][f.against]) if isinstance(f.against, str) else float(f.against)
+            est, lo, hi = bootstrap.mean_interval(a, counts, level)
+            ok = np.isfinite(a)
+            held = int(((a < null) if f.expected == "lower" else (a > null))[ok].sum())
+            pooled_value = pooled[f.model][f.metric]
+            against = f"{fmt_number(null)} ({f.against.replace('_', ' ')})" if isinstance(f.against, str) else fmt_number(null)
+        v = verdict(lo, hi, f.expected, null)
+        pooled_ok = None if not np.isfinite(pooled_value) else bool(pooled_value < null if f.expected == "lower" else pooled_value > null)
+        out.append({
+            "key": f.key, "statement": f.statement, "model": f.model, "metric": f.metric, "against": against,
+            "comparison": f.kind if f.against == "baseline" else "value", "null": null, "expected": f.expected,
+            "estimate": est, "low": lo, "high": hi, "pooled": pooled_value, "windows": int(ok.sum()), "held": held,
+            "verdict": v, "holds": _where(v, pooled_ok),
+        })
+    return out
+
+
+def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto", n_resamples: int = N_RESAMPLES,
+              seed: int = SEED, progress: bool = False) -> dict[str, Any]:
+    """Record the demo models, judge every finding over windows and write results, page and figures."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    traces = {name: record_validation(name, n_windows) for name in DEMO_NAMES}
-    numbers = study_numbers(traces)
-    for name, t in traces.items():
-        if t.residual != "prenorm":
-            numbers[name].update(uniform_reference(t))
-    verdicts = {key: bool(test(numbers)) for key, _, test in FINDINGS}
+    recorded = {name: record_validation(name, n_windows, progress) for name in DEMO_NAMES}
+    stats = {n: r[0] for n, r in recorded.items()}
+    traces = {n: r[1] for n, r in recorded.items()}
+    windows = {n: study_windows(t) for n, t in traces.items()}
+    pooled = {n: pooled_numbers(record_pooled(n, n_windows)) for n in DEMO_NAMES}
+    refs = {n: uniform_reference(t[0]) for n, t in traces.items()}
+    findings = evaluate_findings(windows, pooled, refs, n_resamples, seed)
+    frame = metrics.compare(*stats.values(), names=list(stats), n_resamples=n_resamples, seed=seed)
+    numbers = {}
+    for n in DEMO_NAMES:
+        rows = frame[(frame["model"] == n) & (frame["comparison"] == "value")].set_index("metric")
+        numbers[n] = {m: {"mean": _num(r["estimate"]), "low": _num(r["low"]), "high": _num(r["high"]),
+                          "pooled": _num(pooled[n].get(m))} for m, r in rows.iterrows()}
+        for extra in EXTRAS:
+            est, lo, hi = bootstrap.mean_interval(windows[n][extra].to_numpy(), bootstrap.resample_counts(n_windows, n_resamples, seed))
+            numbers[n][extra] = {"mean": _num(est), "low": _num(lo), "high": _num(hi), "pooled": _num(pooled[n][extra])}
+        numbers[n]["val_loss_shipped"] = float(demo_log(n)["shipped"]["val_loss"])
+        numbers[n].update(refs[n] if n != "prenorm" else {})
+    comparisons = [
+        {k: (_num(v) if isinstance(v, float) else (None if v is pd.NA else v)) for k, v in r.items()}
+        for r in frame[frame["comparison"] != "value"].to_dict("records")
+    ]
     results = {
         "n_windows": n_windows,
-        "tokens_per_model": int(traces["block"].n_tokens),
+        "tokens_per_model": int(stats["block"].n_tokens),
+        "bootstrap": {"n_resamples": n_resamples, "seed": seed, "level": 0.95, "unit": "window"},
         "numbers": numbers,
-        "verdicts": verdicts,
-        "findings": {key: text for key, text, _ in FINDINGS},
+        "findings": [{k: (_num(v) if isinstance(v, float) else v) for k, v in f.items()} for f in findings],
+        "verdicts": {f["key"]: f["verdict"] for f in findings},
+        "comparisons": comparisons,
     }
+    table = pd.concat([w.assign(model=n, window=np.arange(len(w))) for n, w in windows.items()], ignore_index=True)
+    table = table[["model", "window", *[c for c in table.columns if c not in ("model", "window")]]]
+    atomic_write(out / WINDOWS_FILE, lambda p: table.to_csv(p, index=False, float_format="%.9g"))
+    results["pooled"] = {n: {k: _num(v) for k, v in pooled[n].items()} for n in DEMO_NAMES}
+    results["references"] = refs
     atomic_write(out / "results.json", lambda p: p.write_text(json.dumps(results, indent=1) + "\n"))
-    figs = _figures(list(traces.values()))
-    written = _write_figures(figs, out, images)
-    page = _page(results, written)
+    written = _write_figures(_figures(stats, traces), out, images)
+    page = _page(results, frame, written)
     atomic_write(out / "study.md", lambda p: p.write_text(page))
     return results
 
 
-def _figures(traces: list[DepthTrace]) -> dict[str, Any]:
+def _num(x: Any) -> float | None:
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return x if np.isfinite(x) else None
+
+
+def _figures(stats: dict[str, Any], traces: dict[str, list[DepthTrace]]) -> dict[str, Any]:
+    attn = [n for n in stats if stats[n].meta["residual"] != "prenorm"]
     return {
-        "magnitudes": figures.magnitudes(traces),
-        "gradients": figures.gradient_norms(traces),
-        "mean_weights": figures.side_by_side([t for t in traces if t.residual != "prenorm"], "mean_heatmap"),
-        "mean_contrib": figures.side_by_side(traces, "mean_heatmap", kind="contrib"),
-        "embedding_per_token": figures.side_by_side([t for t in traces if t.residual != "prenorm"], "source_heatmap"),
+        "magnitudes": figures.magnitude_bands(list(stats.values()), list(stats)),
+        "gradients": figures.gradient_bands(list(stats.values()), list(stats)),
+        "mean_weights": figures.corpus_side_by_side([stats[n] for n in attn], "weights", names=attn),
+        "mean_contrib": figures.corpus_side_by_side(list(stats.values()), "contrib", names=list(stats)),
+        "embedding_per_token": figures.side_by_side([traces[n][0] for n in attn], "source_heatmap"),
     }
 
 
@@ -177,60 +325,101 @@ def _write_figures(figs: dict[str, Any], out: Path, images: str) -> dict[str, st
     return written
 
 
-ROWS = [
-    ("val_loss_shipped", "validation loss (shipped fp16 weights)"),
-    ("rms_in_growth", "RMS growth of mixed inputs, last/first sublayer read"),
-    ("rms_in_log_slope", "slope of log RMS per read"),
-    ("rms_in_max_over_min", "max/min RMS over sublayer reads"),
-    ("param_grad_cv", "parameter-gradient CV across sublayers"),
-    ("param_grad_max_min", "parameter-gradient max/min"),
-    ("param_grad_early_late", "parameter-gradient first half / second half"),
-    ("act_grad_cv", "activation-gradient CV across reads"),
-    ("act_grad_first_last", "activation gradient, first read / last sublayer read"),
-    ("locality_distance", "expected depth distance (mean over reads)"),
-    ("locality_recent_mass", "mass on the most recent source"),
-    ("embed_weight_deep", "embedding weight, deepest half of reads"),
-    ("embed_contrib_deep", "embedding contribution share, deepest half"),
-    ("mean_entropy", "normalised entropy of the routing"),
-]
+def _interval(f: dict[str, Any]) -> str:
+    lo, hi = f["low"], f["high"]
+    if lo is None or hi is None or not (np.isfinite(lo) and np.isfinite(hi)):
+        return "no interval"
+    x = "×" if f["comparison"] == "ratio" else ""
+    return f"[{x}{lo:.3g}, {x}{hi:.3g}]"
 
 
-def _fmt(x: float) -> str:
-    return "n/a" if x is None or not np.isfinite(x) else f"{x:.4g}"
+def _estimate(f: dict[str, Any]) -> str:
+    est = f["estimate"]
+    if est is None or not np.isfinite(est):
+        return "—"
+    return f"×{est:.3g}" if f["comparison"] == "ratio" else (f"{est:+.3g}" if f["comparison"] == "difference" else f"{est:.4g}")
 
 
-def _page(results: dict[str, Any], figs: dict[str, str]) -> str:
-    n = results["numbers"]
+def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) -> str:
+    n = results["n_windows"]
+    boot = results["bootstrap"]
+    counts = pd.Series([f["holds"] for f in results["findings"]]).value_counts().to_dict()
     lines = [
-        "# Reproduction study: the paper's diagnostics on the demo models",
+        "# Reproduction study: the paper's diagnostics on the demo models, window by window",
         "",
-        "Generated by `attnres-probe study --out docs/study` from the shipped demo models "
-        f"(PreNorm, Full, Block; identical config, seed, data and steps), recording {results['n_windows']} fixed "
-        f"validation windows ({results['tokens_per_model']} tokens) per model with forward and backward passes. "
-        "For PreNorm, routing metrics use contribution shares (its coefficients are all 1).",
+        "Generated by `attnres-probe study --out docs/study` from the shipped demo models (PreNorm, Full, Block; "
+        f"identical config, seed, data and steps). Each model records the same {n} validation windows "
+        f"({results['tokens_per_model']} tokens; the windows its shipped validation loss was measured on), one forward "
+        "and one backward pass per window. **The window is the unit**: every number is the mean over windows with a "
+        f"95% percentile-bootstrap interval ({boot['n_resamples']} resamples of the windows, seed {boot['seed']}); "
+        "comparisons with PreNorm are paired on the same windows (a ratio of means for spreads, growths and peaks, "
+        "a mean difference otherwise). For PreNorm, routing metrics use contribution shares (its coefficients are all 1).",
         "",
-        "| metric | " + " | ".join(DEMO_NAMES) + " |",
-        "|---|" + "---|" * len(DEMO_NAMES),
+        "A verdict sets the interval against the paper's direction: **consistent** (the interval excludes no difference, "
+        "on the paper's side), **contrary** (it excludes it, on the other side), **inconclusive** (it does not exclude "
+        "it). *Held in* counts the windows that, taken one at a time, go the paper's way. *Pooled* is the same number "
+        "from all windows recorded together as one batch (gradients from one backward pass of their mean loss, as a "
+        "single-batch analysis would have it); a finding holds **per window** when its verdict is consistent, **only in "
+        "the pool** when the pooled number points the paper's way but the windows do not bear it out.",
+        "",
+        f"Summary: {', '.join(f'{v} {k}' for k, v in sorted(counts.items()))} (of {len(results['findings'])} findings).",
+        "",
     ]
-    for key, label in ROWS:
-        lines.append(f"| {label} | " + " | ".join(_fmt(n[m].get(key)) for m in DEMO_NAMES) + " |")
+    for label, keys in (("Hold per window", ("per window", "per window (the pooled number points the other way)")),
+                        ("Hold only in the pool", ("only in the pool",)), ("Contrary (the interval excludes the paper's side)", ("contrary",)),
+                        ("Neither (inconclusive, and the pooled number points the other way)", ("neither",))):
+        hits = [f"`{f['key']}`" for f in results["findings"] if f["holds"] in keys]
+        if hits:
+            lines.append(f"- {label}: {', '.join(hits)}.")
     lines += [
         "",
+        "## Findings",
+        "",
+        "Each row is a claim of the paper, tested; the verdict says what these numbers show.",
+        "",
+        "| the paper's claim | model | against | estimate | 95% interval | held in | pooled | verdict | holds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for f in results["findings"]:
+        pooled = f["pooled"]
+        pooled_s = "—" if pooled is None else (f"×{pooled:.3g}" if f["comparison"] == "ratio" else
+                                             (f"{pooled:+.3g}" if f["comparison"] == "difference" else f"{pooled:.4g}"))
+        lines.append(
+            f"| {f['statement']} | {f['model']} | {f['against']} ({f['expected']} expected) | {_estimate(f)} | {_interval(f)} "
+            f"| {f['held']} of {f['windows']} | {pooled_s} | **{f['verdict']}** | {f['holds']} |"
+        )
+    t = table_rows(frame)
+    lines += [
+        "",
+        "## Every metric",
+        "",
+        "Each model's mean over windows [95% interval]; each AttnRes model against PreNorm on the same windows "
+        "[95% interval] with the verdict (`metrics.compare`).",
+        "",
+        "| metric | " + " | ".join(t["columns"]) + " | " + " | ".join(f"verdict: {c}" for c in t["comparisons"]) + " |",
+        "|---|" + "---|" * (len(t["columns"]) + len(t["comparisons"])),
+    ]
+    for r in t["rows"]:
+        lines.append(f"| {LABELS.get(r['metric'], r['metric'])} (`{r['metric']}`) | " + " | ".join(r["cells"])
+                     + " | " + " | ".join(r["verdicts"]) + " |")
+    nums = results["numbers"]
+    lines += [
+        "",
+        "Shipped validation loss (fp16 weights, the same windows): "
+        + ", ".join(f"{m} {nums[m]['val_loss_shipped']:.4g}" for m in DEMO_NAMES) + ". "
         "A uniform mixture over each read's sources would give: "
         + "; ".join(
-            f"{m}: expected distance {_fmt(n[m]['uniform_distance'])}, recent mass "
-            f"{_fmt(n[m]['uniform_recent_mass'])}, embedding share (deepest half) {_fmt(n[m]['uniform_embed_deep'])}"
+            f"{m}: expected distance {fmt_number(nums[m]['uniform_distance'])}, recent mass "
+            f"{fmt_number(nums[m]['uniform_recent_mass'])}, embedding share (deepest half) {fmt_number(nums[m]['uniform_embed_deep'])}"
             for m in ("full", "block")
         )
         + ".",
         "",
-        "## Findings",
+        "## Figures",
+        "",
+        "Magnitudes and gradients: lines are means over windows, bands their 95% intervals.",
         "",
     ]
-    for key, text in results["findings"].items():
-        mark = "reproduced" if results["verdicts"][key] else "NOT reproduced"
-        lines.append(f"- **{mark}**: {text}.")
-    lines += ["", "## Figures", ""]
     for name, file in figs.items():
         title = name.replace("_", " ")
         lines.append(f"![{title}]({file})" if file.endswith(".png") else f"- [{title}]({file})")
@@ -241,15 +430,20 @@ def _page(results: dict[str, Any], figs: dict[str, str]) -> str:
 def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("study", help="run the reproduction study on the bundled demo models")
     p.add_argument("--out", default="docs/study", help="output folder (default: %(default)s)")
-    p.add_argument("--windows", type=int, default=N_WINDOWS, help="validation windows per model")
+    p.add_argument("--windows", type=int, default=N_WINDOWS, help="validation windows per model (default: %(default)s, all)")
+    p.add_argument("--resamples", type=int, default=N_RESAMPLES, help="bootstrap resamples (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=SEED, help="bootstrap seed (default: %(default)s)")
     p.add_argument("--images", choices=("auto", "png", "html"), default="auto")
     p.set_defaults(func=lambda a: _run(a))
     return p
 
 
 def _run(args: argparse.Namespace) -> int:
-    results = run_study(args.out, args.windows, args.images)
-    for key, ok in results["verdicts"].items():
-        print(f"{'reproduced    ' if ok else 'NOT reproduced'}  {key}")
+    if not 1 <= args.windows <= N_WINDOWS:
+        raise ValueError(f"--windows is {args.windows}; the demo models have {N_WINDOWS} validation windows (1..{N_WINDOWS})")
+    results = run_study(args.out, args.windows, args.images, args.resamples, args.seed, progress=True)
+    width = max(len(f["key"]) for f in results["findings"])
+    for f in results["findings"]:
+        print(f"{f['verdict']:<13} {f['key']:<{width}}  holds: {f['holds']}")
     print(f"wrote {Path(args.out) / 'study.md'}")
     return 0

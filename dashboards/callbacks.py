@@ -23,6 +23,7 @@ import numpy as np
 from dash import ALL, ClientsideFunction, Input, Output, State, html, no_update
 
 from attnres_probe import figures, metrics
+from attnres_probe.analysis.display import HEADLINE, LABELS, headline, table_rows
 from attnres_probe.dashboards import layout as ids
 from attnres_probe.dashboards.state import Explorer, PromptError, UnknownKeyError
 
@@ -30,7 +31,9 @@ __all__ = [
     "CARD_GROUPS",
     "ablation_reads",
     "ablation_view",
+    "headline_cards",
     "mean_views",
+    "metric_table",
     "metric_cards",
     "profile_views",
     "register",
@@ -45,17 +48,8 @@ SHOWN = {"display": "block"}
 HIDDEN = {"display": "none"}
 ABLATION_AUTO_LIMIT = 1 << 16  # auto-run an ablation below this many token·source·layer steps; else wait for the button
 
-# the four metric cards: title, help, metrics (keys of metrics.FORMULAS) with short labels
-CARD_GROUPS: list[tuple[str, str, list[tuple[str, str]]]] = [
-    ("Locality", "How far back in depth the reads look.",
-     [("locality_distance", "mean depth distance E[d]"), ("locality_recent_mass", "mass on the most recent source")]),
-    ("Embedding retention", "How much the deep reads still take from the embedding.",
-     [("embed_weight_deep", "embedding weight α₀, deep half"), ("embed_contrib_deep", "embedding share c₀, deep half")]),
-    ("Gradient uniformity", "Spread of gradient norms over depth (0 = even).",
-     [("act_grad_cv", "CV of ‖∂L/∂h‖ over reads"), ("param_grad_cv", "CV of parameter-gradient norms")]),
-    ("Magnitude growth", "Hidden-state RMS at the last sublayer over the first (1 = flat).",
-     [("rms_in_growth", "growth of rms(h), mixed inputs"), ("rms_out_growth", "growth of rms(v), sublayer outputs")]),
-]
+# the headline groups (locality, embedding retention, gradient uniformity, magnitude growth)
+CARD_GROUPS = HEADLINE
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -257,41 +251,73 @@ def profile_views(ex: Explorer, key: Any) -> dict:
 
 
 def metric_cards(ex: Explorer, key: Any) -> list:
-    """The four metric cards: each AttnRes model's value and its comparison with the baseline."""
+    """The headline cards for the current text: each AttnRes model against the baseline (one window: no intervals)."""
     try:
         result = ex.result(key)
     except UnknownKeyError as exc:
         return [html.P(str(exc), className="status error")]
-    names = list(result.traces)
-    frame = metrics.compare(*result.traces.values(), names=names)
-    base = next((n for n in names if result.traces[n].residual == "prenorm"), None)
+    frame = metrics.compare(*result.traces.values(), names=list(result.traces))
+    return headline_cards(frame, ex.colors)
+
+
+def _verdict_badge(verdict: str, note: str = "") -> html.Span:
+    return html.Span(verdict, className=f"verdict {verdict}", title=note or None)
+
+
+def headline_cards(frame, colors: dict[str, str]) -> list:
+    """One card per headline group (:data:`attnres_probe.analysis.display.HEADLINE`) from a
+    :func:`metrics.compare` frame: per metric, each model's value with its interval, and each
+    comparison's estimate, interval, the paper's direction and the verdict, as compare has them."""
     cards = []
-    for title, help_text, rows in CARD_GROUPS:
-        head = html.Tr([html.Th("metric")] + [html.Th(n, style={"color": ex.colors[n]}) for n in names])
-        body = []
-        for metric, label in rows:
-            cells = [html.Td([label, html.Span(" ⓘ", className="formula")], title=metrics.FORMULAS[metric], className="metric-name")]
-            for n in names:
-                value = html.Div(_fmt(float(frame.at[metric, n])), className="value")
-                vs = None
-                col = f"{n} vs {base}"
-                if base is not None and n != base and col in frame.columns:
-                    diff = float(frame.at[metric, col])
-                    ratio = frame.at[metric, "comparison"] == "ratio"
-                    text = "—" if not math.isfinite(diff) else (f"×{diff:.3g}" if ratio else f"{diff:+.3g}")
-                    vs = html.Div(f"vs {base}: {text}", className="vs",
-                                  title=("model / baseline" if ratio else "model − baseline"))
-                cells.append(html.Td([value, vs]))
-            body.append(html.Tr(cells))
-        cards.append(
-            html.Div(
-                [html.H3(title, title="; ".join(f"{m}: {metrics.FORMULAS[m]}" for m, _ in rows)),
-                 html.P(help_text, className="help"),
+    for group in headline(frame):
+        blocks = []
+        for m in group["metrics"]:
+            comps = {c["model"]: c for c in m["comparisons"]}
+            head = html.Tr([html.Th("model"), html.Th("value"), html.Th("against the baseline"), html.Th("verdict")])
+            body = []
+            for v in m["values"]:
+                c = comps.get(v["model"])
+                name = html.Td(v["model"], style={"color": colors.get(v["model"])}, className="model")
+                value = html.Td([html.Div(v["estimate"], className="value"), html.Div(v["interval"], className="vs interval")])
+                if c is None:
+                    body.append(html.Tr([name, value, html.Td("baseline" if any(x["baseline"] == v["model"] for x in comps.values()) else "",
+                                                              className="vs"), html.Td("")]))
+                    continue
+                against = html.Td([html.Div(f"{c['estimate']} vs {c['baseline']}", className="value"),
+                                   html.Div(c["interval"], className="vs interval"),
+                                   html.Div(" · ".join(x for x in (c["expected"], c["held"]) if x), className="vs")])
+                body.append(html.Tr([name, value, against, html.Td(_verdict_badge(c["verdict"], c["note"]))],
+                                    className="comparison"))
+            blocks.append(html.Div(
+                [html.Div([m["label"], html.Span(" ⓘ", className="formula")], title=metrics.FORMULAS.get(m["metric"], ""),
+                          className="metric-name", **{"data-metric": m["metric"]}),
                  html.Table([html.Thead(head), html.Tbody(body)], className="metric-table")],
-                className="metric-card",
-            )
-        )
+                className="metric-block",
+            ))
+        cards.append(html.Div(
+            [html.H3(group["title"], title="; ".join(f"{m['metric']}: {metrics.FORMULAS.get(m['metric'], '')}" for m in group["metrics"])),
+             html.P(group["help"], className="help"),
+             html.P(group["claim"], className="claim") if group["claim"] else None,
+             *blocks],
+            className="metric-card",
+        ))
     return cards
+
+
+def metric_table(frame) -> html.Table:
+    """Every metric of a :func:`metrics.compare` frame: each model's value [interval], each comparison's
+    estimate [interval] and verdict."""
+    t = table_rows(frame)
+    n_models = len(t["models"])
+    head = html.Tr([html.Th("metric"), *[html.Th(c) for c in t["columns"]], *[html.Th(f"verdict: {c}") for c in t["comparisons"]]])
+    body = []
+    for r in t["rows"]:
+        cells = [html.Td(LABELS.get(r["metric"], r["metric"]), title=metrics.FORMULAS.get(r["metric"], ""), className="metric-name")]
+        cells += [html.Td(c, className="num") for c in r["cells"][:n_models]]
+        cells += [html.Td(c, className="num") for c in r["cells"][n_models:]]
+        cells += [html.Td(_verdict_badge(v) if v else "") for v in r["verdicts"]]
+        body.append(html.Tr(cells, **{"data-metric": r["metric"]}))
+    return html.Table([html.Thead(head), html.Tbody(body)], className="metric-table full-table")
 
 
 # -- ablation ---------------------------------------------------------------------------------

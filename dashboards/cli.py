@@ -3,6 +3,7 @@
     attnres-probe dash                                   # the three bundled demo models
     attnres-probe dash --models runs/prenorm runs/block  # checkpoint folders
     attnres-probe dash --traces traces/a traces/b        # saved DepthTraces (traces-only mode)
+    attnres-probe dash --stats runs/corpus               # a recorded corpus: intervals and verdicts first
 
 :func:`run_demo` is what ``attnres-probe demo`` (and ``make demo``) calls.
 """
@@ -18,9 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from attnres_probe.dashboards.app import LOOPBACK_HOSTS, create_app, demo_entries
+from attnres_probe.dashboards.app import allowed_hosts_for, create_app, demo_entries, is_loopback
 
-__all__ = ["add_dash_parser", "load_entries", "run_demo", "serve"]
+__all__ = ["add_dash_parser", "load_entries", "load_with_stats", "run_demo", "serve"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8050
@@ -44,7 +45,8 @@ def load_entries(models: Sequence[str] | None = None, traces: Sequence[str] | No
         FileNotFoundError / NotADirectoryError: a folder is missing.
         ValueError: a folder is not a checkpoint / saved trace.
     """
-    from attnres_probe import AttnResTransformer, DepthTrace
+    from attnres_probe import DepthTrace, Probe
+    from attnres_probe.pretrained import load_model_folder
 
     if not models and not traces:
         return demo_entries()
@@ -53,7 +55,9 @@ def load_entries(models: Sequence[str] | None = None, traces: Sequence[str] | No
         path = Path(d)
         if not path.is_dir():
             raise NotADirectoryError(f"--models {d}: not a folder (pass checkpoint folders written by `attnres-probe train`)")
-        entries[_unique(path.resolve().name, entries)] = AttnResTransformer.load(path).eval()
+        model, tokenizer = load_model_folder(path)
+        name = _unique(path.resolve().name, entries)
+        entries[name] = Probe(model, tokenizer=tokenizer, name=name) if tokenizer is not None else model
     for d in traces or []:
         path = Path(d)
         if not path.is_dir():
@@ -63,12 +67,47 @@ def load_entries(models: Sequence[str] | None = None, traces: Sequence[str] | No
     return entries
 
 
+def load_with_stats(
+    models: Sequence[str] | None, traces: Sequence[str] | None, stats_dir: str | None
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(entries, stats): :func:`load_entries`, plus the CorpusStats of ``stats_dir`` when given.
+
+    With ``stats_dir`` and neither ``models`` nor ``traces``, the models are the ones the corpus
+    was recorded from (bundled demo models, or checkpoint folders named in its corpus.json).
+
+    Raises:
+        ValueError: not a corpus run folder; models the stats were not recorded from (the reason named).
+    """
+    if not stats_dir:
+        return load_entries(models, traces), None
+    from attnres_probe.corpus import CorpusRunError, check_models_match, load_model, load_stats_dir
+
+    manifest, stats = load_stats_dir(stats_dir)
+    if not models and not traces:
+        from attnres_probe import Probe
+
+        entries = {}
+        for m in manifest["models"]:
+            try:
+                model, tokenizer = load_model(m["source"])
+                entries[m["name"]] = Probe(model, tokenizer=tokenizer, name=m["name"]) if tokenizer is not None else model
+            except (OSError, ValueError) as exc:
+                raise CorpusRunError(
+                    f"--stats {stats_dir}: model {m['name']!r} was recorded from {m['source']}, which cannot be loaded "
+                    f"({exc}); pass --models DIR … (named as in the corpus run)"
+                ) from None
+    else:
+        entries = load_entries(models, traces)
+    check_models_match(stats, {n: e for n, e in entries.items() if hasattr(e, "parameters") or hasattr(e, "model")})
+    return entries, stats
+
+
 def serve(app, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, threads: int = DEFAULT_THREADS, open_browser: bool = False) -> int:
     """Serve a dashboard app with waitress (Flask's threaded server if waitress is missing) until Ctrl+C."""
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
     names = ", ".join(app.explorer.names)
     print(f"attnres-probe dash: {names} on {url}  (Ctrl+C to stop)", file=sys.stderr)
-    if host not in LOOPBACK_HOSTS:
+    if not is_loopback(host):
         print(f"warning: listening on {host}: anyone who can reach this port can run text through the models", file=sys.stderr)
     if open_browser:
         threading.Thread(target=lambda: (time.sleep(1.0), webbrowser.open(url)), daemon=True).start()
@@ -93,7 +132,7 @@ def run_demo(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, text: str | Non
     """
     _set_torch_threads(torch_threads)
     t0 = time.perf_counter()
-    app = create_app(demo_entries(), text=text, allowed_hosts=LOOPBACK_HOSTS if host in LOOPBACK_HOSTS else None)
+    app = create_app(demo_entries(), text=text, allowed_hosts=allowed_hosts_for(host))
     print(f"loaded the demo models in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return serve(app, host=host, port=port, threads=threads, open_browser=open_browser)
 
@@ -116,6 +155,9 @@ def add_dash_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
     p.add_argument("--models", nargs="+", metavar="DIR", help="checkpoint folders (default: the bundled demo models)")
     p.add_argument("--traces", nargs="+", metavar="DIR", help="saved DepthTrace folders (alone: traces-only mode)")
+    p.add_argument("--stats", metavar="DIR",
+                   help="a corpus run (attnres-probe corpus --out DIR): lead with its comparisons, intervals and verdicts "
+                        "(models default to the ones it was recorded from; --models must be those models)")
     p.add_argument("--text", help="initial prompt (default: a short sentence)")
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="waitress worker threads (default: %(default)s)")
     p.add_argument("--cache-size", type=int, default=16, help="recorded prompts kept on the server (default: %(default)s)")
@@ -135,8 +177,8 @@ def _run_dash(args: argparse.Namespace) -> int:
         raise ValueError(f"--torch-threads is {args.torch_threads}; need at least 1")
     _set_torch_threads(args.torch_threads)
     t0 = time.perf_counter()
-    entries = load_entries(args.models, args.traces)
-    app = create_app(entries, text=args.text, cache_size=args.cache_size,
-                     allowed_hosts=LOOPBACK_HOSTS if args.host in LOOPBACK_HOSTS else None)
+    entries, stats = load_with_stats(args.models, args.traces, args.stats)
+    app = create_app(entries, text=args.text, cache_size=args.cache_size, stats=stats,
+                     allowed_hosts=allowed_hosts_for(args.host))
     print(f"loaded {len(entries)} entries in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return serve(app, host=args.host, port=args.port, threads=args.threads, open_browser=args.open)

@@ -35,6 +35,13 @@ ABL_MODE = "ablation-mode"
 ABL_RUN = "ablation-run"
 ABL_GRAPH = "ablation-graph"
 ABL_STATUS = "ablation-status"
+CORPUS = "corpus"
+CORPUS_HEADLINE = "corpus-headline"
+CORPUS_WEIGHTS = "corpus-weights"
+CORPUS_CONTRIB = "corpus-contrib"
+CORPUS_SPREAD = "corpus-spread"
+CORPUS_MAGNITUDES = "corpus-magnitudes"
+CORPUS_GRADIENTS = "corpus-gradients"
 CHIP = "chip"  # pattern-matching type of the token chips: {"type": "chip", "index": i}
 
 KIND_OPTIONS = [
@@ -238,8 +245,9 @@ def _profiles() -> html.Section:
     return html.Section(
         [
             html.H2("Magnitudes and gradients by depth"),
-            _help("Every loaded model in one chart, in its own colour. PreNorm's residual stream grows with depth; "
-                  "AttnRes keeps magnitudes bounded and spreads gradients more evenly."),
+            _help("Every loaded model in one chart, in its own colour. The paper reports that PreNorm's residual stream "
+                  "grows with depth while AttnRes keeps magnitudes bounded and spreads gradients more evenly; whether "
+                  "these models do on this text is what the verdicts below say."),
             html.Div(
                 [dcc.Graph(id=MAGNITUDES, config=GRAPH_CONFIG, className="graph"),
                  dcc.Graph(id=GRADIENTS, config=GRAPH_CONFIG, className="graph")],
@@ -250,15 +258,63 @@ def _profiles() -> html.Section:
     )
 
 
-def _cards() -> html.Section:
+VERDICT_HELP = ("Each comparison is the model against the baseline on the same windows: a ratio (×) for spreads, "
+                "growths and peaks, a difference (±) otherwise, with its 95% bootstrap interval over windows. The verdict "
+                "sets that interval against the paper's direction: consistent (it excludes no difference, on the paper's "
+                "side), contrary (it excludes it, on the other side), inconclusive (it does not exclude it, or there is "
+                "no interval). Hover a metric name for its formula.")
+
+
+def _cards(ex: Explorer) -> html.Section:
+    title = "This text against the baseline" if ex.stats else "Metrics against the baseline"
     return html.Section(
         [
-            html.H2("Metrics against the baseline"),
-            _help("Hover a metric name for its formula. 'vs baseline' is a ratio (×) for spreads and growths, "
-                  "a difference (±) otherwise."),
+            html.H2(title),
+            _help(VERDICT_HELP + " A prompt is one window, so it has no interval: record a corpus "
+                  "(attnres-probe corpus) for intervals and verdicts that can hold."),
             html.Div(id=CARDS, className="cards"),
         ],
         className="card",
+    )
+
+
+def _corpus(ex: Explorer) -> html.Section | None:
+    """The corpus section (``dash --stats``): headline panel, metric table, heatmaps and profiles, all static."""
+    if not ex.stats:
+        return None
+    from attnres_probe import figures
+    from attnres_probe.dashboards.callbacks import headline_cards, metric_table
+
+    stats = list(ex.stats.values())
+    names = list(ex.stats)
+    sizes = "; ".join(f"{n}: {s.n_windows} windows, {s.n_tokens} tokens" for n, s in ex.stats.items())
+    frame = ex.stats_frame
+    return html.Section(
+        [
+            html.H2("Corpus: AttnRes against the baseline, window by window"),
+            _help(f"Recorded corpus ({sizes}). " + VERDICT_HELP),
+            html.Div(headline_cards(frame, ex.colors), className="cards", id=CORPUS_HEADLINE),
+            html.Details(
+                [html.Summary("Every metric with its interval and verdict"), metric_table(frame)],
+                className="guide", open=False,
+            ),
+            html.H3("Mean routing over the corpus"),
+            _help("Mean over every token of the corpus (hover a cell for its standard deviation over tokens and its count); "
+                  "the last chart shows each cell's spread over tokens."),
+            dcc.Graph(id=CORPUS_WEIGHTS, figure=figures.corpus_side_by_side(
+                [s for s in stats if s.meta.get("residual") != "prenorm"] or stats, "weights",
+                names=[n for n, s in zip(names, stats) if s.meta.get("residual") != "prenorm"] or names),
+                config=GRAPH_CONFIG, className="graph"),
+            dcc.Graph(id=CORPUS_CONTRIB, figure=figures.corpus_side_by_side(stats, "contrib", names=names),
+                      config=GRAPH_CONFIG, className="graph"),
+            dcc.Graph(id=CORPUS_SPREAD, figure=figures.corpus_side_by_side(stats, "contrib", names=names, value="sd"),
+                      config=GRAPH_CONFIG, className="graph"),
+            html.H3("Magnitudes and gradients by depth"),
+            dcc.Graph(id=CORPUS_MAGNITUDES, figure=figures.magnitude_bands(stats, names), config=GRAPH_CONFIG, className="graph"),
+            dcc.Graph(id=CORPUS_GRADIENTS, figure=figures.gradient_bands(stats, names), config=GRAPH_CONFIG, className="graph"),
+        ],
+        className="card",
+        id=CORPUS,
     )
 
 
@@ -304,13 +360,14 @@ def build_layout(ex: Explorer) -> html.Div:
             dcc.Store(id=TOKEN, data=None),
             _header(ex),
             _guide(),
+            _corpus(ex),
             _prompt(ex),
             _token_section(ex),
             _token_views(ex),
             _mean_views(ex),
             _source_views(ex),
             _profiles(),
-            _cards(),
+            _cards(ex),
             _ablation(ex),
             html.Footer("attnres-probe · charts from attnres_probe.figures · traces stay on the server", className="help"),
         ],

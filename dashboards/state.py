@@ -102,6 +102,9 @@ class Explorer:
             context); in traces-only mode the saved traces' own tokens are shown.
         cache_size: results kept besides the initial one (least recently used dropped first).
         cache_bytes: also drop results while the cached arrays exceed this many bytes.
+        stats: name -> :class:`~attnres_probe.stats.CorpusStats` of a recorded corpus
+            (``attnres-probe corpus``): the page then leads with the corpus comparisons.
+        n_resamples, seed: the bootstrap of those comparisons.
 
     Raises:
         ValueError: no entries, an entry of another type, or an initial text the models reject.
@@ -113,6 +116,9 @@ class Explorer:
         text: str | None = None,
         cache_size: int = 16,
         cache_bytes: int = 512 * 2**20,
+        stats: Mapping[str, Any] | None = None,
+        n_resamples: int = 1000,
+        seed: int = 0,
     ):
         named = _name_entries(entries)
         self.names: list[str] = list(named)
@@ -145,6 +151,12 @@ class Explorer:
         self._cache_lock = threading.Lock()
         self._model_lock = threading.RLock()
         self.initial = self._initial_result(text)
+        self.stats: dict[str, Any] = dict(stats or {})
+        self.stats_frame: pd.DataFrame | None = None
+        if self.stats:
+            from attnres_probe import metrics
+
+            self.stats_frame = metrics.compare(*self.stats.values(), names=list(self.stats), n_resamples=n_resamples, seed=seed)
 
     # -- description ------------------------------------------------------------------------
     @property

@@ -38,7 +38,16 @@ from attnres_probe._version import __version__
 from attnres_probe.io import atomic_write
 from attnres_probe.trace import DepthTrace, unique_names
 
-__all__ = ["ReportWriteError", "SECTIONS", "build_report", "render_report", "versions"]
+__all__ = [
+    "ReportWriteError",
+    "SECTIONS",
+    "STATS_SECTIONS",
+    "build_report",
+    "build_stats_report",
+    "render_report",
+    "render_stats_report",
+    "versions",
+]
 
 # section id -> heading, in page order ("ablation" only when ablation results are given)
 SECTIONS: dict[str, str] = {
@@ -172,7 +181,8 @@ def render_report(
         "models": models,
         "text": shown_text,
         "sequences": _token_rows(traces[0]),
-        "metric_table": _metric_table(traces, names),
+        "mode": "trace",
+        "metrics": _metrics_context(metrics.compare(*traces, names=names)),
         "heatmaps": [
             plots.add(figures.side_by_side(traces, "mean_heatmap", names=names, kind="weights")),
             plots.add(figures.side_by_side(traces, "mean_heatmap", names=names, kind="contrib")),
@@ -191,6 +201,138 @@ def render_report(
         "plotlyjs": Markup(_plotlyjs()),
     }
     return _template().render(**ctx)
+
+
+# section id -> heading of a corpus report (build_stats_report)
+STATS_SECTIONS: dict[str, str] = {
+    "models": "Models and corpus",
+    "metrics": "Comparisons: AttnRes vs baseline, window by window",
+    "heatmaps": "Mean depth routing over the corpus",
+    "magnitudes": "Magnitudes by depth",
+    "gradients": "Gradient norms by depth",
+    "formulas": "Metric formulas",
+    "reproduce": "Reproduce: versions and provenance",
+}
+
+
+def build_stats_report(
+    stats: Mapping[str, Any],
+    path: str | Path,
+    title: str = "attnres-probe corpus report",
+    *,
+    description: str | None = None,
+    manifest: Mapping[str, Any] | None = None,
+    command: str | None = None,
+    n_resamples: int = 1000,
+    seed: int = 0,
+) -> Path:
+    """Write one self-contained HTML report on a recorded corpus (``attnres-probe corpus``), atomically.
+
+    The page holds the headline comparisons (locality, embedding retention, gradient
+    uniformity, magnitude growth: estimate, 95% interval over windows, the paper's direction
+    and the verdict, exactly as :func:`attnres_probe.metrics.compare` gives them), every metric
+    with its interval, mean heatmaps with per-cell spread, and depth profiles with bands.
+
+    Args:
+        stats: model name -> :class:`~attnres_probe.stats.CorpusStats`, in display order.
+        path: the ``.html`` file to write (its directory must exist).
+        manifest: the run's corpus.json (data and settings, shown under "Reproduce").
+        n_resamples, seed: the bootstrap of the comparisons.
+
+    Raises:
+        ValueError: no stats.
+        ReportWriteError: as :func:`build_report`.
+    """
+    path = Path(path).expanduser()
+    page = render_stats_report(stats, title, description=description, manifest=manifest, command=command,
+                               n_resamples=n_resamples, seed=seed)
+    _write(path, page)
+    return path
+
+
+def render_stats_report(
+    stats: Mapping[str, Any],
+    title: str = "attnres-probe corpus report",
+    *,
+    description: str | None = None,
+    manifest: Mapping[str, Any] | None = None,
+    command: str | None = None,
+    n_resamples: int = 1000,
+    seed: int = 0,
+) -> str:
+    """The corpus report's HTML as a string (what :func:`build_stats_report` writes); same arguments."""
+    if not stats:
+        raise ValueError("build_stats_report() needs the stats of at least one model")
+    names = list(stats)
+    items = list(stats.values())
+    plots = _Plots()
+    created = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0)
+    vers = versions()
+    frame = metrics.compare(*items, names=names, n_resamples=n_resamples, seed=seed)
+    attn = [(n, s) for n, s in zip(names, items) if s.meta.get("residual") != "prenorm"] or list(zip(names, items))
+    models = [_stats_model_row(s, n) for n, s in zip(names, items)]
+    data = dict((manifest or {}).get("data") or {})
+    data.pop("files", None)
+    provenance = {"title": title, "created": created.isoformat(), "command": command, "versions": vers, "data": data,
+                  "settings": (manifest or {}).get("settings"), "bootstrap": {"n_resamples": n_resamples, "seed": seed},
+                  "models": [m["provenance"] for m in models]}
+    ctx = {
+        "mode": "corpus",
+        "title": title,
+        "description": description,
+        "created": created.strftime("%Y-%m-%d %H:%M UTC"),
+        "version": __version__,
+        "sections": STATS_SECTIONS,
+        "models": models,
+        "corpus": data,
+        "metrics": _metrics_context(frame),
+        "heatmaps": [
+            plots.add(figures.corpus_side_by_side([s for _, s in attn], "weights", names=[n for n, _ in attn])),
+            plots.add(figures.corpus_side_by_side(items, "contrib", names=names)),
+            plots.add(figures.corpus_side_by_side(items, "contrib", names=names, value="sd")),
+        ],
+        "magnitudes": plots.add(figures.magnitude_bands(items, names)),
+        "gradients": plots.add(figures.gradient_bands(items, names)),
+        "formulas": metrics.FORMULAS,
+        "versions": vers,
+        "command": command,
+        "provenance": json.dumps(provenance, indent=1, ensure_ascii=False, default=str),
+        "plots": plots.items,
+        "plot_config": _script_json(PLOT_CONFIG),
+        "plotlyjs": Markup(_plotlyjs()),
+    }
+    return _template().render(**ctx)
+
+
+def _stats_model_row(stats: Any, name: str) -> dict[str, Any]:
+    meta, cfg = stats.meta, dict(stats.meta.get("config") or {})
+    residual = meta.get("residual", "?")
+    arch = {"prenorm": "PreNorm baseline", "full": "Full AttnRes", "block": "Block AttnRes"}.get(residual, residual)
+    if residual == "block" and meta.get("block_starts"):
+        arch += f" (blocks start at sublayers {', '.join(map(str, meta['block_starts']))})"
+    keys = ("d_model", "n_layers", "n_heads", "n_ctx", "d_vocab")
+    loss = metrics.summary(stats.to_trace())["mean_loss"]
+    has_grads = bool(np.isfinite(stats.mean("grad_in")).any())
+    n_params = meta.get("n_params")
+    skipped = f"; {stats.n_skipped} shorter than two tokens left out" if stats.n_skipped else ""
+    return {
+        "name": name,
+        "residual": residual,
+        "architecture": arch,
+        "shape": ", ".join(f"{k}={cfg[k]}" for k in keys if k in cfg),
+        "n_params": f"{n_params:,}" if isinstance(n_params, int) else "—",
+        "digest": meta.get("weights_sha256"),
+        "digest_kind": "weights (fp32 state dict)",
+        "checkpoint_dir": meta.get("source"),
+        "tokens": f"{stats.n_tokens} in {stats.n_windows} windows{skipped}",
+        "mean_loss": "—" if not np.isfinite(loss) else f"{loss:.4f}",
+        "gradients": "recorded (one backward pass per window)" if has_grads else "not recorded",
+        "flags": [],
+        "config_json": json.dumps(cfg, indent=1, sort_keys=True, default=str),
+        "provenance": {"name": name, "residual": residual, "config": cfg, "source": meta.get("source"),
+                       "weights_sha256": meta.get("weights_sha256"), "windows": stats.n_windows, "tokens": stats.n_tokens,
+                       "skipped_windows": stats.n_skipped},
+    }
 
 
 def versions() -> dict[str, str]:
@@ -359,12 +501,27 @@ def _token_rows(trace: DepthTrace) -> list[list[dict[str, Any]]]:
     return rows
 
 
-def _metric_table(traces: list[DepthTrace], names: list[str]) -> dict[str, Any]:
-    frame = metrics.compare(*traces, names=names)
-    rows = []
-    for metric, row in frame.iterrows():
-        rows.append({"metric": str(metric), "formula": metrics.FORMULAS.get(str(metric), ""), "cells": [figures.format_value(v) for v in row]})
-    return {"columns": [str(c) for c in frame.columns], "rows": rows, "has_baseline": "comparison" in frame.columns}
+METRICS_NOTE = (
+    "Each model's value is the mean over windows with its 95% bootstrap interval (windows resampled {n_resamples} times, "
+    "seed {seed}). Each AttnRes model is set against the PreNorm baseline on the same windows: a ratio (×) for spreads, "
+    "growths and peaks, a difference (±) otherwise, with its interval. The verdict sets that interval against the "
+    "paper's direction: consistent (it excludes no difference, on the paper's side), contrary (it excludes it, on the "
+    "other side), inconclusive (it does not exclude it, or there is no interval)."
+)
+
+
+def _metrics_context(frame: pd.DataFrame) -> dict[str, Any]:
+    """The headline panel and the full metric table of a :func:`metrics.compare` frame, as strings."""
+    from attnres_probe.analysis.display import headline, table_rows
+
+    windows = {str(r["model"]): int(r["windows"]) for _, r in frame[frame["comparison"] == "value"].groupby("model", sort=False).max().reset_index().iterrows()}
+    return {
+        "headline": headline(frame),
+        "table": table_rows(frame),
+        "has_baseline": bool((frame["comparison"] != "value").any()),
+        "note": METRICS_NOTE.format(n_resamples=frame.attrs.get("n_resamples", "?"), seed=frame.attrs.get("seed", "?")),
+        "one_window": max(windows.values(), default=0) <= 1,
+    }
 
 
 def _ablation_context(ablations: Any, plots: _Plots, read: str | None) -> list[dict[str, Any]]:

@@ -42,10 +42,16 @@ def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         metavar="NAME",
         help="bundled demo models: prenorm, full, block (bare --demo: all three)",
     )
+    src.add_argument("--stats", metavar="DIR",
+                     help="a corpus run (attnres-probe corpus --out DIR): comparisons with intervals and verdicts, "
+                          "mean heatmaps with spread, profiles with bands")
+    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples with --stats (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed with --stats (default: %(default)s)")
     text = p.add_mutually_exclusive_group()
     text.add_argument("--text", help="the text to record (with --models / --demo; --demo defaults to a 256-token sample)")
     text.add_argument("--text-file", metavar="FILE", help="read the text from FILE (UTF-8)")
-    p.add_argument("--out", required=True, metavar="FILE", help="the .html file to write (its directory must exist)")
+    p.add_argument("--out", required=True, metavar="FILE", help="a new .html file to write (its directory must exist)")
+    p.add_argument("--force", action="store_true", help="replace the file already at --out")
     p.add_argument("--title", default=None, help="report title (default: 'attnres-probe report: <model names>')")
     p.add_argument("--names", nargs="+", metavar="NAME", help="one label per model / trace (default: directory names)")
     p.add_argument("--no-backward", action="store_true", help="skip the backward pass (no gradient norms)")
@@ -66,12 +72,40 @@ def _user_error(msg: str) -> Exception:
 
 
 def _text(args: argparse.Namespace) -> str | None:
+    from attnres_probe.reports.recording import MAX_TOKENS
+
     if args.text_file:
         path = Path(args.text_file)
-        if not path.is_file():
+        if not path.exists():
             raise _user_error(f"--text-file {path} does not exist")
-        return path.read_text(encoding="utf-8")
+        if not path.is_file():
+            raise _user_error(f"--text-file {path} is not a regular file (a folder, device or pipe); pass a UTF-8 text file")
+        size = path.stat().st_size
+        if size > 4 * MAX_TOKENS:  # more bytes than any tokenizer turns into MAX_TOKENS tokens
+            raise _user_error(
+                f"--text-file {path} is {size} bytes; a report records at most {MAX_TOKENS} tokens of text "
+                f"(cut it first, e.g. `head -c {MAX_TOKENS} {shlex.quote(str(path))} > short.txt`)"
+            )
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise _user_error(f"--text-file {path} is not UTF-8 text (byte {exc.start})") from None
     return args.text
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """Refuse an --out that exists (without --force) or whose folder is missing, before any recording."""
+    if out.is_dir():
+        raise _user_error(f"--out {out} is a folder; pass a file path such as {out / 'report.html'}")
+    if out.exists() and not force:
+        raise _user_error(
+            f"--out {out} already exists; pass --force to replace it, or choose another --out (nothing was written)"
+        )
+    if not out.parent.is_dir():
+        raise _user_error(
+            f"cannot write the report to {out}: the directory {out.parent} does not exist "
+            f"(create it first, e.g. `mkdir -p {out.parent}`, or choose another --out)"
+        )
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -79,14 +113,12 @@ def run_report(args: argparse.Namespace) -> int:
     from attnres_probe.reports import SAMPLE_TEXT, ReportWriteError, build_report
     from attnres_probe.reports.recording import record_checkpoints, record_demos
 
+    if args.stats:
+        return _run_stats_report(args)
     text = _text(args)
     backward = not args.no_backward
     out = Path(args.out)
-    if not out.parent.is_dir():  # fail before spending time on recording
-        raise _user_error(
-            f"cannot write the report to {out}: the directory {out.parent} does not exist "
-            f"(create it first, e.g. `mkdir -p {out.parent}`, or choose another --out)"
-        )
+    _check_out(out, args.force)  # fail before spending time on recording
     t0 = time.perf_counter()
     models = None
     if args.traces:
@@ -108,12 +140,47 @@ def run_report(args: argparse.Namespace) -> int:
     title = args.title or f"attnres-probe report: {', '.join(t.name for t in traces)}"
     command = _command(args)
     t1 = time.perf_counter()
+    from attnres_probe.io import exclusive_lock
+
     try:
-        path = build_report(traces, out, title=title, ablations=ablations, explorer_tokens=args.explorer_tokens, command=command)
+        with exclusive_lock(out):  # one writer per --out; the check again, now that no one else writes it
+            _check_out(out, args.force)
+            path = build_report(
+                traces, out, title=title, ablations=ablations, explorer_tokens=args.explorer_tokens, command=command
+            )
     except ReportWriteError as exc:
         raise _user_error(str(exc)) from None
     size = path.stat().st_size / 1e6
     print(f"wrote {path} ({size:.2f} MB; recorded in {t_record:.1f} s, built in {time.perf_counter() - t1:.1f} s)")
+    return 0
+
+
+def _run_stats_report(args: argparse.Namespace) -> int:
+    """``report --stats DIR``: the corpus report of a finished ``attnres-probe corpus`` run."""
+    from attnres_probe.corpus import load_stats_dir
+    from attnres_probe.reports import ReportWriteError
+    from attnres_probe.reports.builder import build_stats_report
+
+    for flag in ("text", "text_file", "ablate", "names"):
+        if getattr(args, flag, None):
+            raise _user_error(f"--{flag.replace('_', '-')} does not apply to --stats (the corpus run holds its own data and names)")
+    if args.resamples < 1:
+        raise _user_error(f"--resamples is {args.resamples}; need at least 1")
+    out = Path(args.out)
+    _check_out(out, args.force)
+    manifest, stats = load_stats_dir(args.stats)
+    title = args.title or f"attnres-probe corpus report: {', '.join(stats)}"
+    parts = ["attnres-probe", "report", "--stats", str(args.stats), "--resamples", str(args.resamples), "--seed", str(args.seed)]
+    if args.title:
+        parts += ["--title", args.title]
+    parts += ["--out", str(args.out)]
+    t0 = time.perf_counter()
+    try:
+        path = build_stats_report(stats, out, title=title, manifest=manifest, command=" ".join(shlex.quote(p) for p in parts),
+                                  n_resamples=args.resamples, seed=args.seed)
+    except ReportWriteError as exc:
+        raise _user_error(str(exc)) from None
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB; built in {time.perf_counter() - t0:.1f} s)")
     return 0
 
 
@@ -142,6 +209,8 @@ def _command(args: argparse.Namespace) -> str:
     if args.title:
         parts += ["--title", args.title]
     parts += ["--explorer-tokens", str(args.explorer_tokens), "--out", str(args.out)]
+    if args.force:
+        parts.append("--force")
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -166,13 +235,13 @@ def _ablations(args: argparse.Namespace, traces, text: str | None, model_dirs: l
     if args.traces:
         raise _user_error("--ablate needs the models: use it with --models or --demo, not --traces")
     from attnres_probe.demo import load_demo
-    from attnres_probe.model import AttnResTransformer
+    from attnres_probe.pretrained import load_model_folder
     from attnres_probe.probe import Probe
 
     out = {}
     for i, t in enumerate(traces):
         if t.residual == "prenorm":
             continue  # no softmax weights to ablate
-        model = load_demo(t.name)[0] if args.demo is not None else AttnResTransformer.load(model_dirs[i]).eval()
-        out[t.name] = Probe(model, name=t.name).ablate(text, sources=args.ablate, mode=args.ablate_mode, truncate=True)
+        model, tokenizer = (load_demo(t.name)[0], None) if args.demo is not None else load_model_folder(model_dirs[i])
+        out[t.name] = Probe(model, tokenizer=tokenizer, name=t.name).ablate(text, sources=args.ablate, mode=args.ablate_mode, truncate=True)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,46 +52,39 @@ def test_unknown_demo_name_is_a_clear_error():
         load_demo("dense")
 
 
-@pytest.fixture(scope="module")
-def study_traces():
-    from attnres_probe.study import record_validation
+def _study():
+    import pandas as pd
 
     results = json.loads(STUDY.read_text())
-    return results, {n: record_validation(n, results["n_windows"]) for n in DEMO_NAMES}
+    table = pd.read_csv(STUDY.parent / "windows.csv")
+    windows = {n: t.drop(columns=["model", "window"]).reset_index(drop=True) for n, t in table.groupby("model", sort=False)}
+    return results, windows
 
 
-def test_magnitude_growth_has_the_signs_the_study_reports(study_traces):
-    from attnres_probe import metrics
+def test_the_study_findings_follow_from_its_windows_and_pool():
+    """Every verdict in results.json is recomputed from windows.csv (per-window values) and the pooled numbers."""
+    from attnres_probe.study import evaluate_findings
 
-    results, traces = study_traces
-    growth = {n: metrics.magnitude_growth(t) for n, t in traces.items()}
-    for n in DEMO_NAMES:
-        assert growth[n]["rms_in_growth"] == pytest.approx(results["numbers"][n]["rms_in_growth"], rel=1e-3)
-    pre = growth["prenorm"]
-    assert results["verdicts"]["prenorm_magnitude_grows"] == (pre["rms_in_growth"] > 1 and pre["rms_in_log_slope"] > 0)
-    bounded = max(growth["full"]["rms_in_growth"], growth["block"]["rms_in_growth"]) < pre["rms_in_growth"]
-    assert results["verdicts"]["attnres_magnitude_bounded"] == bounded
-
-
-def test_gradient_uniformity_has_the_signs_the_study_reports(study_traces):
-    from attnres_probe import metrics
-
-    results, traces = study_traces
-    cv = {n: metrics.gradient_uniformity(t)["param_grad_cv"] for n, t in traces.items()}
-    for n in DEMO_NAMES:
-        assert cv[n] == pytest.approx(results["numbers"][n]["param_grad_cv"], rel=1e-3)
-    assert results["verdicts"]["block_gradients_more_uniform"] == (cv["block"] < cv["prenorm"])
-    assert results["verdicts"]["full_gradients_more_uniform"] == (cv["full"] < cv["prenorm"])
+    results, windows = _study()
+    boot = results["bootstrap"]
+    got = evaluate_findings(windows, results["pooled"], results["references"], boot["n_resamples"], boot["seed"])
+    assert {f["key"]: f["verdict"] for f in got} == results["verdicts"]
+    for f, shipped in zip(got, results["findings"]):
+        assert f["held"] == shipped["held"] and f["holds"] == shipped["holds"]
+        assert f["estimate"] == pytest.approx(shipped["estimate"], rel=1e-6)
+    assert all(len(w) == results["n_windows"] for w in windows.values())
 
 
-def test_every_study_verdict_holds_on_the_shipped_files(study_traces):
-    from attnres_probe.study import FINDINGS, study_numbers, uniform_reference
+def test_the_study_windows_are_what_the_shipped_models_record():
+    """The first windows, recorded again (one forward and backward pass each), give the values in windows.csv."""
+    from attnres_probe.study import record_validation, study_windows
 
-    results, traces = study_traces
-    numbers = study_numbers(traces)
-    for name in ("full", "block"):
-        numbers[name].update(uniform_reference(traces[name]))
-    assert {key: bool(test(numbers)) for key, _, test in FINDINGS} == results["verdicts"]
+    _, windows = _study()
+    for name in DEMO_NAMES:
+        _, traces = record_validation(name, 3)
+        fresh = study_windows(traces)
+        shipped = windows[name].iloc[:3][fresh.columns]
+        np.testing.assert_allclose(fresh.to_numpy(float), shipped.to_numpy(float), rtol=2e-4, atol=1e-7, equal_nan=True)
 
 
 def test_validation_batches_refuse_a_different_corpus():

@@ -146,23 +146,26 @@ def test_every_summary_metric_has_a_formula():
     assert set(loc.columns) | set(ret.columns) | {"entropy"} <= set(metrics.FORMULAS)
 
 
-def test_compare_has_one_column_per_trace_and_a_column_against_the_prenorm_baseline():
+def test_compare_sets_each_model_against_the_prenorm_baseline_as_ratio_or_difference():
     pre = make_trace("prenorm", param_grad=[1.0, 4.0], loss=3.0)
     full = make_trace("full", param_grad=[1.0, 2.0], loss=2.5)
     df = metrics.compare(pre, full)
-    assert list(df.columns) == ["prenorm", "full", "full vs prenorm", "comparison"]
-    assert df.loc["param_grad_max_min", "full vs prenorm"] == pytest.approx(2.0 / 4.0)  # ratio
-    assert df.loc["param_grad_max_min", "comparison"] == "ratio"
-    assert df.loc["mean_loss", "full vs prenorm"] == pytest.approx(-0.5)  # difference
-    assert df.loc["mean_loss", "comparison"] == "difference"
+    comp = df[df["comparison"] != "value"].set_index("metric")
+    assert set(comp["model"]) == {"full"} and set(comp["baseline"]) == {"prenorm"}
+    assert comp.loc["param_grad_max_min", "estimate"] == pytest.approx(2.0 / 4.0)  # ratio
+    assert comp.loc["param_grad_max_min", "comparison"] == "ratio"
+    assert comp.loc["mean_loss", "estimate"] == pytest.approx(-0.5)  # difference
+    assert comp.loc["mean_loss", "comparison"] == "difference"
+    values = df[df["comparison"] == "value"]
+    assert list(dict.fromkeys(values["model"])) == ["prenorm", "full"]
 
 
-def test_compare_without_baseline_only_lists_traces_and_uses_given_names():
+def test_compare_without_baseline_only_lists_models_and_uses_given_names():
     df = metrics.compare(make_trace("full"), make_trace("block"), names=["a", "b"])
-    assert list(df.columns) == ["a", "b"]
-    assert isinstance(df, pd.DataFrame) and df.index.name == "metric"
+    assert list(dict.fromkeys(df["model"])) == ["a", "b"] and (df["comparison"] == "value").all()
 
 
-def test_compare_disambiguates_duplicate_names():
-    df = metrics.compare(make_trace("full"), make_trace("full"))
-    assert list(df.columns) == ["full", "full (2)"]
+def test_summary_reports_magnitude_swing_and_peak_not_only_last_over_first():
+    s = metrics.summary(make_trace("full", rms_in=[1, 4, 2]))  # sublayer reads 1, 4: final read left out
+    assert s["rms_in_growth"] == pytest.approx(4.0) and s["rms_in_max_min"] == pytest.approx(4.0)
+    assert s["rms_in_peak"] == pytest.approx(4.0)

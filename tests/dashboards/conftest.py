@@ -34,6 +34,28 @@ def models() -> dict:
     return {name: make_model(name) for name in NAMES}
 
 
+CORPUS = [
+    "The cat sat on the mat. The dog sat on the log. ",
+    "Depth routing, token by token, window by window.",
+    "A third document: short.",
+    "def f(x):\n    return x + 1\n",
+]
+
+
+@pytest.fixture(scope="session")
+def corpus_stats(models) -> dict:
+    """name -> CorpusStats of a four-document corpus (one backward per window), with weights digests."""
+    from attnres_probe import Probe
+    from attnres_probe.corpus import model_digest
+
+    out = {}
+    for name, model in models.items():
+        stats = Probe(model, name=name).run_corpus(CORPUS * 3, backward=True, progress=False)
+        stats.meta["weights_sha256"] = model_digest(model)
+        out[name] = stats
+    return out
+
+
 @pytest.fixture
 def app(models):
     from attnres_probe.dashboards import create_app

@@ -132,3 +132,23 @@ def test_traces_only_mode_says_so_and_still_renders(dash_duo, app):
     dash_duo.find_element("#token-strip button:nth-child(3)").click()
     wait_for_title(dash_duo, "token-graph-2", "block · token 2 ")
     assert dash_duo.get_logs() == []
+
+
+VERDICTS_JS = "return Array.from(document.querySelectorAll(arguments[0] + ' span.verdict'), (s) => s.textContent);"
+
+
+def test_the_page_shows_the_same_verdicts_as_compare_for_the_same_stats(dash_duo, models, corpus_stats):
+    from attnres_probe import metrics
+    from test_dash_callbacks import _expected_headline_verdicts
+
+    app = create_app(models, text=TEXT, stats=corpus_stats)
+    start(dash_duo, app)
+    frame = metrics.compare(*corpus_stats.values(), names=list(corpus_stats))
+    dash_duo.wait_for_element("#corpus-headline .metric-card", timeout=20)
+    assert dash_duo.driver.execute_script(VERDICTS_JS, "#corpus-headline") == _expected_headline_verdicts(frame)
+    prompt = metrics.compare(*app.explorer.initial.traces.values(), names=list(app.explorer.names))
+    until(lambda: len(dash_duo.driver.execute_script(VERDICTS_JS, "#metric-cards")) > 0, timeout=20)
+    assert dash_duo.driver.execute_script(VERDICTS_JS, "#metric-cards") == _expected_headline_verdicts(prompt)
+    assert "95% CI [" in dash_duo.find_element("#corpus-headline").text
+    assert wait_for_title(dash_duo, "corpus-magnitudes", "Magnitudes by depth")["n"] == 2 * 2 * len(models)
+    assert dash_duo.get_logs() == []

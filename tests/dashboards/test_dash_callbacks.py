@@ -184,15 +184,95 @@ def test_profiles_draw_every_model_in_one_chart(ex):
     assert {t.name for t in out["gradients"].data} == set(NAMES)
 
 
-def test_metric_cards_compare_each_model_with_the_baseline_and_carry_formulas(ex):
+def _find(node, pred) -> list:
+    """Every component under ``node`` for which ``pred`` holds, in document order."""
+    out = []
+
+    def walk(n):
+        if isinstance(n, (list, tuple)):
+            for x in n:
+                walk(x)
+            return
+        if pred(n):
+            out.append(n)
+        if hasattr(n, "children"):
+            walk(n.children)
+
+    walk(node)
+    return out
+
+
+def _verdicts_shown(node) -> list[str]:
+    return [b.children for b in _find(node, lambda n: isinstance(n, html.Span) and "verdict" in (getattr(n, "className", "") or ""))]
+
+
+def _expected_headline_verdicts(frame) -> list[str]:
+    out = []
+    for _, _, names in callbacks.CARD_GROUPS:
+        for m in names:
+            models = list(dict.fromkeys(frame.loc[(frame.metric == m) & (frame.comparison == "value"), "model"]))
+            for model in models:
+                row = frame[(frame.metric == m) & (frame.model == model) & (frame.comparison != "value")]
+                out += list(row["verdict"])
+    return out
+
+
+def test_metric_cards_show_compare_s_estimates_intervals_and_verdicts_with_formulas(ex):
     cards = callbacks.metric_cards(ex, ex.initial.key)
     assert [c.children[0].children for c in cards] == ["Locality", "Embedding retention", "Gradient uniformity", "Magnitude growth"]
     frame = metrics.compare(*ex.initial.traces.values(), names=list(NAMES))
-    locality = cards[0].children[2].children[1].children[0].children  # first row of the first card
-    assert locality[0].title == metrics.FORMULAS["locality_distance"]
-    full_cell = texts(locality[2])
-    assert full_cell[0] == callbacks._fmt(frame.at["locality_distance", "full"])
-    assert full_cell[1] == f"vs prenorm: {frame.at['locality_distance', 'full vs prenorm']:+.3g}"
+    assert _verdicts_shown(cards) == _expected_headline_verdicts(frame) and set(_verdicts_shown(cards)) == {"inconclusive"}
+    names = _find(cards[0], lambda n: getattr(n, "className", None) == "metric-name")
+    assert names[0].title == metrics.FORMULAS["locality_distance"]
+    shown = " ".join(texts(cards[0]))
+    row = frame.query("metric == 'locality_distance' and model == 'full' and baseline == 'prenorm'").iloc[0]
+    assert f"{row['estimate']:+.3g} vs prenorm" in shown
+    assert "no interval: 1 window" in shown and "paper: lower than prenorm" in shown
+
+
+def test_no_text_asserts_the_papers_direction(ex):
+    page = " ".join(texts(build_layout(ex)))
+    assert "AttnRes keeps magnitudes bounded and spreads gradients more evenly." not in page
+    assert "The paper reports" in page
+
+
+def test_the_corpus_section_leads_with_compare_s_verdicts_for_the_same_stats(models, corpus_stats):
+    app = create_app(models, text=TEXT, stats=corpus_stats)
+    page = app.layout
+    corpus = _find(page, lambda n: getattr(n, "id", None) == "corpus")[0]
+    frame = metrics.compare(*corpus_stats.values(), names=list(corpus_stats))
+    headline = _find(corpus, lambda n: getattr(n, "id", None) == "corpus-headline")[0]
+    assert _verdicts_shown(headline) == _expected_headline_verdicts(frame)
+    shown = " ".join(texts(headline))
+    assert "95% CI [" in shown and "windows" in shown
+    table = _find(corpus, lambda n: isinstance(n, html.Table) and "full-table" in (n.className or ""))[0]
+    rows = {r.to_plotly_json()["props"]["data-metric"]: r for r in _find(table, lambda n: isinstance(n, html.Tr) and
+                                                                         "data-metric" in n.to_plotly_json()["props"])}
+    for metric in ("param_grad_cv", "mean_loss"):
+        want = list(frame[(frame.metric == metric) & (frame.comparison != "value")]["verdict"])
+        assert _verdicts_shown(rows[metric]) == want
+    graphs = {g.id: g.figure for g in _find(corpus, lambda n: getattr(n, "figure", None) is not None)}
+    assert "95% interval" in graphs["corpus-magnitudes"].layout.title.text
+    assert "sd over tokens" in graphs["corpus-contrib"].data[0].hovertemplate
+
+
+def test_dash_stats_refuses_models_the_stats_were_not_recorded_from(tmp_path, corpus_stats):
+    from attnres_probe.corpus import CorpusRunError
+    from attnres_probe.dashboards.cli import load_with_stats
+
+    run = tmp_path / "run"
+    (run / "models").mkdir(parents=True)
+    for name, st in corpus_stats.items():
+        st.save(run / "models" / name)
+    manifest = {"schema_version": 1, "complete": True,
+                "models": [{"name": n, "source": "demo:" + n, "dir": f"models/{n}", "complete": True} for n in corpus_stats]}
+    (run / "corpus.json").write_text(__import__("json").dumps(manifest))
+    other = make_model("block", seed=5)
+    other.save(tmp_path / "block")
+    with pytest.raises(CorpusRunError, match="the stats of 'block' were recorded from another model"):
+        load_with_stats([str(tmp_path / "block")], None, str(run))
+    with pytest.raises(CorpusRunError, match="not a folder written by `attnres-probe corpus`"):
+        load_with_stats(None, None, str(tmp_path))
 
 
 # -- ablation -----------------------------------------------------------------------------------

@@ -108,15 +108,33 @@ def test_text_section_shows_the_text_and_every_token(soup, traces):
 
 def test_metric_table_matches_compare_against_the_baseline(soup, traces):
     frame = metrics.compare(*traces)
-    table = soup.find("section", id="metrics").find("table")
+    table = soup.find("section", id="metrics").find("table", class_="metrics")
     header = [th.get_text() for th in table.find("tr").find_all("th")]
-    assert header == ["metric", *frame.columns]
-    assert "full vs prenorm" in header and "block vs prenorm" in header
-    rows = {tr.find("td").get_text(): tr for tr in table.find_all("tr")[1:]}
-    assert list(rows) == list(frame.index)
-    loss = [td.get_text() for td in rows["mean_loss"].find_all("td")[1:4]]
-    assert loss == [f"{v:.4g}" for v in frame.loc["mean_loss"].iloc[:3]]
+    assert header == ["metric", "prenorm", "full", "block", "full vs prenorm", "block vs prenorm",
+                      "verdict: full vs prenorm", "verdict: block vs prenorm"]
+    rows = {tr["data-metric"]: tr for tr in table.find_all("tr")[1:]}
+    assert list(rows) == list(dict.fromkeys(frame["metric"]))
     assert rows["mean_loss"].find("td")["title"] == metrics.FORMULAS["mean_loss"]
+    for metric, tr in rows.items():
+        want = list(frame[(frame.metric == metric) & (frame.comparison != "value")]["verdict"])
+        assert [s.get_text() for s in tr.select("span.verdict")] == want
+    loss = frame.query("metric == 'mean_loss' and comparison == 'value'")
+    cells = [td.get_text() for td in rows["mean_loss"].find_all("td")[1:4]]
+    assert [c.split(" ")[0] for c in cells] == [f"{v:.4g}" for v in loss["estimate"]]
+
+
+def test_headline_panel_shows_compare_s_verdicts_and_says_why_there_is_no_interval(soup, traces):
+    frame = metrics.compare(*traces)
+    headline = soup.find(id="headline")
+    assert [h.get_text() for h in headline.find_all("h3")] == ["Locality", "Embedding retention", "Gradient uniformity", "Magnitude growth"]
+    want = []
+    for card in headline.select("div.metric-card"):
+        for name in card.select("div.metric-name"):
+            m = name["data-metric"]
+            want += list(frame[(frame.metric == m) & (frame.comparison != "value")]["verdict"])
+    assert [s.get_text() for s in headline.select("span.verdict")] == want
+    text = soup.find("section", id="metrics").get_text()
+    assert "paper: lower than prenorm" in text and "The paper reports" in text
 
 
 def test_heatmap_magnitude_and_gradient_charts_come_from_figures(soup, traces):

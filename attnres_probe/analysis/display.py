@@ -1,0 +1,204 @@
+"""Words and numbers for the comparisons, shared by the dashboard, the report and the study.
+
+Everything here formats rows of the frame :func:`attnres_probe.metrics.compare` returns; no
+number or verdict is computed here, so every page shows the same strings.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+from attnres_probe.analysis.verdicts import EXPECTED
+
+__all__ = [
+    "HEADLINE",
+    "LABELS",
+    "comparison_rows",
+    "fmt_estimate",
+    "fmt_interval",
+    "fmt_number",
+    "headline",
+    "held_text",
+    "interval_text",
+    "table_rows",
+]
+
+# the headline panel: the three comparisons the toolkit exists for, plus magnitude growth
+HEADLINE: list[tuple[str, str, list[str]]] = [
+    ("Locality", "How far back in depth the reads look.", ["locality_distance", "locality_recent_mass"]),
+    ("Embedding retention", "How much the deep reads still take from the embedding.", ["embed_contrib_deep", "embed_weight_deep"]),
+    ("Gradient uniformity", "Spread of gradient norms over depth (0 = even).", ["act_grad_cv", "param_grad_cv"]),
+    ("Magnitude growth", "Hidden-state RMS over depth: last/first read, max/min and peak.",
+     ["rms_in_growth", "rms_in_max_min", "rms_in_peak"]),
+]
+LABELS: dict[str, str] = {
+    "locality_distance": "mean depth distance E[d]",
+    "locality_recent_mass": "mass on the most recent source",
+    "embed_weight_deep": "embedding weight α₀, deep half",
+    "embed_contrib_deep": "embedding share c₀, deep half",
+    "mean_entropy": "normalised routing entropy",
+    "act_grad_cv": "CV of ‖∂L/∂h‖ over reads",
+    "act_grad_max_min": "max/min of ‖∂L/∂h‖ over reads",
+    "param_grad_cv": "CV of parameter-gradient norms",
+    "param_grad_max_min": "max/min of parameter-gradient norms",
+    "rms_in_growth": "rms(h) last/first sublayer read",
+    "rms_in_log_slope": "slope of log rms(h) per read",
+    "rms_in_max_min": "rms(h) max/min over sublayer reads",
+    "rms_in_peak": "rms(h) peak over sublayer reads",
+    "rms_out_growth": "rms(v) last/first sublayer output",
+    "rms_out_log_slope": "slope of log rms(v) per sublayer",
+    "mean_loss": "next-token loss",
+}
+
+
+def _finite(x: Any) -> bool:
+    try:
+        return x is not None and x is not pd.NA and math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False
+
+
+def fmt_number(x: Any, digits: int = 4) -> str:
+    """A number to ``digits`` significant digits; "—" when missing."""
+    return f"{float(x):.{digits}g}" if _finite(x) else "—"
+
+
+def fmt_estimate(row: pd.Series | dict, digits: int = 3) -> str:
+    """The row's estimate: "0.123" (value), "+0.0123" (difference), "×0.93" (ratio); the pooled
+    number when there is no per-window estimate (marked "pooled")."""
+    est, kind = row["estimate"], row["comparison"]
+    pooled = not _finite(est) and _finite(row["pooled"])
+    x = row["pooled"] if pooled else est
+    if not _finite(x):
+        return "—"
+    text = f"×{float(x):.{digits}g}" if kind == "ratio" else (f"{float(x):+.{digits}g}" if kind == "difference" else f"{float(x):.{digits + 1}g}")
+    return f"{text} (pooled)" if pooled else text
+
+
+def fmt_interval(row: pd.Series | dict, digits: int = 3) -> str:
+    """"[low, high]" (with × for ratios), or "" when there is no interval."""
+    lo, hi = row["low"], row["high"]
+    if not (_finite(lo) and _finite(hi)):
+        return ""
+    if row["comparison"] == "ratio":
+        return f"[×{float(lo):.{digits}g}, ×{float(hi):.{digits}g}]"
+    if row["comparison"] == "difference":
+        return f"[{float(lo):+.{digits}g}, {float(hi):+.{digits}g}]"
+    return f"[{float(lo):.{digits + 1}g}, {float(hi):.{digits + 1}g}]"
+
+
+def interval_text(row: pd.Series | dict, level: float = 0.95) -> str:
+    """The interval with its level ("95% CI [0.85, 1.02]"), or in words why there is none."""
+    iv = fmt_interval(row)
+    if iv:
+        return f"{level:.0%} CI {iv}"
+    note = str(row.get("note") or "")
+    reason = next((p for p in note.split("; ") if p.startswith(("no interval", "pooled", "not available", "no windows", "PreNorm"))), "")
+    return reason or "no interval"
+
+
+def held_text(row: pd.Series | dict) -> str:
+    """"lower in 6 of 16 windows" for a comparison row with per-window values; else ""."""
+    held, n = row.get("held"), row.get("windows")
+    if row["comparison"] == "value" or held is None or held is pd.NA or not _finite(held) or not n:
+        return ""
+    return f"{row['expected']} in {int(held)} of {int(n)} windows"
+
+
+def expected_text(row: pd.Series | dict) -> str:
+    """"paper: lower than prenorm" for a comparison row."""
+    if row["comparison"] == "value":
+        return ""
+    return f"paper: {row['expected']} than {row['baseline']}"
+
+
+def comparison_rows(frame: pd.DataFrame, metric: str) -> list[dict[str, Any]]:
+    """Every comparison of ``metric`` (one per AttnRes model) as display strings."""
+    level = float(frame.attrs.get("level", 0.95))
+    out = []
+    for _, r in frame[(frame["metric"] == metric) & (frame["comparison"] != "value")].iterrows():
+        out.append({
+            "model": r["model"],
+            "baseline": r["baseline"],
+            "estimate": fmt_estimate(r),
+            "interval": interval_text(r, level),
+            "expected": expected_text(r),
+            "verdict": r["verdict"],
+            "held": held_text(r),
+            "note": r["note"],
+            "claim": EXPECTED[metric].claim if metric in EXPECTED else "",
+        })
+    return out
+
+
+def headline(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """The headline panel: per group (locality, embedding retention, gradient uniformity,
+    magnitude growth), per metric, each model's value and each comparison's estimate,
+    interval, paper's direction and verdict, all as strings.
+
+    Returns:
+        [{"title", "help", "claim", "metrics": [{"metric", "label", "values": [{"model",
+        "estimate", "interval"}], "comparisons": [comparison_rows entries], "rows": [value entry +
+        {"comparison": its comparison or None, "is_baseline"}]}]}]
+    """
+    level = float(frame.attrs.get("level", 0.95))
+    groups = []
+    for title, help_text, names in HEADLINE:
+        rows = []
+        for m in names:
+            vals = frame[(frame["metric"] == m) & (frame["comparison"] == "value")]
+            values = [{"model": r["model"], "estimate": fmt_estimate(r), "interval": interval_text(r, level)}
+                      for _, r in vals.iterrows()]
+            comps = comparison_rows(frame, m)
+            by_model = {c["model"]: c for c in comps}
+            baselines = {c["baseline"] for c in comps}
+            rows.append({
+                "metric": m,
+                "label": LABELS.get(m, m),
+                "values": values,
+                "comparisons": comps,
+                # one row per model: its value and, for every model but the baseline, its comparison
+                "rows": [{**v, "comparison": by_model.get(v["model"]), "is_baseline": v["model"] in baselines} for v in values],
+            })
+        claim = next((EXPECTED[m].claim for m in names if m in EXPECTED), "")
+        groups.append({"title": title, "help": help_text, "claim": claim, "metrics": rows})
+    return groups
+
+
+def table_rows(frame: pd.DataFrame) -> dict[str, Any]:
+    """The whole metric table, wide: one row per metric; per model "value [low, high]"; per
+    comparison "estimate [low, high]" and its verdict.
+
+    Returns:
+        {"columns": [header strings], "rows": [{"metric", "label", "cells": [str], "verdicts": [str]}]}
+    """
+    models = list(dict.fromkeys(frame.loc[frame["comparison"] == "value", "model"]))
+    comps = list(dict.fromkeys((r["model"], r["baseline"]) for _, r in frame[frame["comparison"] != "value"].iterrows()))
+    columns = [*models, *[f"{m} vs {b}" for m, b in comps]]
+    rows = []
+    for metric in dict.fromkeys(frame["metric"]):
+        sub = frame[frame["metric"] == metric]
+        cells, verdicts = [], []
+        for m in models:
+            r = sub[(sub["model"] == m) & (sub["comparison"] == "value")]
+            cells.append(_cell(r.iloc[0]) if len(r) else "")
+        for m, b in comps:
+            r = sub[(sub["model"] == m) & (sub["baseline"] == b)]
+            if len(r):
+                cells.append(_cell(r.iloc[0]))
+                verdicts.append(str(r.iloc[0]["verdict"]))
+            else:
+                cells.append("")
+                verdicts.append("")
+        rows.append({"metric": metric, "label": LABELS.get(metric, metric), "cells": cells, "verdicts": verdicts,
+                     "n_models": len(models)})
+    return {"columns": columns, "models": models, "comparisons": [f"{m} vs {b}" for m, b in comps], "rows": rows}
+
+
+def _cell(r: pd.Series) -> str:
+    est = fmt_estimate(r)
+    iv = fmt_interval(r)
+    return f"{est} {iv}" if iv else est

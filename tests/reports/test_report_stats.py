@@ -1,0 +1,103 @@
+"""``report --stats``: the corpus report shows compare's estimates, intervals and verdicts, opened from file://."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from bs4 import BeautifulSoup
+
+from attnres_probe import Probe, metrics
+from attnres_probe.cli import main
+from attnres_probe.reports.builder import build_stats_report
+from helpers import CHROME_FLAGS
+
+DOCS = ["The cat sat on the mat, and then the dog sat on the log.", "Depth routing, window by window.",
+        "def f(x):\n    return x + 1\n", "A fourth and longer document, long enough for two windows."] * 2
+
+
+@pytest.fixture(scope="module")
+def corpus_stats(tiny_models):
+    return {r: Probe(m, name=r).run_corpus(DOCS, backward=True, progress=False) for r, m in tiny_models.items()}
+
+
+@pytest.fixture(scope="module")
+def stats_report(corpus_stats, tmp_path_factory):
+    path = tmp_path_factory.mktemp("stats") / "corpus.html"
+    build_stats_report(corpus_stats, path, title="corpus <b>report</b>", n_resamples=400, seed=3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def stats_soup(stats_report):
+    return BeautifulSoup(stats_report.read_text(encoding="utf-8"), "html.parser")
+
+
+def _expected(frame, metric_names):
+    out = []
+    for m in metric_names:
+        out += list(frame[(frame.metric == m) & (frame.comparison != "value")]["verdict"])
+    return out
+
+
+def test_corpus_report_shows_compare_s_verdicts_and_intervals(stats_soup, corpus_stats):
+    frame = metrics.compare(*corpus_stats.values(), names=list(corpus_stats), n_resamples=400, seed=3)
+    headline = stats_soup.find(id="headline")
+    shown = [m["data-metric"] for m in headline.select("div.metric-name")]
+    assert [s.get_text() for s in headline.select("span.verdict")] == _expected(frame, shown)
+    table = stats_soup.find("table", class_="metrics")
+    for tr in table.find_all("tr")[1:]:
+        assert [s.get_text() for s in tr.select("span.verdict")] == _expected(frame, [tr["data-metric"]])
+    text = headline.get_text()
+    assert "95% CI [" in text and "windows" in text and "paper: lower than prenorm" in text
+    assert stats_soup.find("section", id="explorer") is None and stats_soup.find("section", id="text") is None
+    assert stats_soup.find("h1").get_text() == "corpus <b>report</b>"  # escaped, not markup
+
+
+def test_report_stats_from_the_command_line_and_its_refusals(tmp_path, capsys, corpus_stats):
+    assert main(["report", "--stats", str(tmp_path), "--out", str(tmp_path / "r.html")]) == 2
+    assert "not a folder written by `attnres-probe corpus`" in capsys.readouterr().err
+    run = tmp_path / "run"
+    (run / "models").mkdir(parents=True)
+    for name, st in corpus_stats.items():
+        st.save(run / "models" / name)
+    manifest = {"schema_version": 1, "complete": False,
+                "models": [{"name": n, "source": "demo:" + n, "dir": f"models/{n}", "complete": n != "block"} for n in corpus_stats]}
+    (run / "corpus.json").write_text(__import__("json").dumps(manifest))
+    assert main(["report", "--stats", str(run), "--out", str(tmp_path / "r.html")]) == 2
+    assert "the corpus run is unfinished (prenorm done, full done, block unfinished)" in capsys.readouterr().err
+    manifest["complete"] = True
+    (run / "corpus.json").write_text(__import__("json").dumps(manifest))
+    assert main(["report", "--stats", str(run), "--resamples", "200", "--out", str(tmp_path / "r.html")]) == 0
+    soup = BeautifulSoup((tmp_path / "r.html").read_text(encoding="utf-8"), "html.parser")
+    assert len(soup.select("#headline span.verdict")) > 0
+
+
+@pytest.mark.browser
+def test_corpus_report_from_file_url_draws_and_shows_the_same_verdicts(stats_report, corpus_stats):
+    chromium = os.environ.get("ATTNRES_CHROMIUM", "/usr/bin/chromium")
+    chromedriver = os.environ.get("ATTNRES_CHROMEDRIVER", "/usr/bin/chromedriver")
+    if not (shutil.which(chromium) and shutil.which(chromedriver)):
+        pytest.skip("needs Chromium and ChromeDriver")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for flag in ("--headless", *CHROME_FLAGS):
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(chromedriver), options=opts)
+    try:
+        driver.get(stats_report.as_uri())
+        assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
+        shown = driver.execute_script("return Array.from(document.querySelectorAll('#headline span.verdict'), s => s.textContent)")
+        metric_names = driver.execute_script("return Array.from(document.querySelectorAll('#headline div.metric-name'), d => d.dataset.metric)")
+        frame = metrics.compare(*corpus_stats.values(), names=list(corpus_stats), n_resamples=400, seed=3)
+        assert shown == _expected(frame, metric_names)
+        n_divs, n_drawn = driver.execute_script(
+            "const d = document.querySelectorAll('div.plot'); return [d.length, Array.from(d).filter(x => x.querySelector('.main-svg')).length];")
+        assert n_divs == n_drawn == 5
+    finally:
+        driver.quit()

@@ -1,0 +1,255 @@
+"""Statistics over windows: per-window metrics, bootstrap intervals that cover, paired
+comparisons on the same windows, and verdicts decided by the interval alone."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from attnres_probe import Probe, metrics
+from attnres_probe.analysis import bootstrap
+from attnres_probe.analysis.compare import Windows, compare_windows
+from attnres_probe.analysis.verdicts import EXPECTED, VERDICTS, verdict
+from attnres_probe.analysis.windows import KEY_COLUMNS, WINDOW_METRICS, window_metrics
+from helpers import sample_tokens, tiny_model
+from trace_factory import make_trace
+
+TEXT = "The cat sat on the mat."
+
+
+# -- intervals cover the truth --------------------------------------------------------------
+def _coverage(draw, truth: float, reps: int = 240, n: int = 40, resamples: int = 1000) -> float:
+    rng = np.random.default_rng(2024)
+    hits = 0
+    for rep in range(reps):
+        a, b = draw(rng, n)
+        counts = bootstrap.resample_counts(n, resamples, seed=rep)
+        _, lo, hi = draw.interval(a, b, counts)
+        hits += lo <= truth <= hi
+    return hits / reps
+
+
+def test_paired_difference_interval_covers_the_true_difference_about_95_percent_of_the_time():
+    # per-window values of the baseline vary a lot between windows; the model adds 0.3 ± noise
+    def draw(rng, n):
+        base = rng.normal(2.0, 1.0, n)
+        return base + 0.3 + rng.normal(0, 0.5, n), base
+
+    draw.interval = lambda a, b, c: bootstrap.paired_interval(a, b, c, "difference")
+    assert 0.90 <= _coverage(draw, truth=0.3) <= 0.99
+
+
+def test_ratio_of_means_interval_covers_the_true_ratio_about_95_percent_of_the_time():
+    # gamma-distributed CVs; the model's windows are 0.8x the baseline's in expectation
+    def draw(rng, n):
+        base = rng.gamma(4.0, 0.1, n)  # mean 0.4
+        return base * rng.gamma(25.0, 0.8 / 25.0, n), base  # independent factor with mean 0.8
+
+    draw.interval = lambda a, b, c: bootstrap.paired_interval(a, b, c, "ratio")
+    assert 0.90 <= _coverage(draw, truth=0.8, n=60) <= 0.99
+
+
+def test_mean_interval_covers_the_true_mean_of_a_skewed_distribution():
+    def draw(rng, n):
+        return rng.exponential(1.5, n), None
+
+    draw.interval = lambda a, b, c: bootstrap.mean_interval(a, c)
+    assert 0.90 <= _coverage(draw, truth=1.5, n=60) <= 0.99
+
+
+def test_vectorised_intervals_equal_the_one_metric_functions():
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(1, 1, (50, 4)), rng.normal(1.2, 1, (50, 4))
+    a[3, 1] = np.nan
+    counts = bootstrap.resample_counts(50, 400, seed=3)
+    est, lo, hi = bootstrap.paired_intervals(a, b, np.array([False, True, False, True]), counts)
+    for j, kind in enumerate(["difference", "ratio", "difference", "ratio"]):
+        np.testing.assert_allclose((est[j], lo[j], hi[j]), bootstrap.paired_interval(a[:, j], b[:, j], counts, kind))
+    est, lo, hi = bootstrap.mean_intervals(a, counts)
+    np.testing.assert_allclose((est[1], lo[1], hi[1]), bootstrap.mean_interval(a[:, 1], counts))
+
+
+def test_resampling_is_seeded_and_the_number_of_resamples_is_a_parameter():
+    c1, c2 = bootstrap.resample_counts(30, 500, seed=7), bootstrap.resample_counts(30, 500, seed=7)
+    np.testing.assert_array_equal(c1, c2)
+    assert c1.shape == (500, 30) and (c1.sum(1) == 30).all()
+    assert not np.array_equal(c1, bootstrap.resample_counts(30, 500, seed=8))
+    with pytest.raises(ValueError, match="n_resamples must be a positive integer"):
+        bootstrap.resample_counts(30, 0)
+
+
+def test_resamples_in_bounded_chunks_are_the_same_resamples():
+    full = bootstrap.resample_counts(50, 300, seed=4)
+    plan = bootstrap.Resamples(50, 300, seed=4, max_cells=50 * 7)  # chunks of 7 resamples
+    assert plan.chunk == 7
+    np.testing.assert_array_equal(np.concatenate(list(plan.chunks())), full)
+    v = np.random.default_rng(0).normal(size=(50, 3))
+    np.testing.assert_allclose(bootstrap.mean_intervals(v, plan), bootstrap.mean_intervals(v, full))
+    big = bootstrap.Resamples(1_000_000, 1000, seed=0)  # a full matrix would hold 10^9 counts
+    assert big.chunk * big.n <= 1 << 23
+
+
+def test_bootstrap_of_a_thousand_windows_a_thousand_times_takes_well_under_two_seconds():
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(size=(1000, 16)), rng.normal(size=(1000, 16))
+    t0 = time.perf_counter()
+    counts = bootstrap.resample_counts(1000, 1000, seed=0)
+    bootstrap.paired_intervals(a, b, np.arange(16) % 2 == 0, counts)
+    assert time.perf_counter() - t0 < 2.0
+
+
+# -- verdicts ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "low, high, expected, null, want",
+    [
+        (-0.5, -0.1, "lower", 0.0, "consistent"),
+        (-0.5, -0.1, "higher", 0.0, "contrary"),
+        (0.1, 0.4, "higher", 0.0, "consistent"),
+        (0.1, 0.4, "lower", 0.0, "contrary"),
+        (-0.2, 0.3, "lower", 0.0, "inconclusive"),  # crosses zero
+        (-0.2, 0.0, "lower", 0.0, "inconclusive"),  # touches zero: does not exclude it
+        (0.85, 0.97, "lower", 1.0, "consistent"),  # ratio below one
+        (0.97, 1.08, "lower", 1.0, "inconclusive"),  # ratio interval holding one
+        (1.1, 1.4, "lower", 1.0, "contrary"),
+        (float("nan"), float("nan"), "lower", 0.0, "inconclusive"),  # no interval
+    ],
+)
+def test_verdict_is_decided_by_where_the_interval_lies(low, high, expected, null, want):
+    assert verdict(low, high, expected, null) == want
+    assert want in VERDICTS
+
+
+def test_verdict_rejects_a_direction_it_does_not_know():
+    with pytest.raises(ValueError, match="'lower' and 'higher'"):
+        verdict(0.1, 0.2, "smaller")
+
+
+def test_every_compared_metric_has_a_paper_direction_and_a_formula():
+    for m, exp in EXPECTED.items():
+        assert m in metrics.FORMULAS and m in WINDOW_METRICS
+        assert exp.direction in ("lower", "higher") and exp.kind in ("ratio", "difference") and exp.claim
+    assert set(metrics.RATIO_METRICS) == {m for m, e in EXPECTED.items() if e.kind == "ratio"}
+
+
+# -- per-window metrics -------------------------------------------------------------------------
+@pytest.mark.parametrize("residual", ["prenorm", "full", "block"])
+def test_window_metrics_of_a_one_window_trace_equal_the_summary(residual):
+    trace = Probe(tiny_model(residual)).run(TEXT, backward=True)
+    row = window_metrics(trace).iloc[0]
+    s = metrics.summary(trace)
+    assert list(window_metrics(trace).columns) == list(WINDOW_METRICS)
+    np.testing.assert_allclose(row[list(WINDOW_METRICS)].to_numpy(float), s[list(WINDOW_METRICS)].to_numpy(float),
+                               rtol=1e-9, atol=1e-12, equal_nan=True)
+
+
+def test_window_metrics_of_a_batch_are_those_of_each_sequence_alone_except_parameter_gradients():
+    probe = Probe(tiny_model("block"))
+    tokens = sample_tokens(12, batch=3)
+    batch = probe.run(tokens, backward=True)
+    table = window_metrics(batch)
+    assert len(table) == 3 and table["param_grad_cv"].isna().all()  # one backward over all three
+    no_grad = [m for m in WINDOW_METRICS if not m.startswith(("act_grad", "param_grad"))]
+    for b in range(3):
+        alone = window_metrics(probe.run(tokens[b : b + 1], backward=True)).iloc[0]
+        np.testing.assert_allclose(table.loc[b, no_grad].to_numpy(float), alone[no_grad].to_numpy(float), rtol=1e-5, atol=1e-7)
+        # activation-gradient spreads do not depend on the loss's scale (mean over 3 windows vs 1)
+        np.testing.assert_allclose(table.loc[b, ["act_grad_cv", "act_grad_max_min"]].to_numpy(float),
+                                   alone[["act_grad_cv", "act_grad_max_min"]].to_numpy(float), rtol=1e-4)
+
+
+def test_window_metrics_ignore_padding():
+    trace = make_trace("full", n_pos=4, n_real=2, rms_in=[1, 2, 4])
+    row = window_metrics(trace).iloc[0]
+    assert row["rms_in_growth"] == pytest.approx(2.0) and row["rms_in_peak"] == pytest.approx(2.0)
+    assert row["locality_distance"] == pytest.approx((0.25 + 0.7) / 2)
+
+
+# -- compare ---------------------------------------------------------------------------------------
+def _windows(name: str, residual: str, values: dict[str, np.ndarray], digests: list[str] | None = None) -> Windows:
+    n = len(next(iter(values.values())))
+    table = pd.DataFrame({"doc": np.arange(n), "start": np.zeros(n, int), "n_tokens": np.full(n, 10),
+                          "digest": digests or [f"d{i}" for i in range(n)]})
+    for m in WINDOW_METRICS:
+        table[m] = values.get(m, np.full(n, np.nan))
+    pooled = pd.Series({m: float(np.nanmean(table[m])) if table[m].notna().any() else np.nan for m in WINDOW_METRICS})
+    return Windows(name, residual, table, pooled)
+
+
+def test_compare_gives_intervals_paired_differences_and_verdicts_on_the_same_windows():
+    rng = np.random.default_rng(0)
+    base = rng.normal(5, 1, 30)
+    pre = _windows("prenorm", "prenorm", {"locality_distance": base, "param_grad_cv": np.full(30, 0.3) + rng.normal(0, .01, 30)})
+    att = _windows("block", "block", {"locality_distance": base - 1 + rng.normal(0, .2, 30),
+                                      "param_grad_cv": np.full(30, 0.3) + rng.normal(0, .01, 30)})
+    frame = compare_windows([pre, att], n_resamples=500, seed=1)
+    row = frame[(frame.metric == "locality_distance") & (frame.model == "block") & (frame.baseline == "prenorm")].iloc[0]
+    assert row["comparison"] == "difference" and row["low"] < row["estimate"] < row["high"] < 0
+    assert row["verdict"] == "consistent" and row["held"] == 30 and row["windows"] == 30
+    cv = frame[(frame.metric == "param_grad_cv") & (frame.baseline == "prenorm")].iloc[0]
+    assert cv["comparison"] == "ratio" and cv["low"] < 1 < cv["high"] and cv["verdict"] == "inconclusive"
+    again = compare_windows([pre, att], n_resamples=500, seed=1)
+    pd.testing.assert_frame_equal(frame, again)
+    other = compare_windows([pre, att], n_resamples=200, seed=2)
+    assert not np.allclose(other["low"].dropna(), frame["low"].dropna())
+
+
+def test_compare_pairs_windows_by_key_not_by_position():
+    v = np.arange(1.0, 11.0)
+    pre = _windows("prenorm", "prenorm", {"mean_loss": v}, digests=[f"d{i}" for i in range(10)])
+    shuffled = _windows("full", "full", {"mean_loss": v[::-1] - 0.5}, digests=[f"d{i}" for i in range(10)][::-1])
+    shuffled.table["doc"] = shuffled.table["doc"].to_numpy()[::-1]
+    frame = compare_windows([pre, shuffled], n_resamples=200)
+    row = frame[(frame.metric == "mean_loss") & (frame.baseline == "prenorm")].iloc[0]
+    assert row["estimate"] == pytest.approx(-0.5) and row["low"] == pytest.approx(-0.5) and row["held"] == 10
+    assert "paired on the 10 windows" in row["note"]
+
+
+def test_compare_of_models_on_different_windows_is_unpaired_and_says_so():
+    pre = _windows("prenorm", "prenorm", {"mean_loss": np.arange(10.0)}, digests=[f"a{i}" for i in range(10)])
+    full = _windows("full", "full", {"mean_loss": np.arange(10.0) + 1}, digests=[f"b{i}" for i in range(10)])
+    row = compare_windows([pre, full], n_resamples=300).query("metric == 'mean_loss' and baseline == 'prenorm'").iloc[0]
+    assert row["note"].startswith("unpaired") and row["estimate"] == pytest.approx(1.0) and pd.isna(row["held"])
+
+
+def test_compare_of_one_window_says_there_is_no_interval_and_is_inconclusive():
+    probe_traces = [Probe(tiny_model(r), name=r).run(TEXT, backward=True) for r in ("prenorm", "full", "block")]
+    frame = metrics.compare(*probe_traces)
+    comps = frame[frame["comparison"] != "value"]
+    assert (comps["verdict"] == "inconclusive").all() and comps["low"].isna().all()
+    assert comps["note"].str.contains("no interval: 1 window").all()
+    values = frame[frame["comparison"] == "value"]
+    assert values["estimate"].notna().sum() > 0 and (values["windows"] <= 1).all()
+
+
+def test_compare_of_a_multi_window_trace_keeps_parameter_gradients_pooled_only():
+    probe = Probe(tiny_model("full"), name="full")
+    base = Probe(tiny_model("prenorm"), name="prenorm")
+    tokens = sample_tokens(20, batch=4)
+    frame = metrics.compare(base.run(tokens), probe.run(tokens), n_resamples=200)
+    row = frame.query("metric == 'param_grad_cv' and baseline == 'prenorm'").iloc[0]
+    assert np.isnan(row["estimate"]) and np.isfinite(row["pooled"]) and row["verdict"] == "inconclusive"
+    assert "pooled value only" in row["note"]
+    loc = frame.query("metric == 'locality_distance' and baseline == 'prenorm'").iloc[0]
+    assert loc["windows"] == 4 and np.isfinite(loc["low"])
+
+
+def test_compare_columns_and_the_baseline_choice():
+    frame = metrics.compare(make_trace("prenorm"), make_trace("full"), names=["base", "model"])
+    assert list(frame.columns) == ["metric", "model", "baseline", "comparison", "estimate", "low", "high", "pooled",
+                                   "windows", "held", "expected", "verdict", "note"]
+    assert set(frame.loc[frame.comparison != "value", "baseline"]) == {"base"}
+    assert frame.attrs["n_resamples"] == 1000 and frame.attrs["baseline"] == "base"
+    no_base = metrics.compare(make_trace("full"), make_trace("block"))
+    assert (no_base["comparison"] == "value").all()
+    assert list(dict.fromkeys(metrics.compare(make_trace("full"), make_trace("full"))["model"])) == ["full", "full (2)"]
+    with pytest.raises(TypeError, match="DepthTrace or CorpusStats"):
+        metrics.compare("not a trace")
+
+
+def test_key_columns_come_first_in_window_tables():
+    probe = Probe(tiny_model("full"))
+    w = Windows.of_trace(probe.run(sample_tokens(8, batch=2)))
+    assert list(w.table.columns[: len(KEY_COLUMNS)]) == list(KEY_COLUMNS) and w.n == 2
