@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
@@ -70,6 +71,32 @@ def _command_of(argv: Sequence[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
+_PY_FLAG = re.compile(r"\b[a-z_]+=(?:True|False|'[^']*'|\"[^\"]*\"|[\w.]+) \((?:attnres-probe [\w-]+ )?(--[\w-]+(?: [^()]*)?)\)")
+
+
+def unescape_text(text: str | None) -> str | None:
+    """A --text as typed in a shell: ``\\n`` and ``\\t`` stand for a newline and a tab (``\\\\`` for a backslash)."""
+    if text is None:
+        return None
+    table = {"n": "\n", "t": "\t", "\\": "\\"}
+    out, i = [], 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\" and i + 1 < len(text) and text[i + 1] in table:
+            out.append(table[text[i + 1]])
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def cli_message(message: str) -> str:
+    """An error message for the command line: a Python argument given with its flag in brackets
+    (``overwrite=True (attnres-probe record --force)``) becomes the flag alone (``--force``)."""
+    return _PY_FLAG.sub(lambda m: m.group(1), str(message))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -84,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at exit
         return status
     except (UserError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as exc:
-        print(f"attnres-probe {args.command}: error: {exc}", file=sys.stderr)
+        print(f"attnres-probe {args.command}: error: {cli_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -95,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
     except OSError as exc:  # a full or read-only disk, a locked destination: one line, no traceback
-        print(f"attnres-probe {args.command}: error: {exc}", file=sys.stderr)
+        print(f"attnres-probe {args.command}: error: {cli_message(exc)}", file=sys.stderr)
         return 2
 
 

@@ -18,7 +18,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", metavar="DIR", help="a checkpoint directory (config.json + model.safetensors)")
     src.add_argument("--demo", choices=("prenorm", "full", "block"), help="a bundled demo model (default: block)")
     text = p.add_mutually_exclusive_group()
-    text.add_argument("--text", help="the text to record (default: a short Python function)")
+    text.add_argument("--text", help="the text to record (default: a short Python function); \\n and \\t stand for a newline and a tab")
     text.add_argument("--file", metavar="PATH", help="read the text from a UTF-8 file")
     p.add_argument("--truncate", action="store_true", help="keep the first n_ctx tokens of a longer text")
 
@@ -47,7 +47,9 @@ def _text(args: argparse.Namespace) -> str:
             return path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise ValueError(f"--file {path} is not UTF-8 text") from None
-    return args.text if args.text is not None else DEFAULT_TEXT
+    from attnres_probe.cli import unescape_text
+
+    return unescape_text(args.text) if args.text is not None else DEFAULT_TEXT
 
 
 def _truncate(args: argparse.Namespace) -> bool:

@@ -8,8 +8,14 @@ Conventions shared by every chart:
 - Heatmaps put reads on y (first read at the top) and sources on x, on the trace's common
   source axis (``trace.source_labels``) or, with ``expanded=True``, the L+1 sublayer axis.
   Unavailable cells are NaN and stay blank (never drawn as zero) and have no hover.
-- Weights and contribution shares use one sequential scale fixed to 0..1
-  (:data:`WEIGHT_COLORSCALE`); logits use a diverging scale centred on 0 (:data:`LOGIT_COLORSCALE`).
+- Depth weights (0..1) use one sequential scale fixed to 0..1 (:data:`WEIGHT_COLORSCALE`).
+  Signed quantities use a diverging scale centred on 0 (:data:`DIVERGING_COLORSCALE`):
+  contribution shares (they can be negative or above one; range at least -1..1), logits and
+  differences between models (:func:`difference_heatmap`).
+- Token axes stay legible at any length: at most one tick per ~20 px (:func:`token_ticks`); the
+  hover names every token. Titles are wrapped onto lines, never cut.
+- PreNorm has no routing: its weights (all one) and logits panels are blank with one note that
+  names the UI control to use ("colour by: contribution share").
 - Each model name gets one colour (:func:`model_colors`), the same in every line chart.
 - Text from a trace (token strings, names, flags) goes into plotly as data, which plotly
   renders safely; the one function here that writes HTML, :func:`trace_summary_html`, escapes
@@ -19,6 +25,7 @@ Conventions shared by every chart:
 from __future__ import annotations
 
 import html
+import math
 from typing import Callable, Sequence
 
 import numpy as np
@@ -38,8 +45,11 @@ __all__ = [
     "ablation_chart",
     "corpus_heatmap",
     "corpus_side_by_side",
+    "difference_heatmap",
     "gradient_bands",
     "gradient_norms",
+    "logit_contributions_chart",
+    "logit_lens_chart",
     "magnitude_bands",
     "magnitudes",
     "mean_heatmap",
@@ -48,13 +58,23 @@ __all__ = [
     "side_by_side",
     "source_heatmap",
     "token_heatmap",
+    "token_ticks",
     "trace_summary_html",
 ]
 
 # -- the project's colours, defined once ------------------------------------------------------
-WEIGHT_COLORSCALE = "Viridis"  # weights and contribution shares, zmin=0, zmax=1
-LOGIT_COLORSCALE = "RdBu_r"  # depth logits, symmetric around 0
-COLORSCALES = {"weights": WEIGHT_COLORSCALE, "contrib": WEIGHT_COLORSCALE, "logits": LOGIT_COLORSCALE}
+WEIGHT_COLORSCALE = "Viridis"  # depth weights, zmin=0, zmax=1
+DIVERGING_COLORSCALE = "RdBu_r"  # signed values (contribution shares, logits, differences), centred on 0
+LOGIT_COLORSCALE = DIVERGING_COLORSCALE
+COLORSCALES = {"weights": WEIGHT_COLORSCALE, "contrib": DIVERGING_COLORSCALE, "logits": DIVERGING_COLORSCALE}
+# the UI control a blank PreNorm panel points to (dashboard radio and report select say the same words)
+CONTRIB_CONTROL = "colour by: contribution share"
+PRENORM_NOTES = {
+    "weights": "PreNorm adds every source with weight 1:<br>no routing to colour here.<br>"
+               f"Choose “{CONTRIB_CONTROL}”<br>to compare it with AttnRes.",
+    "logits": "PreNorm has no depth logits<br>(every source has weight 1).<br>"
+              f"Choose “{CONTRIB_CONTROL}”<br>to compare it with AttnRes.",
+}
 KIND_TITLES = {"weights": "depth weight α", "logits": "depth logit z", "contrib": "contribution share c"}
 BASELINE_COLOR = "#7F7F7F"  # PreNorm
 # fixed colours for the three residual modes' default names; other names take MODEL_PALETTE in order
@@ -114,11 +134,50 @@ def show_token(tok: str) -> str:
 
 
 def _color_range(kind: str, z: np.ndarray) -> dict:
-    if kind == "logits":
+    """Weights 0..1; logits and differences symmetric around 0 (the widest |z|); contribution shares
+    symmetric around 0 and at least -1..1 (a share of 1 is full colour, negatives show blue)."""
+    if kind in ("logits", "contrib", "diff"):
         finite = np.abs(z[np.isfinite(z)])
         m = float(finite.max()) if finite.size else 1.0
-        return {"zmin": -max(m, 1e-6), "zmax": max(m, 1e-6)}
+        if kind == "contrib":
+            m = max(m, 1.0)
+        return {"zmin": -max(m, 1e-6), "zmax": max(m, 1e-6), "zmid": 0.0}
     return {"zmin": 0.0, "zmax": 1.0}
+
+
+TICK_PX = 14  # one token tick per this many pixels (plus the label's width)
+
+
+def token_ticks(tokens: Sequence[str], plot_px: int = 300, start: int = 0) -> tuple[list[int], list[str]]:
+    """Tick positions and labels for a token axis that stay legible at any length.
+
+    At most one tick per ``TICK_PX`` pixels plus the widest label (labels cut to 6 characters) on
+    a plot ``plot_px`` wide; every ``step``-th token, ``step`` a 1-2-5 number. The hover still names
+    every token.
+    """
+    shown = [show_token(t) for t in tokens]
+    shown = [t if len(t) <= 6 else t[:5] + "…" for t in shown]
+    n = len(shown)
+    if n == 0:
+        return [], []
+    width = TICK_PX + 7 * max(len(t) for t in shown)
+    room = max(1, plot_px // width)
+    step = 1
+    for cand in (1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 5000, 10000):
+        step = cand
+        if math.ceil(n / cand) <= room:
+            break
+    vals = list(range(0, n, step))
+    return [v + start for v in vals], [shown[v] for v in vals]
+
+
+def _title(parts: Sequence[str]) -> str:
+    """A title on one line per part, so a narrow panel never cuts it."""
+    return "<br>".join(parts)
+
+
+def _title_margin(parts: Sequence[str]) -> dict:
+    return {"t": 30 + 20 * len(parts)}
 
 
 def _read_block_lines(trace: DepthTrace) -> list[dict]:
@@ -147,19 +206,29 @@ def _note(text: str, xref: str = "x domain", yref: str = "y domain", y: float = 
     return dict(text=text, xref=xref, yref=yref, x=0.5, y=y, showarrow=False, font={"size": 13, "color": "#555"})
 
 
+def _blank_prenorm(trace, kind: str, z: np.ndarray) -> np.ndarray:
+    """PreNorm's weights are all one (nothing to colour): the panel stays blank with a note."""
+    if kind == "weights" and getattr(trace, "residual", None) == "prenorm":
+        return np.full_like(z, np.nan, dtype=np.float64)
+    return z
+
+
 def _empty_note(trace: DepthTrace, kind: str, z: np.ndarray) -> list[dict]:
     if np.isfinite(z).any():
         return []
-    if kind == "logits" and trace.residual == "prenorm":
-        return [_note("PreNorm has no depth logits (unit coefficients): see kind='contrib'")]
+    if trace.residual == "prenorm" and kind in PRENORM_NOTES:
+        note = _note(PRENORM_NOTES[kind])
+        note.update(bgcolor="rgba(255,255,255,0.9)", align="center")
+        return [note]
     return [_note(f"no {kind} recorded")]
 
 
 def _cell_heatmap(
-    trace: DepthTrace, cells: dict[str, np.ndarray], labels: list[str], kind: str, title: str, expanded: bool
+    trace: DepthTrace, cells: dict[str, np.ndarray], labels: list[str], kind: str, parts: list[str], expanded: bool
 ) -> go.Figure:
-    """Reads x sources heatmap of ``cells[kind]`` ([R, S']), hover = weight, logit, contrib."""
-    z = cells[kind]
+    """Reads x sources heatmap of ``cells[kind]`` ([R, S']), hover = weight, logit, contrib;
+    ``parts`` = the title's lines (name, what, kind)."""
+    z = _blank_prenorm(trace, kind, cells[kind])
     custom = np.stack([cells[k] for k in _KINDS], axis=-1)  # (R, S', 3)
     fig = go.Figure(
         go.Heatmap(
@@ -176,14 +245,14 @@ def _cell_heatmap(
     )
     shapes = _read_block_lines(trace) + (_source_block_lines(trace) if expanded else [])
     notes = _empty_note(trace, kind, z)
-    if kind == "weights" and trace.residual == "prenorm" and not notes:
-        notes = [_note("PreNorm: every coefficient is 1 (see kind='contrib')", y=1.06)]
     fig.update_layout(
-        title={"text": title},
+        title={"text": _title(parts)},
+        meta={"title_parts": list(parts)},
+        margin=_title_margin(parts),
         shapes=shapes,
         annotations=notes,
         plot_bgcolor="white",
-        height=max(320, 24 * len(trace.read_labels) + 140),
+        height=max(320, 24 * len(trace.read_labels) + 120 + 20 * len(parts)),
         xaxis={"title": {"text": "source"}, "showgrid": False, "tickangle": -45 if len(labels) > 8 else 0},
         yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
     )
@@ -216,8 +285,8 @@ def token_heatmap(
     pos = trace.token_index(token, batch)
     cells, labels = cell_values(trace, expanded, index=(batch, pos))
     tok = trace.str_tokens[batch][pos] if pos < len(trace.str_tokens[batch]) else ""
-    title = f"{trace.name} · token {pos} {tok!r} (sequence {batch}) · {KIND_TITLES[kind]}"
-    return _cell_heatmap(trace, cells, labels, kind, title, expanded)
+    parts = [trace.name, f"token {pos} {tok!r} (sequence {batch})", KIND_TITLES[kind]]
+    return _cell_heatmap(trace, cells, labels, kind, parts, expanded)
 
 
 def mean_heatmap(trace: DepthTrace, kind: str = "weights", expanded: bool = False) -> go.Figure:
@@ -232,19 +301,28 @@ def mean_heatmap(trace: DepthTrace, kind: str = "weights", expanded: bool = Fals
     _check_kind(kind)
     cells, labels = cell_values(trace, expanded)
     cells = {k: token_mean(v[trace.mask]) for k, v in cells.items()}
-    title = f"{trace.name} · mean over {trace.n_tokens} tokens · {KIND_TITLES[kind]}"
-    return _cell_heatmap(trace, cells, labels, kind, title, expanded)
+    parts = [trace.name, f"mean over {trace.n_tokens} tokens", KIND_TITLES[kind]]
+    return _cell_heatmap(trace, cells, labels, kind, parts, expanded)
 
 
-def source_heatmap(trace: DepthTrace, source: int | str = 0, batch: int = 0, kind: str = "weights") -> go.Figure:
+COMPACT_TOKENS = 256  # above this many tokens a one-source heatmap sends only its coloured values
+
+
+def source_heatmap(
+    trace: DepthTrace, source: int | str = 0, batch: int = 0, kind: str = "weights", plot_px: int = 300,
+    compact: bool | None = None,
+) -> go.Figure:
     """One source's routing value at every token: tokens (x) x reads (y).
 
     Source 0 shows embedding retention token by token. Tokens sit at positions 0..n−1 on x,
-    labelled with their strings (duplicates allowed).
+    labelled with their strings (duplicates allowed), thinned by :func:`token_ticks` so labels
+    never overlap on a plot ``plot_px`` wide (the hover names every token).
 
     Returns:
         Figure with one Heatmap: ``z`` [R, n_tokens] (NaN where the source is unavailable),
         ``customdata`` [R, n_tokens, 3] = (weight, logit, contrib), ``text`` = token strings.
+        ``compact`` (default: above :data:`COMPACT_TOKENS` tokens) keeps only ``z``, as float32,
+        so a long trace's page stays light; the hover then names the position and the value.
     """
     _check_kind(kind)
     if not 0 <= batch < trace.tokens.shape[0]:
@@ -253,35 +331,42 @@ def source_heatmap(trace: DepthTrace, source: int | str = 0, batch: int = 0, kin
     n = int(trace.mask[batch].sum())
     cells, _ = cell_values(trace, expanded=False)
     cells = {k: v[batch, :n, :, s].T for k, v in cells.items()}  # (R, n)
-    z = cells[kind]
+    z = _blank_prenorm(trace, kind, cells[kind])
     toks = list(trace.str_tokens[batch][:n]) + [""] * max(0, n - len(trace.str_tokens[batch]))
-    text = np.tile(np.asarray([repr(t) for t in toks], dtype=object), (z.shape[0], 1))
-    fig = go.Figure(
-        go.Heatmap(
-            z=z,
-            x=np.arange(n),
-            y=trace.read_labels,
-            customdata=np.stack([cells[k] for k in _KINDS], axis=-1),
-            text=text,
-            hovertemplate="token %{x} %{text}<br>" + HOVER_CELLS.replace("source %{x}<br>", ""),
-            hoverongaps=False,
-            colorscale=COLORSCALES[kind],
-            colorbar={"title": {"text": kind}},
-            **_color_range(kind, z),
+    compact = n > COMPACT_TOKENS if compact is None else compact
+    if compact:
+        # a long trace: only the coloured value, as float32 (sent base64-packed); no per-cell
+        # token text or (weight, logit, share) triple, which would be 4-6 times the data
+        heat = go.Heatmap(
+            z=z.astype(np.float32), x=np.arange(n, dtype=np.int32), y=trace.read_labels,
+            hovertemplate=f"token %{{x}}<br>read %{{y}}<br>{KIND_TITLES[kind]} %{{z:.4~g}}<extra></extra>",
         )
-    )
+    else:
+        text = np.tile(np.asarray([repr(t) for t in toks], dtype=object), (z.shape[0], 1))
+        heat = go.Heatmap(
+            z=z, x=np.arange(n), y=trace.read_labels, customdata=np.stack([cells[k] for k in _KINDS], axis=-1), text=text,
+            hovertemplate="token %{x} %{text}<br>" + HOVER_CELLS.replace("source %{x}<br>", ""),
+        )
+    heat.update(hoverongaps=False, colorscale=COLORSCALES[kind], colorbar={"title": {"text": kind}}, **_color_range(kind, z))
+    fig = go.Figure(heat)
     label = trace.source_labels[s]
+    parts = [trace.name, f"source {label} at every token (sequence {batch})", KIND_TITLES[kind]]
+    tickvals, ticktext = token_ticks(toks, plot_px)
     fig.update_layout(
-        title={"text": f"{trace.name} · source {label} at every token (sequence {batch}) · {KIND_TITLES[kind]}"},
+        title={"text": _title(parts)},
+        meta={"title_parts": parts, "tokens": [str(t) for t in toks]},
+        margin=_title_margin(parts),
         shapes=_read_block_lines(trace),
         annotations=_empty_note(trace, kind, z),
         plot_bgcolor="white",
-        height=max(320, 24 * len(trace.read_labels) + 160),
+        height=max(320, 24 * len(trace.read_labels) + 140 + 20 * len(parts)),
         xaxis={
             "title": {"text": "token"},
             "tickmode": "array",
-            "tickvals": list(range(n)),
-            "ticktext": [show_token(t) for t in toks],
+            "tickvals": tickvals,
+            "ticktext": ticktext,
+            "tickangle": 0,
+            "range": [-0.5, n - 0.5],  # the whole text, even on a blank (PreNorm weights) panel
             "showgrid": False,
         },
         yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
@@ -323,18 +408,30 @@ def side_by_side(
     else:
         fn = fn_name
     figs = [fn(t, **kw) for t in traces]
-    titles = list(names) if names is not None else [f.layout.title.text or t.name for f, t in zip(figs, traces)]
+    kind = kw.get("kind", "weights")
+    # each panel's title: its own lines without the kind (the kind goes once into the figure's title)
+    part_lists = []
+    for i, (f, t) in enumerate(zip(figs, traces)):
+        parts = list((f.layout.meta or {}).get("title_parts") or [f.layout.title.text or t.name])
+        if parts and parts[-1] == KIND_TITLES.get(kind):
+            parts = parts[:-1]
+        if names is not None:
+            parts = [str(names[i]), *parts[1:]] if len(parts) > 1 else [str(names[i])]
+        part_lists.append(parts)
+    titles = [_title(p) for p in part_lists]
+    lines = max(len(p) for p in part_lists)
     n = len(figs)
     out = make_subplots(rows=1, cols=n, subplot_titles=titles, horizontal_spacing=min(0.08, 0.4 / max(n - 1, 1)))
-    kind = kw.get("kind", "weights")
-    zmax = max(float(f.data[0].zmax) for f in figs) if kind == "logits" else 1.0
+    for ann in out.layout.annotations:
+        ann.font = {"size": 13}
+    zmax = max(float(f.data[0].zmax) for f in figs) if kind in ("logits", "contrib") else 1.0
     shapes, notes = [], list(out.layout.annotations)
     for i, f in enumerate(figs):
         sfx = "" if i == 0 else str(i + 1)
         for tr in f.data:
             tr = go.Heatmap(tr)
             tr.showscale = i == n - 1
-            if kind == "logits":
+            if kind in ("logits", "contrib") and tr.zmin is not None and tr.zmin < 0:
                 tr.zmin, tr.zmax = -zmax, zmax
             out.add_trace(tr, row=1, col=i + 1)
         for shp in f.layout.shapes:
@@ -346,16 +443,161 @@ def side_by_side(
             d["xref"], d["yref"] = _remap_ref(d.get("xref"), sfx), _remap_ref(d.get("yref"), sfx)
             notes.append(d)
         xa = f.layout.xaxis
-        out.update_xaxes(row=1, col=i + 1, tickmode=xa.tickmode, tickvals=xa.tickvals, ticktext=xa.ticktext, tickangle=xa.tickangle, showgrid=False)
+        toks = (f.layout.meta or {}).get("tokens")
+        if toks is not None:  # a token axis: thin its ticks for a panel 1/n as wide
+            vals, text = token_ticks(toks, max(120, 900 // n))
+            out.update_xaxes(row=1, col=i + 1, tickmode="array", tickvals=vals, ticktext=text, tickangle=0, showgrid=False,
+                             range=xa.range)
+        else:
+            out.update_xaxes(row=1, col=i + 1, tickmode=xa.tickmode, tickvals=xa.tickvals, ticktext=xa.ticktext, tickangle=xa.tickangle, showgrid=False)
     out.update_yaxes(autorange="reversed", showgrid=False)
     out.update_layout(
         shapes=shapes,
         annotations=notes,
         plot_bgcolor="white",
-        height=max(f.layout.height or 400 for f in figs),
-        title={"text": KIND_TITLES.get(kind, kind)},
+        height=max(f.layout.height or 400 for f in figs) + 20,
+        margin={"t": 60 + 18 * lines},
+        title={"text": KIND_TITLES.get(kind, kind), "y": 0.99, "yanchor": "top"},
     )
     return out
+
+
+def difference_heatmap(
+    trace: DepthTrace, baseline: DepthTrace, kind: str = "contrib", token: int | None = None, batch: int = 0
+) -> go.Figure:
+    """An AttnRes model minus the baseline, cell by cell: reads (y) x sublayer sources (x).
+
+    Both traces are put on the L+1 sublayer axis (:meth:`DepthTrace.expanded`), so Block, Full and
+    PreNorm compare cell for cell; they need the same reads (same depth). ``token=None`` compares
+    the means over real tokens; a token compares that token (the traces should hold the same text).
+    The scale diverges around 0 (red: the model puts more there than the baseline, blue: less).
+    PreNorm's weights count as one each.
+
+    Returns:
+        Figure with one Heatmap: ``z`` [R, L+1] = model − baseline (NaN where either is unavailable),
+        ``customdata`` [R, L+1, 2] = (model, baseline).
+    """
+    _check_kind(kind)
+    if list(trace.read_labels) != list(baseline.read_labels):
+        raise ValueError(
+            f"cannot subtract {baseline.name!r} from {trace.name!r}: their reads differ "
+            f"({len(trace.read_labels)} vs {len(baseline.read_labels)}); compare models of the same depth"
+        )
+    vals = []
+    for t in (trace, baseline):
+        if token is None:
+            cells, labels = cell_values(t, expanded=True)
+            vals.append(token_mean(cells[kind][t.mask]))
+        else:
+            pos = t.token_index(token, batch)
+            cells, labels = cell_values(t, expanded=True, index=(batch, pos))
+            vals.append(cells[kind])
+    z = vals[0] - vals[1]
+    what = "mean over tokens" if token is None else f"token {trace.token_index(token, batch)} (sequence {batch})"
+    parts = [f"{trace.name} − {baseline.name}", what, f"difference in {KIND_TITLES[kind]}"]
+    fig = go.Figure(
+        go.Heatmap(
+            z=z, x=labels, y=trace.read_labels, customdata=np.stack(vals, axis=-1), hoverongaps=False,
+            hovertemplate=f"read %{{y}}<br>source %{{x}}<br>{html.escape(trace.name)} %{{customdata[0]:.4~g}}"
+            f"<br>{html.escape(baseline.name)} %{{customdata[1]:.4~g}}<br>difference %{{z:.4~g}}<extra></extra>",
+            colorscale=DIVERGING_COLORSCALE, colorbar={"title": {"text": "difference"}}, **_color_range("diff", z),
+        )
+    )
+    fig.update_layout(
+        title={"text": _title(parts)}, meta={"title_parts": parts}, margin=_title_margin(parts),
+        shapes=_read_block_lines(trace) + _source_block_lines(trace), plot_bgcolor="white",
+        annotations=[] if np.isfinite(z).any() else [_note("no cell is available to both models")],
+        height=max(320, 24 * len(trace.read_labels) + 120 + 20 * len(parts)),
+        xaxis={"title": {"text": "source (sublayer)"}, "showgrid": False, "tickangle": -45 if len(labels) > 8 else 0},
+        yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
+    )
+    return fig
+
+
+# -- reading the residual stream: direct logit contributions and the logit lens ----------------
+NO_ACTIVATIONS_NOTE = ("A saved trace holds depth weights, not activations: the logit decomposition and the logit lens "
+                       "need the model itself (load it with --models DIR, or Probe(model) in a notebook).")
+
+
+def _vocab_label(text: str, token_id: int) -> str:
+    """A predicted token for a label: its text made visible, or ``#id`` when it does not print
+    (a byte that is not UTF-8 on its own, a control character)."""
+    shown = show_token(text)
+    if "\ufffd" in shown or not shown.isprintable():
+        return f"#{token_id}"
+    return shown
+
+
+def logit_contributions_chart(lc, k: int = 5, name: str | None = None) -> go.Figure:
+    """Each source's direct contribution to the logits of the model's top-``k`` next tokens at one
+    token (:meth:`attnres_probe.Probe.logit_contributions`): sources (y) x predicted tokens (x),
+    on the diverging scale (red raises a token's logit, blue lowers it). A last row holds the
+    sum over sources, which is the model's logit.
+
+    Returns:
+        Figure with one Heatmap: ``z`` [S + 1, k] (contributions, then their sum = the logits),
+        ``customdata`` [S + 1, k, 2] = (source weight, contribution).
+    """
+    ids = [int(i) for i in np.argsort(-lc.logits)[:k]]
+    contrib = np.asarray(lc.contributions[:, ids], dtype=np.float64)
+    z = np.vstack([contrib, contrib.sum(0, keepdims=True)])
+    weights = np.append(np.asarray(lc.weights, dtype=np.float64), np.nan)
+    ylabels = [*lc.sources, "sum = logit"]
+    custom = np.stack([np.broadcast_to(weights[:, None], z.shape), z], axis=-1)
+    m = float(np.nanmax(np.abs(contrib))) if contrib.size else 1.0
+    pos = lc.position
+    tok = lc.str_tokens[pos] if pos < len(lc.str_tokens) else ""
+    parts = [name or "model", f"token {pos} {tok!r}", f"direct contributions to the top-{len(ids)} next tokens"]
+    fig = go.Figure(go.Heatmap(
+        z=z, x=[f"{j + 1}. {_vocab_label(lc.decode([i]), i) if lc.decode else i}" for j, i in enumerate(ids)], y=ylabels,
+        customdata=custom, hoverongaps=False, colorscale=DIVERGING_COLORSCALE, zmin=-max(m, 1e-6), zmax=max(m, 1e-6), zmid=0.0,
+        hovertemplate="source %{y}<br>next token %{x}<br>contribution %{z:.4~g}<br>source weight %{customdata[0]:.4~g}<extra></extra>",
+        colorbar={"title": {"text": "logit"}},
+    ))
+    fig.add_shape(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=len(lc.sources) - 0.5, y1=len(lc.sources) - 0.5,
+                  line=BOUNDARY_LINE)
+    fig.update_layout(
+        title={"text": _title(parts)}, meta={"title_parts": parts}, margin=_title_margin(parts), plot_bgcolor="white",
+        height=max(300, 22 * len(ylabels) + 120 + 20 * len(parts)),
+        xaxis={"title": {"text": "predicted next token (by logit)"}, "showgrid": False, "tickangle": 0},
+        yaxis={"title": {"text": "source"}, "autorange": "reversed", "showgrid": False},
+    )
+    return fig
+
+
+def logit_lens_chart(frame: pd.DataFrame, position: int, name: str | None = None, token: str | None = None) -> go.Figure:
+    """The logit lens at one token (:meth:`attnres_probe.Probe.logit_lens`): reads (y) x rank (x),
+    each cell the token that read's mixed input predicts, coloured by its probability (0..1);
+    the token that actually follows is marked with ✓.
+
+    Returns:
+        Figure with one Heatmap: ``z`` [R, k] probabilities, ``text`` [R, k] the predicted tokens.
+    """
+    sub = frame[frame["position"] == position]
+    if sub.empty:
+        raise ValueError(f"the logit-lens frame has no position {position}; it has {sorted(set(frame['position']))}")
+    reads = list(dict.fromkeys(sub["read"]))
+    k = int(sub["rank"].max()) + 1
+    z = np.full((len(reads), k), np.nan)
+    text = np.full((len(reads), k), "", dtype=object)
+    for row in sub.itertuples(index=False):
+        r = reads.index(row.read)
+        z[r, row.rank] = row.prob
+        text[r, row.rank] = _vocab_label(str(row.token), int(row.token_id)) + (" ✓" if row.is_next else "")
+    what = f"token {position}" + (f" {token!r}" if token is not None else "")
+    parts = [name or "model", what, "what each read predicts next (logit lens)"]
+    fig = go.Figure(go.Heatmap(
+        z=z, x=[f"top {i + 1}" for i in range(k)], y=reads, text=text, texttemplate="%{text}", textfont={"size": 11},
+        colorscale="Blues", zmin=0.0, zmax=1.0, hoverongaps=False, colorbar={"title": {"text": "prob"}},
+        hovertemplate="read %{y}<br>%{x}: %{text}<br>probability %{z:.3f}<extra></extra>",
+    ))
+    fig.update_layout(
+        title={"text": _title(parts)}, meta={"title_parts": parts}, margin=_title_margin(parts), plot_bgcolor="white",
+        height=max(320, 22 * len(reads) + 120 + 20 * len(parts)),
+        xaxis={"title": {"text": "rank (✓ = the token that follows)"}, "showgrid": False, "side": "bottom"},
+        yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
+    )
+    return fig
 
 
 # -- depth profiles ---------------------------------------------------------------------------
@@ -491,14 +733,15 @@ def corpus_heatmap(stats, kind: str = "weights", name: str | None = None, value:
             colorbar={"title": {"text": kind if value == "mean" else "sd"}}, **colors,
         )
     )
+    if value == "mean":
+        fig.data[0].z = z = _blank_prenorm(trace, kind, z)
     notes = _empty_note(trace, kind, z)
-    if kind == "weights" and trace.residual == "prenorm" and not notes:
-        notes = [_note("PreNorm: every coefficient is 1 (see kind='contrib')", y=1.06)]
+    parts = [name, f"{'mean' if value == 'mean' else 'sd'} over {stats.n_tokens} tokens in {stats.n_windows} windows",
+             KIND_TITLES[kind]]
     fig.update_layout(
-        title={"text": f"{name} · {'mean' if value == 'mean' else 'sd'} over {stats.n_tokens} tokens in {stats.n_windows} windows"
-                       f" · {KIND_TITLES[kind]}"},
+        title={"text": _title(parts)}, meta={"title_parts": parts}, margin=_title_margin(parts),
         shapes=_read_block_lines(trace), annotations=notes, plot_bgcolor="white",
-        height=max(320, 24 * len(trace.read_labels) + 140),
+        height=max(320, 24 * len(trace.read_labels) + 120 + 20 * len(parts)),
         xaxis={"title": {"text": "source"}, "showgrid": False, "tickangle": -45 if len(trace.source_labels) > 8 else 0},
         yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
     )
@@ -594,12 +837,14 @@ def ablation_chart(frame: pd.DataFrame, read: str | None = None) -> go.Figure:
         read: which read to show; default the first read in ``frame``.
 
     Returns:
-        Figure: bars of Δloss per source (left axis) and markers of mass and contrib (right axis, shares).
+        Figure with three rows sharing the source axis: bars of Δloss per source (``y``), markers
+        of the routing mass α (``y2``, 0..1) and of the contribution share c (``y3``, its own
+        axis: shares can be negative or above one).
     """
     missing = [c for c in ABLATION_COLUMNS if c not in frame.columns]
     if missing:
         raise ValueError(f"ablation frame lacks columns {missing}; it needs {list(ABLATION_COLUMNS)}")
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, row_heights=[0.5, 0.25, 0.25], vertical_spacing=0.06)
     if frame.empty:
         fig.update_layout(title={"text": "Ablation"}, annotations=[_note("no ablation results", "paper", "paper")])
         return fig
@@ -616,20 +861,30 @@ def ablation_chart(frame: pd.DataFrame, read: str | None = None) -> go.Figure:
             go.Bar(x=[str(s) for s in sub["source"]], y=sub["delta_loss"].to_numpy(), name=label,
                    marker_color=ABLATION_BAR_COLORS[i % len(ABLATION_BAR_COLORS)],
                    hovertemplate=f"source %{{x}}<br>{label} %{{y:.4~g}}<extra></extra>"),
-            secondary_y=False,
+            row=1, col=1,
         )
     rows = rows.drop_duplicates("source")  # mass and contrib do not depend on the mode
     x = [str(s) for s in rows["source"]]
-    for col, label, color, symbol in (("mass", "routing mass α", "#1F77B4", "circle"), ("contrib", "contribution share c", "#2CA02C", "diamond")):
+    for r, (col, label, color, symbol) in enumerate(
+        (("mass", "routing mass α", "#1F77B4", "circle"), ("contrib", "contribution share c", "#2CA02C", "diamond")), start=2
+    ):
         fig.add_trace(
             go.Scatter(x=x, y=rows[col].to_numpy(), name=label, mode="markers", marker={"color": color, "size": 11, "symbol": symbol},
                        hovertemplate=f"source %{{x}}<br>{label} %{{y:.4~g}}<extra></extra>"),
-            secondary_y=True,
+            row=r, col=1,
         )
-    fig.update_yaxes(title_text="Δloss", secondary_y=False, zeroline=True)
-    fig.update_yaxes(title_text="share", secondary_y=True, rangemode="tozero", showgrid=False)
+    fig.update_yaxes(title_text="Δloss", zeroline=True, tickformat=".3~g", row=1, col=1)
+    fig.update_yaxes(title_text="mass α", range=[0, 1.05], tickvals=[0, 0.5, 1], row=2, col=1)
+    c = rows["contrib"].to_numpy(dtype=float)
+    lo = min(0.0, float(np.nanmin(c)) if np.isfinite(c).any() else 0.0)
+    hi = max(1.0, float(np.nanmax(c)) if np.isfinite(c).any() else 1.0)
+    pad = 0.05 * (hi - lo)
+    fig.update_yaxes(title_text="share c", range=[lo - pad, hi + pad], zeroline=True, zerolinecolor="#999",
+                     tickformat=".2~f", nticks=4, row=3, col=1)
+    fig.update_xaxes(title_text="source", row=3, col=1)
     fig.update_layout(
-        title={"text": f"Ablation at read {read}: Δloss per source vs routing mass"}, xaxis_title="source", barmode="group", height=420
+        title={"text": f"Ablation at read {read}: Δloss per source vs routing mass and contribution share"},
+        barmode="group", height=520,
     )
     return fig
 

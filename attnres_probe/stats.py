@@ -63,6 +63,16 @@ class StatsError(ValueError):
     """Stats that cannot be combined or loaded (another model, a corrupt or too new folder)."""
 
 
+class UnknownStatError(KeyError, ValueError):
+    """An aggregate name a CorpusStats does not hold; the message lists the valid names."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+STAT_ALIASES = {"weights": "depth_weights"}  # the figures' kind names
+
+
 @dataclass
 class RunningStats:
     """Count, mean and M2 per cell of a fixed shape; NaN observations are skipped."""
@@ -70,6 +80,10 @@ class RunningStats:
     count: np.ndarray
     mean: np.ndarray
     m2: np.ndarray
+
+    def __repr__(self) -> str:  # never dump whole arrays
+        total = int(self.count.sum()) if self.count.size else 0
+        return f"RunningStats(shape={tuple(self.count.shape)}, observations={total}; .mean_or_nan, .var, .sample_var)"
 
     @classmethod
     def zeros(cls, shape: tuple[int, ...]) -> RunningStats:
@@ -158,12 +172,27 @@ class CorpusStats:
     def n_windows(self) -> int:
         return len(self.windows["doc"])
 
+    @property
+    def names(self) -> list[str]:
+        """The aggregates this object holds: the valid ``name`` of :meth:`mean`, :meth:`var`, :meth:`frame`."""
+        return list(self.stats)
+
     def __repr__(self) -> str:
+        names = ", ".join(self.names) or "none yet"
         return (
             f"CorpusStats(name={self.name!r}, sequences={self.n_sequences}, tokens={self.n_tokens}, "
-            f"batches={self.n_batches}, windows={self.n_windows}; .mean(name), .var(name), .frame(name), "
-            ".window_table(), .to_trace() for the aggregates)"
+            f"batches={self.n_batches}, windows={self.n_windows}; aggregates: {names}; "
+            ".mean(name), .var(name), .frame(name), .profile(name), .window_table(), .to_trace())"
         )
+
+    def _get(self, name: str | None, method: str) -> RunningStats:
+        valid = ", ".join(repr(n) for n in self.names) or "none (nothing recorded yet)"
+        if name is None:
+            raise TypeError(f"stats.{method}(name) needs the name of an aggregate; this one holds {valid}")
+        key = STAT_ALIASES.get(name, name) if isinstance(name, str) else name
+        if key not in self.stats:
+            raise UnknownStatError(f"{name!r} is not an aggregate of {self.name!r}; valid names: {valid}")
+        return self.stats[key]
 
     # -- folding in ---------------------------------------------------------------------------
     def update(self, trace: DepthTrace, docs: list[int] | None = None, starts: list[int] | None = None) -> None:
@@ -204,11 +233,13 @@ class CorpusStats:
         self.n_batches += 1
 
     # -- reading ------------------------------------------------------------------------------
-    def mean(self, name: str) -> np.ndarray:
-        return self.stats[name].mean_or_nan
+    def mean(self, name: str | None = None) -> np.ndarray:
+        """The per-cell mean over tokens of aggregate ``name`` (one of :attr:`names`), NaN where unobserved."""
+        return self._get(name, "mean").mean_or_nan
 
-    def var(self, name: str) -> np.ndarray:
-        return self.stats[name].var
+    def var(self, name: str | None = None) -> np.ndarray:
+        """The per-cell population variance over tokens of aggregate ``name`` (one of :attr:`names`)."""
+        return self._get(name, "var").var
 
     def window_table(self) -> pd.DataFrame:
         """One row per window: doc, start, n_tokens, digest, then every headline metric."""
@@ -247,7 +278,7 @@ class CorpusStats:
     def frame(self, name: str = "depth_weights") -> pd.DataFrame:
         """Tidy (read, source, mean, var, count) frame of a [R, S] aggregate."""
         reads, sources = self.meta["read_labels"], self.meta["source_labels"]
-        s = self.stats[name]
+        s = self._get(name, "frame")
         r_idx, s_idx = np.meshgrid(np.arange(len(reads)), np.arange(len(sources)), indexing="ij")
         df = pd.DataFrame(
             {

@@ -101,6 +101,7 @@ def initial_callbacks(app) -> list[tuple[str, dict]]:
     calls = [
         ("token-strip.children", {"trace-key.data": key}),
         ("token-info.children", {"token.data": {"key": key, "token": 0}, "kind.value": "weights", "expanded.value": []}),
+        ("decomp-graph-0.figure", {"token.data": {"key": key, "token": 0}}),
         ("mean-graph-0.figure", {"trace-key.data": key, "kind.value": "weights", "expanded.value": []}),
         ("source-graph-0.figure", {"trace-key.data": key, "source.value": "embed", "kind.value": "weights"}),
         ("magnitudes.figure", {"trace-key.data": key}),

@@ -36,6 +36,7 @@ __all__ = [
     "metric_table",
     "metric_cards",
     "profile_views",
+    "reading_views",
     "register",
     "run_prompt",
     "source_views",
@@ -61,6 +62,21 @@ def _expanded(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and "expanded" in value
 
 
+def _diff(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and "diff" in value
+
+
+def _difference(ex: Explorer, result, name: str, kind: str, token: int | None):
+    """(figure, note) of model minus the baseline, or (None, why not) when it does not apply."""
+    base = ex.baseline
+    if base is None or name == base or base not in result.traces:
+        return None, ("" if name == base else "no PreNorm baseline loaded: showing the model itself")
+    trace, baseline = result.traces[name], result.traces[base]
+    if list(trace.read_labels) != list(baseline.read_labels):
+        return None, f"{name} and {base} differ in depth: no cell-by-cell difference; showing {name} itself"
+    return figures.difference_heatmap(trace, baseline, kind=kind, token=token), ""
+
+
 def _int(value: Any) -> int | None:
     if isinstance(value, bool):
         return None
@@ -72,13 +88,18 @@ def _int(value: Any) -> int | None:
 
 
 def _share_logit_range(figs: list) -> None:
-    """Give every logit heatmap the widest symmetric range, so panels side by side compare."""
-    ranges = [abs(float(f.data[0].zmax)) for f in figs if f is not None and np.isfinite(np.asarray(f.data[0].z, dtype=float)).any()]
-    if not ranges:
-        return
-    z = max(ranges)
+    """Give every signed heatmap (logits, contribution shares, differences) the widest symmetric
+    range, so panels side by side compare."""
+    figs = [f for f in figs if f is not None and f is not no_update and f.data[0].zmin is not None and f.data[0].zmin < 0]
+    groups: dict[str, list] = {}  # one range per quantity (differences apart from shares and logits)
     for f in figs:
-        if f is not None:
+        groups.setdefault(str(f.data[0].colorbar.title.text), []).append(f)
+    for group in groups.values():
+        ranges = [abs(float(f.data[0].zmax)) for f in group if np.isfinite(np.asarray(f.data[0].z, dtype=float)).any()]
+        if not ranges:
+            continue
+        z = max(ranges)
+        for f in group:
             f.data[0].update(zmin=-z, zmax=z)
 
 
@@ -161,8 +182,9 @@ def token_views(ex: Explorer, token: Any, kind: Any, expanded: Any) -> dict:
     n_first = int(result.first.mask[0].sum())
     if pos is None or not 0 <= pos < n_first:
         return {**keep, "info": f"token {token.get('token')!r} is out of range; this text has tokens 0..{n_first - 1}"}
-    kind, expanded = _kind(kind), _expanded(expanded)
+    kind, diff, expanded = _kind(kind), _diff(expanded), _expanded(expanded)
     figs, panels, notes = [], [], []
+    first = result.first
     for name in ex.names:
         trace = result.traces.get(name)
         if trace is None:
@@ -173,12 +195,24 @@ def token_views(ex: Explorer, token: Any, kind: Any, expanded: Any) -> dict:
             figs.append(no_update), panels.append(SHOWN)
             notes.append(f"{name} has only {n_tok} tokens")
             continue
-        figs.append(figures.token_heatmap(trace, token=pos, kind=kind, expanded=expanded))
+        note = ""
+        if trace is not first and _other_text(trace, first):
+            note = f"{name} holds another text: its token {pos} is {trace.str_tokens[0][pos]!r} (the chips show {first.name}'s)."
+        fig = None
+        if diff:
+            fig, why = _difference(ex, result, name, kind, pos)
+            note = " ".join(x for x in (note, why) if x)
+        figs.append(fig if fig is not None else figures.token_heatmap(trace, token=pos, kind=kind, expanded=expanded))
         panels.append(SHOWN)
-        notes.append("")
-    if kind == "logits":
-        _share_logit_range([f for f in figs if f is not no_update])
+        notes.append(note)
+    _share_logit_range(figs)
     return {"figures": figs, "panels": panels, "notes": notes, "info": _token_info(ex, result, pos)}
+
+
+def _other_text(trace, first) -> bool:
+    """True when ``trace`` holds other tokens than ``first`` (saved traces of different texts)."""
+    a, b = trace.tokens[0][trace.mask[0]], first.tokens[0][first.mask[0]]
+    return a.shape != b.shape or bool((a != b).any())
 
 
 def _token_info(ex: Explorer, result, pos: int) -> list:
@@ -192,6 +226,59 @@ def _token_info(ex: Explorer, result, pos: int) -> list:
     return parts
 
 
+# -- reading the residual stream at the selected token ---------------------------------------
+LENS_K = 5
+
+
+def reading_views(ex: Explorer, token: Any) -> dict:
+    """Direct logit contributions (Probe.logit_contributions) and the logit lens (Probe.logit_lens)
+    of every live model at the selected token; a saved trace gets a note instead (it holds no activations).
+
+    Returns:
+        {"decomp": [Figure], "lens": [Figure], "decomp_graphs": [style], "lens_graphs": [style],
+         "panels": [style], "notes": [str]} per model.
+    """
+    import torch
+
+    n = len(ex.names)
+    keep = {k: [no_update] * n for k in ("decomp", "lens", "decomp_graphs", "lens_graphs", "panels", "notes")}
+    if not isinstance(token, dict):
+        return keep
+    try:
+        result = ex.result(token.get("key"))
+    except UnknownKeyError as exc:
+        return {**keep, "notes": [str(exc)] * n}
+    pos = _int(token.get("token"))
+    out = {k: [] for k in keep}
+    for name in ex.names:
+        trace = result.traces.get(name)
+        add = lambda d, l, dg, lg, p, note: [out[k].append(v) for k, v in zip(out, (d, l, dg, lg, p, note))]  # noqa: E731
+        if trace is None:
+            add(no_update, no_update, HIDDEN, HIDDEN, HIDDEN, "")
+            continue
+        if name not in ex.probes:
+            add(no_update, no_update, HIDDEN, HIDDEN, SHOWN, f"{name}: {figures.NO_ACTIVATIONS_NOTE}")
+            continue
+        n_tok = int(trace.mask[0].sum())
+        if pos is None or not 0 <= pos < n_tok:
+            add(no_update, no_update, HIDDEN, HIDDEN, SHOWN, f"{name} has no token {token.get('token')!r} (0..{n_tok - 1})")
+            continue
+        probe = ex.probes[name]
+        # causal: the logits and reads at pos see tokens 0..pos only (one more names the token that follows)
+        tokens = torch.from_numpy(np.ascontiguousarray(trace.tokens[:1, : min(n_tok, pos + 2)])).long()
+        try:
+            with ex._model_lock:
+                lc = probe.logit_contributions(tokens, token=pos)
+                lens = probe.logit_lens(tokens, k=LENS_K, positions=[pos])
+        except Exception as exc:  # a model that cannot be read this way must not break the page
+            add(no_update, no_update, HIDDEN, HIDDEN, SHOWN, f"{name}: cannot read the residual stream ({exc})")
+            continue
+        tok = trace.str_tokens[0][pos] if pos < len(trace.str_tokens[0]) else None
+        add(figures.logit_contributions_chart(lc, k=LENS_K, name=name), figures.logit_lens_chart(lens, pos, name=name, token=tok),
+            SHOWN, SHOWN, SHOWN, "")
+    return out
+
+
 # -- whole-text views -------------------------------------------------------------------------
 def mean_views(ex: Explorer, key: Any, kind: Any, expanded: Any) -> dict:
     """Mean heatmap over tokens of every model. Returns {"figures": [...], "panels": [...]}."""
@@ -200,14 +287,16 @@ def mean_views(ex: Explorer, key: Any, kind: Any, expanded: Any) -> dict:
         result = ex.result(key)
     except UnknownKeyError:
         return {"figures": [no_update] * n, "panels": [no_update] * n}
-    kind, expanded = _kind(kind), _expanded(expanded)
+    kind, diff, expanded = _kind(kind), _diff(expanded), _expanded(expanded)
     figs, panels = [], []
     for name in ex.names:
         trace = result.traces.get(name)
-        figs.append(no_update if trace is None else figures.mean_heatmap(trace, kind=kind, expanded=expanded))
+        fig = _difference(ex, result, name, kind, None)[0] if diff and trace is not None else None
+        if fig is None and trace is not None:
+            fig = figures.mean_heatmap(trace, kind=kind, expanded=expanded)
+        figs.append(no_update if trace is None else fig)
         panels.append(HIDDEN if trace is None else SHOWN)
-    if kind == "logits":
-        _share_logit_range([f for f in figs if f is not no_update])
+    _share_logit_range(figs)
     return {"figures": figs, "panels": panels}
 
 
@@ -236,8 +325,7 @@ def source_views(ex: Explorer, key: Any, source: Any, kind: Any) -> dict:
         else:
             figs.append(figures.source_heatmap(trace, source=source, kind=kind))
             graphs.append(SHOWN), panels.append(SHOWN), notes.append("")
-    if kind == "logits":
-        _share_logit_range([f for f in figs if f is not no_update])
+    _share_logit_range(figs)
     return {"figures": figs, "graphs": graphs, "panels": panels, "notes": notes}
 
 
@@ -289,7 +377,7 @@ def headline_cards(frame, colors: dict[str, str]) -> list:
                 body.append(html.Tr([name, value, against, html.Td(_verdict_badge(c["verdict"], c["note"]))],
                                     className="comparison"))
             blocks.append(html.Div(
-                [html.Div([m["label"], html.Span(" ⓘ", className="formula")], title=metrics.FORMULAS.get(m["metric"], ""),
+                [html.Div([m["label"], html.Span("i", className="formula info-icon", **{"aria-label": "formula"})], title=metrics.FORMULAS.get(m["metric"], ""),
                           className="metric-name", **{"data-metric": m["metric"]}),
                  html.Table([html.Thead(head), html.Tbody(body)], className="metric-table")],
                 className="metric-block",
@@ -311,7 +399,15 @@ def metric_table(frame) -> html.Table:
     n_models = len(t["models"])
     head = html.Tr([html.Th("metric"), *[html.Th(c) for c in t["columns"]], *[html.Th(f"verdict: {c}") for c in t["comparisons"]]])
     body = []
-    for r in t["rows"]:
+    width = 1 + len(t["columns"]) + len(t["comparisons"])
+    rows = []
+    for g in t["groups"]:
+        rows.append(g["title"])
+        rows.extend(g["rows"])
+    for r in rows:
+        if isinstance(r, str):  # a group's plain name
+            body.append(html.Tr(html.Th(r, colSpan=width), className="group"))
+            continue
         cells = [html.Td(LABELS.get(r["metric"], r["metric"]), title=metrics.FORMULAS.get(r["metric"], ""), className="metric-name")]
         cells += [html.Td(c, className="num") for c in r["cells"][:n_models]]
         cells += [html.Td(c, className="num") for c in r["cells"][n_models:]]
@@ -398,6 +494,12 @@ def register(app, ex: Explorer) -> None:
                 "notes": _per_model("token", "note", "children", n), "info": Output(ids.TOKEN_INFO, "children")},
         inputs=[Input(ids.TOKEN, "data"), Input(ids.KIND, "value"), Input(ids.EXPANDED, "value")],
     )(_bind(token_views, ex))
+    app.callback(
+        output={"decomp": _per_model("decomp", "graph", "figure", n), "lens": _per_model("lens", "graph", "figure", n),
+                "decomp_graphs": _per_model("decomp", "graph", "style", n), "lens_graphs": _per_model("lens", "graph", "style", n),
+                "panels": _per_model("decomp", "panel", "style", n), "notes": _per_model("decomp", "note", "children", n)},
+        inputs=[Input(ids.TOKEN, "data")],
+    )(_bind(reading_views, ex))
     app.callback(
         output={"figures": _per_model("mean", "graph", "figure", n), "panels": _per_model("mean", "panel", "style", n)},
         inputs=[Input(ids.KEY, "data"), Input(ids.KIND, "value"), Input(ids.EXPANDED, "value")],

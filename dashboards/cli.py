@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from attnres_probe.cli import unescape_text
 from attnres_probe.dashboards.app import allowed_hosts_for, create_app, demo_entries, is_loopback
 
 __all__ = ["add_dash_parser", "load_entries", "load_with_stats", "run_demo", "serve"]
@@ -36,10 +37,14 @@ def _unique(name: str, taken: dict[str, Any]) -> str:
     return out
 
 
-def load_entries(models: Sequence[str] | None = None, traces: Sequence[str] | None = None) -> dict[str, Any]:
-    """name -> model / DepthTrace from checkpoint and trace folders (named by folder).
+def load_entries(
+    models: Sequence[str] | None = None, traces: Sequence[str] | None = None, names: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """name -> model / DepthTrace from checkpoint and trace folders.
 
-    With neither, the bundled demo models.
+    Checkpoints are named by folder; saved traces by their own name, or by folder when several
+    carry the same name (``block``, ``block``, ...). ``names`` (``--names``) names every entry,
+    models first, then traces, in the order given. With neither folder list, the bundled demo models.
 
     Raises:
         FileNotFoundError / NotADirectoryError: a folder is missing.
@@ -50,25 +55,45 @@ def load_entries(models: Sequence[str] | None = None, traces: Sequence[str] | No
 
     if not models and not traces:
         return demo_entries()
+    given = [*(models or []), *(traces or [])]
+    if names is not None and len(names) != len(given):
+        raise ValueError(f"--names gives {len(names)} names for {len(given)} folders (--models then --traces); give one per folder")
+    if names is not None and len(set(names)) != len(names):
+        raise ValueError("--names has a name twice; give every folder its own name")
+    own = iter(names) if names is not None else None
     entries: dict[str, Any] = {}
     for d in models or []:
         path = Path(d)
         if not path.is_dir():
             raise NotADirectoryError(f"--models {d}: not a folder (pass checkpoint folders written by `attnres-probe train`)")
         model, tokenizer = load_model_folder(path)
-        name = _unique(path.resolve().name, entries)
+        from attnres_probe.training.probes import load_history
+
+        model.train_history = load_history(path)  # routing over training (train --probe-every), if recorded
+        name = next(own) if own is not None else _unique(path.resolve().name, entries)
         entries[name] = Probe(model, tokenizer=tokenizer, name=name) if tokenizer is not None else model
+    loaded = []
     for d in traces or []:
         path = Path(d)
         if not path.is_dir():
             raise NotADirectoryError(f"--traces {d}: not a folder (pass folders written by DepthTrace.save)")
-        trace = DepthTrace.load(path)
-        entries[_unique(trace.name or path.resolve().name, entries)] = trace
+        loaded.append((path, DepthTrace.load(path)))
+    counts: dict[str, int] = {}
+    for _, t in loaded:
+        counts[t.name] = counts.get(t.name, 0) + 1
+    for path, trace in loaded:
+        if own is not None:
+            name = next(own)
+        elif trace.name and counts[trace.name] == 1 and trace.name not in entries:
+            name = trace.name
+        else:  # several traces of one name: their folders tell them apart
+            name = _unique(path.resolve().name, entries)
+        entries[name] = trace
     return entries
 
 
 def load_with_stats(
-    models: Sequence[str] | None, traces: Sequence[str] | None, stats_dir: str | None
+    models: Sequence[str] | None, traces: Sequence[str] | None, stats_dir: str | None, names: Sequence[str] | None = None
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(entries, stats): :func:`load_entries`, plus the CorpusStats of ``stats_dir`` when given.
 
@@ -79,7 +104,7 @@ def load_with_stats(
         ValueError: not a corpus run folder; models the stats were not recorded from (the reason named).
     """
     if not stats_dir:
-        return load_entries(models, traces), None
+        return load_entries(models, traces, names), None
     from attnres_probe.corpus import CorpusRunError, check_models_match, load_model, load_stats_dir
 
     manifest, stats = load_stats_dir(stats_dir)
@@ -97,7 +122,7 @@ def load_with_stats(
                     f"({exc}); pass --models DIR … (named as in the corpus run)"
                 ) from None
     else:
-        entries = load_entries(models, traces)
+        entries = load_entries(models, traces, names)
     check_models_match(stats, {n: e for n, e in entries.items() if hasattr(e, "parameters") or hasattr(e, "model")})
     return entries, stats
 
@@ -158,7 +183,9 @@ def add_dash_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--stats", metavar="DIR",
                    help="a corpus run (attnres-probe corpus --out DIR): lead with its comparisons, intervals and verdicts "
                         "(models default to the ones it was recorded from; --models must be those models)")
-    p.add_argument("--text", help="initial prompt (default: a short sentence)")
+    p.add_argument("--names", nargs="+", metavar="NAME",
+                   help="panel names, one per folder: --models first, then --traces (default: folder or trace names)")
+    p.add_argument("--text", help="initial prompt (default: a short sentence); \\n and \\t stand for a newline and a tab")
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="waitress worker threads (default: %(default)s)")
     p.add_argument("--cache-size", type=int, default=16, help="recorded prompts kept on the server (default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=DEFAULT_TORCH_THREADS,
@@ -177,8 +204,10 @@ def _run_dash(args: argparse.Namespace) -> int:
         raise ValueError(f"--torch-threads is {args.torch_threads}; need at least 1")
     _set_torch_threads(args.torch_threads)
     t0 = time.perf_counter()
-    entries, stats = load_with_stats(args.models, args.traces, args.stats)
-    app = create_app(entries, text=args.text, cache_size=args.cache_size, stats=stats,
+    if args.names and not (args.models or args.traces):
+        raise ValueError("--names names the folders of --models and --traces; pass those too")
+    entries, stats = load_with_stats(args.models, args.traces, args.stats, args.names)
+    app = create_app(entries, text=unescape_text(args.text), cache_size=args.cache_size, stats=stats,
                      allowed_hosts=allowed_hosts_for(args.host))
     print(f"loaded {len(entries)} entries in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return serve(app, host=args.host, port=args.port, threads=args.threads, open_browser=args.open)

@@ -46,7 +46,7 @@ CHIP = "chip"  # pattern-matching type of the token chips: {"type": "chip", "ind
 
 KIND_OPTIONS = [
     {"label": "depth weights α", "value": "weights"},
-    {"label": "contribution share c", "value": "contrib"},
+    {"label": "contribution share", "value": "contrib"},
     {"label": "depth logits z", "value": "logits"},
 ]
 GRAPH_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "svg"}}
@@ -111,6 +111,15 @@ def _guide() -> html.Details:
     )
 
 
+def _saved_text(trace) -> str:
+    """The text of a saved trace's first sequence: its bytes decoded (a newline is a newline, not
+    the chip label ``\\n``), else its token labels joined."""
+    ids = [int(i) for i in trace.tokens[0][trace.mask[0]]]
+    if ids and max(ids) < 256 and len(trace.str_tokens[0]) == len(ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+    return "".join(trace.str_tokens[0])
+
+
 def _prompt(ex: Explorer) -> html.Section:
     if ex.live:
         limit = f"Up to {ex.n_ctx} tokens (the models' context); the byte tokenizer counts one token per byte."
@@ -123,7 +132,7 @@ def _prompt(ex: Explorer) -> html.Section:
             className="notice",
             id="traces-only-note",
         )
-    text = ex.initial.text if ex.initial.text is not None else "".join(ex.initial.str_tokens)
+    text = ex.initial.text if ex.initial.text is not None else _saved_text(ex.initial.first)
     return html.Section(
         [
             html.H2("Prompt"),
@@ -184,11 +193,12 @@ def _panels(ex: Explorer, view: str, note: bool = False, loading: bool = False) 
 def _controls() -> html.Div:
     return html.Div(
         [
-            html.Label("colour by", className="control-label"),
+            html.Label("colour by:", className="control-label"),
             dcc.RadioItems(id=KIND, options=KIND_OPTIONS, value="weights", inline=True, className="radio"),
             dcc.Checklist(
                 id=EXPANDED,
-                options=[{"label": "expanded sublayer view (Block: one column per sublayer)", "value": "expanded"}],
+                options=[{"label": "expanded sublayer view (Block: one column per sublayer)", "value": "expanded"},
+                         {"label": "difference: each AttnRes model minus the baseline", "value": "diff"}],
                 value=[],
                 inline=True,
                 className="radio",
@@ -198,16 +208,72 @@ def _controls() -> html.Div:
     )
 
 
+def _token_help(ex: Explorer) -> str:
+    text = "Reads (rows) × sources (columns) for the selected token"
+    if ex.baseline is not None and len(ex.names) > 1:
+        return (text + ", AttnRes beside the baseline. Blue is negative, red positive; contribution shares can be "
+                "below zero or above one.")
+    return text + ". Blue is negative, red positive; contribution shares can be below zero or above one."
+
+
 def _token_views(ex: Explorer) -> html.Section:
     return html.Section(
         [
             html.H2("Depth routing of the selected token"),
-            _help("Reads (rows) × sources (columns) for the selected token, AttnRes beside the baseline. "
-                  "PreNorm's weights are all one: switch to contribution share to compare."),
+            _help(_token_help(ex)),
             _controls(),
             _panels(ex, "token", note=True),
         ],
         className="card",
+    )
+
+
+def _reading_views(ex: Explorer) -> html.Section:
+    """Per model: direct logit contributions and the logit lens at the selected token (models only)."""
+    panels = []
+    for i, name in enumerate(ex.names):
+        body = [
+            html.Div([_swatch(ex.colors[name]), html.B(name), html.Span(" · " + ex.describe(name), className="muted")],
+                     className="panel-title"),
+            html.Div(id=panel_id("decomp", "note", i), className="help"),
+            dcc.Graph(id=panel_id("decomp", "graph", i), config=GRAPH_CONFIG, className="graph"),
+            dcc.Graph(id=panel_id("lens", "graph", i), config=GRAPH_CONFIG, className="graph"),
+        ]
+        panels.append(html.Div(html.Div(body, className="panel", style={"borderTopColor": ex.colors[name]}),
+                               id=panel_id("decomp", "panel", i), className="panel-slot"))
+    return html.Section(
+        [
+            html.H2("Reading the residual stream at the selected token"),
+            _help("Top: how much each source adds, through the final read's weights, to the logits of the model's "
+                  "most likely next tokens (red raises a token, blue lowers it; the last row is their sum, the logit). "
+                  "Bottom: the logit lens, what each read's mixed input would predict through the final norm and the "
+                  "unembedding (✓ marks the token that follows)."),
+            html.Div(panels, className="panels"),
+        ],
+        className="card",
+        id="reading",
+    )
+
+
+def _over_training(ex: Explorer) -> html.Section | None:
+    """Routing over training, for loaded run folders that recorded it (train --probe-every N)."""
+    if not ex.histories:
+        return None
+    from attnres_probe import figures
+
+    names = [n for n in ex.names if n in ex.histories]  # the baseline first, as everywhere
+    missing = [n for n in ex.names if n in ex.probes and n not in ex.histories]
+    note = (f" {', '.join(missing)} recorded no routing probes (train with --probe-every N to add them)." if missing else "")
+    return html.Section(
+        [
+            html.H2("Routing over training"),
+            _help("How each run's routing changed while it trained, measured on the same held-out windows at every "
+                  "probe (train --probe-every N), each run beside the baseline." + note),
+            dcc.Graph(id="over-training", figure=figures.over_training({n: ex.histories[n] for n in names}),
+                      config=GRAPH_CONFIG, className="graph"),
+        ],
+        className="card",
+        id="over-training-section",
     )
 
 
@@ -364,9 +430,11 @@ def build_layout(ex: Explorer) -> html.Div:
             _prompt(ex),
             _token_section(ex),
             _token_views(ex),
+            _reading_views(ex),
             _mean_views(ex),
             _source_views(ex),
             _profiles(),
+            _over_training(ex),
             _cards(ex),
             _ablation(ex),
             html.Footer("attnres-probe · charts from attnres_probe.figures · traces stay on the server", className="help"),

@@ -150,6 +150,10 @@ class Explorer:
         self._texts: OrderedDict[str, str] = OrderedDict()  # key -> text, to redo an evicted result
         self._cache_lock = threading.Lock()
         self._model_lock = threading.RLock()
+        # routing over training (train --probe-every N), for models loaded from a run folder that recorded it
+        self.histories: dict[str, list] = {
+            n: p.model.train_history for n, p in self.probes.items() if getattr(p.model, "train_history", None)
+        }
         self.initial = self._initial_result(text)
         self.stats: dict[str, Any] = dict(stats or {})
         self.stats_frame: pd.DataFrame | None = None

@@ -66,7 +66,9 @@ PLOT_CONFIG = {"displaylogo": False, "responsive": True, "typesetMath": False}
 # distribution names whose versions every report records
 VERSION_PACKAGES = ("torch", "transformer_lens", "numpy", "pandas", "plotly", "dash", "jinja2")
 KIND_ORDER = ("weights", "logits", "contrib")  # index into the explorer's per-cell triples
-EXPLORER_KINDS = {"auto": "auto (α for AttnRes, c for PreNorm)", **figures.KIND_TITLES}
+# the same words as the dashboard's "colour by:" control, which the PreNorm panels' notes name
+EXPLORER_KINDS = {"auto": "auto (depth weights for AttnRes, contribution share for PreNorm)", "weights": "depth weights α",
+                  "contrib": "contribution share", "logits": "depth logits z"}
 
 
 class ReportWriteError(OSError):
@@ -86,6 +88,8 @@ def build_report(
     explorer_tokens: int | None = 1024,
     explorer_digits: int = 4,
     command: str | None = None,
+    readings: Mapping[str, dict] | None = None,
+    histories: Mapping[str, Sequence[dict]] | None = None,
 ) -> Path:
     """Write one self-contained HTML report on ``traces`` to ``path``, atomically.
 
@@ -108,6 +112,11 @@ def build_report(
             explorer; None keeps all. Bounds the file size.
         explorer_digits: significant digits of the explorer's values.
         command: the command line that produced the report, shown under "Reproduce".
+        readings: model name -> :func:`attnres_probe.reports.recording.record_readings` (the
+            logit decomposition and logit lens per token, shown in the per-token explorer); without
+            them the explorer says that saved traces hold no activations.
+        histories: run name -> routing probes of its training (``train --probe-every``), drawn
+            by :func:`attnres_probe.figures.over_training`.
 
     Returns:
         The path written.
@@ -128,6 +137,8 @@ def build_report(
         explorer_tokens=explorer_tokens,
         explorer_digits=explorer_digits,
         command=command,
+        readings=readings,
+        histories=histories,
     )
     _write(path, page)
     return path
@@ -144,6 +155,8 @@ def render_report(
     explorer_tokens: int | None = 1024,
     explorer_digits: int = 4,
     command: str | None = None,
+    readings: Mapping[str, dict] | None = None,
+    histories: Mapping[str, Sequence[dict]] | None = None,
 ) -> str:
     """The report's HTML as a string (what :func:`build_report` writes); same arguments."""
     traces = list(traces)
@@ -189,10 +202,13 @@ def render_report(
         ],
         "magnitudes": plots.add(figures.magnitudes(_renamed(traces, names))),
         "gradients": plots.add(figures.gradient_norms(_renamed(traces, names))),
-        "explorers": _explorers(traces, names, plots, explorer_tokens, explorer_digits),
+        "explorers": _explorers(traces, names, plots, explorer_tokens, explorer_digits, readings),
+        "over_training": plots.add(figures.over_training(dict(histories))) if histories else None,
+        "no_activations": None if readings else figures.NO_ACTIVATIONS_NOTE,
         "explorer_kinds": EXPLORER_KINDS,
         "ablation": ablation,
         "formulas": metrics.FORMULAS,
+        "metric_labels": _metric_labels(),
         "versions": vers,
         "command": command,
         "provenance": json.dumps(provenance, indent=1, ensure_ascii=False, default=str),
@@ -271,7 +287,8 @@ def render_stats_report(
     frame = metrics.compare(*items, names=names, n_resamples=n_resamples, seed=seed)
     attn = [(n, s) for n, s in zip(names, items) if s.meta.get("residual") != "prenorm"] or list(zip(names, items))
     models = [_stats_model_row(s, n) for n, s in zip(names, items)]
-    data = dict((manifest or {}).get("data") or {})
+    data = {k: public_path(v) if isinstance(v, str) and Path(v).is_absolute() else v
+            for k, v in dict((manifest or {}).get("data") or {}).items()}
     data.pop("files", None)
     provenance = {"title": title, "created": created.isoformat(), "command": command, "versions": vers, "data": data,
                   "settings": (manifest or {}).get("settings"), "bootstrap": {"n_resamples": n_resamples, "seed": seed},
@@ -294,6 +311,7 @@ def render_stats_report(
         "magnitudes": plots.add(figures.magnitude_bands(items, names)),
         "gradients": plots.add(figures.gradient_bands(items, names)),
         "formulas": metrics.FORMULAS,
+        "metric_labels": _metric_labels(),
         "versions": vers,
         "command": command,
         "provenance": json.dumps(provenance, indent=1, ensure_ascii=False, default=str),
@@ -323,13 +341,13 @@ def _stats_model_row(stats: Any, name: str) -> dict[str, Any]:
         "n_params": f"{n_params:,}" if isinstance(n_params, int) else "—",
         "digest": meta.get("weights_sha256"),
         "digest_kind": "weights (fp32 state dict)",
-        "checkpoint_dir": meta.get("source"),
+        "checkpoint_dir": public_path(meta.get("source")),
         "tokens": f"{stats.n_tokens} in {stats.n_windows} windows{skipped}",
         "mean_loss": "—" if not np.isfinite(loss) else f"{loss:.4f}",
         "gradients": "recorded (one backward pass per window)" if has_grads else "not recorded",
         "flags": [],
         "config_json": json.dumps(cfg, indent=1, sort_keys=True, default=str),
-        "provenance": {"name": name, "residual": residual, "config": cfg, "source": meta.get("source"),
+        "provenance": {"name": name, "residual": residual, "config": cfg, "source": public_path(meta.get("source")),
                        "weights_sha256": meta.get("weights_sha256"), "windows": stats.n_windows, "tokens": stats.n_tokens,
                        "skipped_windows": stats.n_skipped},
     }
@@ -455,7 +473,7 @@ def _model_row(trace: DepthTrace, name: str) -> dict[str, Any]:
         "n_params": f"{n_params:,}" if isinstance(n_params, int) else "—",
         "digest": digest,
         "digest_kind": digest_kind,
-        "checkpoint_dir": meta.get("checkpoint_dir"),
+        "checkpoint_dir": public_path(meta.get("checkpoint_dir")),
         "tokens": f"{s['tokens']} in {s['sequences']} sequence{'s' if s['sequences'] != 1 else ''}",
         "mean_loss": "—" if math.isnan(s["mean_loss"]) else f"{s['mean_loss']:.4f}",
         "gradients": "recorded" if s["gradients"] else "not recorded",
@@ -466,7 +484,7 @@ def _model_row(trace: DepthTrace, name: str) -> dict[str, Any]:
             "residual": residual,
             "config": cfg,
             "n_params": n_params,
-            "checkpoint_dir": meta.get("checkpoint_dir"),
+            "checkpoint_dir": public_path(meta.get("checkpoint_dir")),
             "checkpoint_sha256": meta.get("checkpoint_sha256"),
             "weights_sha256": meta.get("weights_sha256"),
             "windows": meta.get("windows"),
@@ -559,7 +577,8 @@ def _num(v: float, digits: int) -> str:
 
 
 def _explorers(
-    traces: list[DepthTrace], names: list[str], plots: _Plots, limit: int | None, digits: int
+    traces: list[DepthTrace], names: list[str], plots: _Plots, limit: int | None, digits: int,
+    readings: Mapping[str, dict] | None = None,
 ) -> list[dict[str, Any]]:
     """One explorer per group of traces with identical tokens; usually one for the whole report."""
     groups: dict[bytes, list[int]] = {}
@@ -578,9 +597,12 @@ def _explorers(
             tok = first.str_tokens[b][p] if p < len(first.str_tokens[b]) else ""
             tokens.append([b, p, repr(tok), figures.show_token(tok)])
         models = [_explorer_model(traces[i], names[i], positions, plots, digits) for i in members]
+        reads = [_explorer_reading(readings[traces[i].name], names[i], positions, plots)
+                 for i in members if readings and traces[i].name in readings]
         data = (
             '{"tokens":' + json.dumps(tokens, ensure_ascii=False, separators=(",", ":")) + ',"kinds":' + json.dumps(list(KIND_ORDER), separators=(",", ":"))
-            + ',"models":[' + ",".join(m["data"] for m in models) + "]}"
+            + ',"models":[' + ",".join(m["data"] for m in models) + "]"
+            + ',"readings":' + json.dumps([r["data"] for r in reads], ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "}"
         )
         out.append(
             {
@@ -590,10 +612,47 @@ def _explorers(
                 "total": total,
                 "shown": len(positions),
                 "plots": [m["plot"] for m in models],
+                "reading_plots": [p for r in reads for p in r["plots"]],
+                "reading_tokens": max((sum(t is not None for t in r["data"]["tokens"]) for r in reads), default=0),
                 "data": _script_json(data),
             }
         )
     return out
+
+
+def _r3(x: float) -> float | None:
+    return float(f"{x:.3g}") if math.isfinite(x) else None
+
+
+def _explorer_reading(reading: dict, name: str, positions: list[tuple[int, int]], plots: _Plots) -> dict:
+    """The logit decomposition and logit lens of one model in the explorer: two plots drawn for the
+    first token by :mod:`attnres_probe.figures`, and per token the values the page swaps in."""
+    k, lens = reading["k"], reading["lens"]
+    by_pos = dict(zip(reading["positions"], reading["contribs"]))
+    first = reading["positions"][0]
+    tok0 = by_pos[first].str_tokens[first] if first < len(by_pos[first].str_tokens) else None
+    cfig = figures.logit_contributions_chart(by_pos[first], k=k, name=name)
+    lfig = figures.logit_lens_chart(lens, first, name=name, token=tok0)
+    cplot, lplot = plots.add(cfig), plots.add(lfig)
+    reads = list(dict.fromkeys(lens["read"]))
+    per_token = []
+    for b, p in positions:
+        if b != 0 or p not in by_pos:
+            per_token.append(None)
+            continue
+        one = figures.logit_contributions_chart(by_pos[p], k=k, name=name).data[0]
+        sub = lens[lens["position"] == p]
+        lz = [[None] * k for _ in reads]
+        lt = [[""] * k for _ in reads]
+        for row in sub.itertuples(index=False):
+            r = reads.index(row.read)
+            lz[r][row.rank] = _r3(float(row.prob))
+            lt[r][row.rank] = figures._vocab_label(str(row.token), int(row.token_id)) + (" ✓" if row.is_next else "")
+        z = [[_r3(float(v)) for v in rowv] for rowv in np.asarray(one.z, dtype=float)]
+        w = [_r3(float(v)) for v in np.asarray(by_pos[p].weights, dtype=float)]
+        per_token.append({"x": list(one.x), "z": z, "w": w, "zmax": _r3(float(one.zmax)), "lz": lz, "lt": lt})
+    data = {"name": name, "cdiv": cplot["id"], "ldiv": lplot["id"], "k": k, "tokens": per_token}
+    return {"plots": [cplot, lplot], "data": data}
 
 
 def _explorer_model(trace: DepthTrace, name: str, positions: list[tuple[int, int]], plots: _Plots, digits: int) -> dict:
@@ -609,7 +668,10 @@ def _explorer_model(trace: DepthTrace, name: str, positions: list[tuple[int, int
         hm = hm_fig.data[0]
         styles[kind] = {
             "colorscale": [list(c) for c in hm.colorscale],
-            "symmetric": kind == "logits",
+            "symmetric": kind in ("logits", "contrib"),
+            "floor": 1.0 if kind == "contrib" else 1e-6,  # shares: at least -1..1, as figures._color_range
+            "blank": bool(trace.residual == "prenorm" and kind == "weights"),  # PreNorm's weights: all one, no colour
+            "title_parts": list((hm_fig.layout.meta or {}).get("title_parts") or []),
             "zmin": hm.zmin,
             "zmax": hm.zmax,
             "colorbar": kind,
@@ -643,6 +705,37 @@ def _explorer_model(trace: DepthTrace, name: str, positions: list[tuple[int, int
     data["cells"] = "__CELLS__"
     text = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).replace('"__CELLS__"', cells_json)
     return {"plot": item, "data": text}
+
+
+def public_path(path: Any) -> str | None:
+    """A path as a report may show it: relative to the working directory when under it, the bundled
+    demo models as ``demo:<name>``, anything else by its folder name only (a report is shared: it
+    must not carry the local layout of the machine that built it)."""
+    if path is None:
+        return None
+    text = str(path)
+    if "://" in text or text.startswith("demo:"):
+        return text
+    p = Path(text)
+    if not p.is_absolute():
+        return text
+    try:
+        from attnres_probe.demo import demo_dir
+
+        if p.resolve().parent == demo_dir("block").resolve().parent:
+            return f"demo:{p.name}"
+    except Exception:  # noqa: BLE001 - a missing demo folder only skips this case
+        pass
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve())) or "."
+    except ValueError:
+        return p.name or text
+
+
+def _metric_labels() -> dict[str, str]:
+    from attnres_probe.analysis.display import LABELS
+
+    return dict(LABELS)
 
 
 def _json_default(obj: Any) -> Any:

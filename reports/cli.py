@@ -48,7 +48,7 @@ def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples with --stats (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed with --stats (default: %(default)s)")
     text = p.add_mutually_exclusive_group()
-    text.add_argument("--text", help="the text to record (with --models / --demo; --demo defaults to a 256-token sample)")
+    text.add_argument("--text", help="the text to record (with --models / --demo; --demo defaults to a 256-token sample); \\n and \\t stand for a newline and a tab")
     text.add_argument("--text-file", metavar="FILE", help="read the text from FILE (UTF-8)")
     p.add_argument("--out", required=True, metavar="FILE", help="a new .html file to write (its directory must exist)")
     p.add_argument("--force", action="store_true", help="replace the file already at --out")
@@ -90,7 +90,9 @@ def _text(args: argparse.Namespace) -> str | None:
             return path.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
             raise _user_error(f"--text-file {path} is not UTF-8 text (byte {exc.start})") from None
-    return args.text
+    from attnres_probe.cli import unescape_text
+
+    return unescape_text(args.text)
 
 
 def _check_out(out: Path, force: bool) -> None:
@@ -135,6 +137,7 @@ def run_report(args: argparse.Namespace) -> int:
             raise _user_error("--models needs the text to record: pass --text TEXT or --text-file FILE")
         traces = record_checkpoints(args.models, text, names=args.names, backward=backward)
         models = args.models
+    readings, histories = _readings_and_histories(args, traces)
     t_record = time.perf_counter() - t0
     ablations = _ablations(args, traces, text, models) if args.ablate else None
     title = args.title or f"attnres-probe report: {', '.join(t.name for t in traces)}"
@@ -146,13 +149,42 @@ def run_report(args: argparse.Namespace) -> int:
         with exclusive_lock(out):  # one writer per --out; the check again, now that no one else writes it
             _check_out(out, args.force)
             path = build_report(
-                traces, out, title=title, ablations=ablations, explorer_tokens=args.explorer_tokens, command=command
+                traces, out, title=title, ablations=ablations, explorer_tokens=args.explorer_tokens, command=command,
+                readings=readings, histories=histories,
             )
     except ReportWriteError as exc:
         raise _user_error(str(exc)) from None
     size = path.stat().st_size / 1e6
     print(f"wrote {path} ({size:.2f} MB; recorded in {t_record:.1f} s, built in {time.perf_counter() - t1:.1f} s)")
     return 0
+
+
+def _readings_and_histories(args: argparse.Namespace, traces: list) -> tuple[dict | None, dict | None]:
+    """With models (--demo, --models): each model's logit decomposition and logit lens for the
+    explorer, and the routing-over-training history of run folders that recorded one. Saved
+    traces hold no activations: (None, None)."""
+    if args.traces:
+        return None, None
+    from attnres_probe.reports.recording import record_readings
+    from attnres_probe.training.probes import load_history
+
+    readings, histories = {}, {}
+    if args.demo is not None:
+        from attnres_probe.demo import load_demo
+
+        for t in traces:
+            model, tok = load_demo(t.name)
+            readings[t.name] = record_readings(model, t, tokenizer=tok)
+        return readings, None
+    from attnres_probe.pretrained import load_model_folder
+
+    for d, t in zip(args.models, traces):
+        model, tok = load_model_folder(Path(d))
+        readings[t.name] = record_readings(model, t, tokenizer=tok)
+        history = load_history(d)
+        if history:
+            histories[t.name] = history
+    return readings, histories or None
 
 
 def _run_stats_report(args: argparse.Namespace) -> int:
@@ -170,10 +202,12 @@ def _run_stats_report(args: argparse.Namespace) -> int:
     _check_out(out, args.force)
     manifest, stats = load_stats_dir(args.stats)
     title = args.title or f"attnres-probe corpus report: {', '.join(stats)}"
-    parts = ["attnres-probe", "report", "--stats", str(args.stats), "--resamples", str(args.resamples), "--seed", str(args.seed)]
+    from attnres_probe.reports.builder import public_path
+
+    parts = ["attnres-probe", "report", "--stats", public_path(args.stats), "--resamples", str(args.resamples), "--seed", str(args.seed)]
     if args.title:
         parts += ["--title", args.title]
-    parts += ["--out", str(args.out)]
+    parts += ["--out", public_path(args.out)]
     t0 = time.perf_counter()
     try:
         path = build_stats_report(stats, out, title=title, manifest=manifest, command=" ".join(shlex.quote(p) for p in parts),
@@ -192,14 +226,18 @@ def _demo_names(args: argparse.Namespace) -> tuple[str, ...]:
 
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this report (rebuilt from the parsed arguments)."""
+    from attnres_probe.reports.builder import public_path
+
     parts = ["attnres-probe", "report"]
-    for flag in ("models", "traces", "names"):
+    for flag in ("models", "traces"):
         if getattr(args, flag):
-            parts += [f"--{flag}", *map(str, getattr(args, flag))]
+            parts += [f"--{flag}", *(public_path(p) for p in getattr(args, flag))]
+    if args.names:
+        parts += ["--names", *map(str, args.names)]
     if args.demo is not None:
         parts += ["--demo", *args.demo]
     if args.text_file:
-        parts += ["--text-file", args.text_file]
+        parts += ["--text-file", public_path(args.text_file)]
     elif args.text is not None:
         parts += ["--text", args.text]
     if args.no_backward:
@@ -208,7 +246,7 @@ def _command(args: argparse.Namespace) -> str:
         parts += ["--ablate", args.ablate, "--ablate-mode", args.ablate_mode]
     if args.title:
         parts += ["--title", args.title]
-    parts += ["--explorer-tokens", str(args.explorer_tokens), "--out", str(args.out)]
+    parts += ["--explorer-tokens", str(args.explorer_tokens), "--out", public_path(args.out)]
     if args.force:
         parts.append("--force")
     return " ".join(shlex.quote(p) for p in parts)

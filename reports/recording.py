@@ -146,3 +146,27 @@ def record_demos(text: str, names: Sequence[str] = ("prenorm", "full", "block"),
         model, tok = load_demo(name)
         traces.append(record_text(model, text, tokenizer=tok, name=name, backward=backward))
     return traces
+
+
+READING_TOKENS = 64  # tokens with a precomputed logit decomposition and logit lens in a report
+
+
+def record_readings(model, trace: DepthTrace, tokenizer=None, n_tokens: int = READING_TOKENS, k: int = 5) -> dict:
+    """The routing-aware logit decomposition and the logit lens of ``model`` at the first
+    ``n_tokens`` tokens of the trace's first sequence, for the report's per-token explorer.
+
+    Returns:
+        {"name", "positions": [int], "contribs": [LogitContributions], "lens": DataFrame, "k": k}
+    """
+    import torch
+
+    from attnres_probe.probe import Probe
+
+    probe = Probe(model, tokenizer=tokenizer, name=trace.name)
+    n = min(int(trace.mask[0].sum()), n_tokens)
+    # causal: what the model does at positions < n + 1 depends on those tokens only
+    tokens = torch.from_numpy(trace.tokens[:1, : min(int(trace.mask[0].sum()), n + 1)].astype("int64"))
+    positions = list(range(n))
+    contribs = [probe.logit_contributions(tokens, token=p) for p in positions]
+    lens = probe.logit_lens(tokens, k=k, positions=positions)
+    return {"name": trace.name, "positions": positions, "contribs": contribs, "lens": lens, "k": k}

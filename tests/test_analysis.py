@@ -253,3 +253,18 @@ def test_key_columns_come_first_in_window_tables():
     probe = Probe(tiny_model("full"))
     w = Windows.of_trace(probe.run(sample_tokens(8, batch=2)))
     assert list(w.table.columns[: len(KEY_COLUMNS)]) == list(KEY_COLUMNS) and w.n == 2
+
+
+def test_readable_groups_a_compare_frame_under_plain_names():
+    """#17 item 6: compare's snake_case keys, grouped under the comparisons with plain names."""
+    from attnres_probe import Probe, metrics
+    from attnres_probe.analysis.display import LABELS, readable
+    from helpers import tiny_model
+
+    a = Probe(tiny_model("prenorm"), name="prenorm").run("the cat sat", backward=True)
+    b = Probe(tiny_model("full"), name="full").run("the cat sat", backward=True)
+    table = metrics.compare(a, b).pipe(readable)
+    groups = list(dict.fromkeys(table.index.get_level_values("group")))
+    assert groups[:3] == ["Locality", "Embedding retention", "Gradient uniformity"]
+    assert LABELS["locality_distance"] in table.loc["Locality"].index
+    assert "full vs prenorm" in table.columns and "verdict: full vs prenorm" in table.columns

@@ -155,3 +155,51 @@ def test_demo_models_smoke_runs_never_replace_a_full_build_anywhere(tmp_path, ca
     assert main(["demo-models", "--steps", "2", "--only", "full", "--threads", "1", "--out", str(tmp_path)]) == 2
     assert "holds full demo models (full)" in capsys.readouterr().err
     assert (tmp_path / "full" / "model.safetensors").read_bytes() == before
+
+
+def test_cli_errors_name_the_flag_not_the_python_argument(tmp_path, capsys):
+    """#17 item 11: `pass overwrite=True (attnres-probe record --force)` becomes `pass --force` on the command line."""
+    from attnres_probe.cli import cli_message
+
+    tiny_model("full").save(tmp_path / "m")
+    base = ["record", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "t"), "--text", "ab"]
+    assert main(base) == 0
+    capsys.readouterr()
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "pass --force to replace it" in err and "overwrite=True" not in err and "attnres-probe record --force" not in err
+    assert cli_message("pass resume=True (--resume) to continue it, overwrite=True (--overwrite) to replace it") == (
+        "pass --resume to continue it, --overwrite to replace it")
+
+
+def test_notebook_save_into_a_used_folder_says_what_to_do(tmp_path):
+    """#17 item 8: re-running trace.save(path) names overwrite=True."""
+    from attnres_probe import Probe
+
+    trace = Probe(tiny_model("full"), name="full").run("ab", backward=False)
+    trace.save(tmp_path / "t")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        trace.save(tmp_path / "t")
+    trace.save(tmp_path / "t", overwrite=True)
+
+
+def test_text_flag_reads_backslash_n_as_a_newline(tmp_path):
+    """#17 item 5: a shell's literal \\n in --text is a newline, not two characters."""
+    from attnres_probe.cli import unescape_text
+
+    assert unescape_text("a\\nb\\tc\\\\n") == "a\nb\tc\\n"
+    tiny_model("full").save(tmp_path / "m")
+    assert main(["record", "--model", str(tmp_path / "m"), "--text", "x\\ny", "--out", str(tmp_path / "t"), "--no-backward"]) == 0
+    assert DepthTrace.load(tmp_path / "t").tokens[0, :3].tolist() == [ord("x"), 10, ord("y")]  # a newline byte
+
+
+def test_readme_command_table_lists_every_command():
+    """#17 item 11: the README's CLI table names every subcommand (study and corpus included)."""
+    from pathlib import Path
+
+    from attnres_probe.cli import SUBCOMMANDS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("## Command line"): readme.index("## Layout")]
+    for name, *_ in SUBCOMMANDS:
+        assert f"`attnres-probe {name}" in table, name

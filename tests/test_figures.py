@@ -35,14 +35,92 @@ def test_token_heatmap_hover_customdata_holds_weight_logit_and_contrib_of_the_ce
     assert fig.data[0].hoverongaps is False
 
 
-def test_weights_and_contrib_share_a_fixed_zero_to_one_scale_and_logits_a_diverging_one():
+def test_weights_use_a_fixed_zero_to_one_scale_and_shares_and_logits_a_diverging_one():
     trace = make_trace("full")
-    for kind in ("weights", "contrib"):
-        hm = figures.token_heatmap(trace, kind=kind).data[0]
-        assert (hm.zmin, hm.zmax) == (0.0, 1.0)
+    hm = figures.token_heatmap(trace, kind="weights").data[0]
+    assert (hm.zmin, hm.zmax) == (0.0, 1.0)
+    contrib = figures.token_heatmap(trace, kind="contrib").data[0]
+    assert (contrib.zmin, contrib.zmax, contrib.zmid) == (-1.0, 1.0, 0.0)  # shares: centred on 0, at least -1..1
     logits = figures.token_heatmap(trace, kind="logits").data[0]
     assert logits.zmin == -logits.zmax
-    assert logits.colorscale != figures.token_heatmap(trace).data[0].colorscale
+    assert logits.colorscale != hm.colorscale and contrib.colorscale == logits.colorscale
+
+
+def _color_at(fig, value: float) -> str:
+    import plotly.colors as pc
+
+    hm = fig.data[0]
+    t = (value - hm.zmin) / (hm.zmax - hm.zmin)
+    return pc.sample_colorscale(pc.make_colorscale([c[1] for c in hm.colorscale], [c[0] for c in hm.colorscale]), [t])[0]
+
+
+def test_a_negative_share_is_coloured_differently_from_zero_and_above_one_differs_from_one():
+    """#17 item 1: shares can be negative (-0.13) or above one (1.035); neither may look like 0 or 1."""
+    cube = [[1.0, nan, nan], [-0.13, 1.13, nan], [0.2, -0.235, 1.035]]
+    fig = figures.token_heatmap(make_trace("full", cube), kind="contrib")
+    assert fig.data[0].zmax >= 1.035 and fig.data[0].zmin <= -1.035
+    assert _color_at(fig, -0.13) != _color_at(fig, 0.0)
+    assert _color_at(fig, 1.035) != _color_at(fig, 1.0) or fig.data[0].zmax > 1.035
+
+
+def test_difference_heatmap_is_model_minus_baseline_per_cell_on_a_diverging_scale():
+    """#17 item 1: AttnRes model minus the baseline, cell by cell."""
+    from trace_factory import PRENORM_C
+
+    a, b = make_trace("full", name="full"), make_trace("prenorm", name="prenorm")
+    fig = figures.difference_heatmap(a, b, kind="contrib")
+    z = np.asarray(fig.data[0].z, dtype=float)
+    np.testing.assert_allclose(z, np.asarray(FULL_W) - np.asarray(PRENORM_C), atol=1e-6)
+    assert fig.data[0].zmin == -fig.data[0].zmax and fig.data[0].zmid == 0
+    assert fig.data[0].colorscale == figures.token_heatmap(a, kind="logits").data[0].colorscale
+    assert "full − prenorm" in fig.layout.title.text
+    np.testing.assert_allclose(np.asarray(figures.difference_heatmap(a, b, token=1).data[0].z, dtype=float), z, atol=1e-6)
+    with pytest.raises(ValueError, match="same depth"):
+        figures.difference_heatmap(make_trace("block"), b)
+
+
+def test_prenorm_weights_panel_is_blank_and_names_the_ui_control_once():
+    """#17 item 3: no solid colour for weights that are all one; the note names "colour by: contribution share"."""
+    for fig in (figures.token_heatmap(make_trace("prenorm")), figures.mean_heatmap(make_trace("prenorm")),
+                figures.source_heatmap(make_trace("prenorm"))):
+        assert np.isnan(np.asarray(fig.data[0].z, dtype=float)).all()
+        notes = [a.text for a in fig.layout.annotations]
+        assert len(notes) == 1 and "colour by: contribution share" in notes[0] and "kind=" not in notes[0]
+        assert fig.layout.annotations[0].y == 0.5  # inside the panel, not over the title or the axis
+    logits = figures.mean_heatmap(make_trace("prenorm"), kind="logits")
+    assert "colour by: contribution share" in logits.layout.annotations[0].text and "kind=" not in logits.layout.annotations[0].text
+    both = figures.side_by_side([make_trace("prenorm"), make_trace("full")], "mean_heatmap")
+    assert sum("colour by" in (a.text or "") for a in both.layout.annotations) == 1
+
+
+def test_token_ticks_thin_a_long_axis_so_labels_cannot_overlap():
+    """#17 item 2: at 96 tokens no more than one tick per ~20 px of a 300 px panel."""
+    vals, text = figures.token_ticks(["a"] * 96, plot_px=300)
+    assert 5 <= len(vals) <= 300 // figures.TICK_PX and vals[0] == 0 and len(set(np.diff(vals))) == 1
+    assert figures.token_ticks(list("abc"), 300) == ([0, 1, 2], ["a", "b", "c"])
+    long = figures.token_ticks(["a very long token"] * 40, 300)[1]
+    assert all(len(t) <= 6 for t in long)
+    fig = figures.source_heatmap(make_trace("full", n_pos=3))
+    assert fig.layout.xaxis.tickangle == 0
+
+
+def test_titles_are_wrapped_not_cut_and_side_by_side_keeps_the_kind_once():
+    fig = figures.source_heatmap(make_trace("full"), kind="contrib")
+    assert fig.layout.title.text.count("<br>") == 2 and fig.layout.margin.t >= 80
+    both = figures.side_by_side([make_trace("prenorm"), make_trace("full")], "mean_heatmap", kind="contrib")
+    titles = [a.text for a in both.layout.annotations if a.text and a.text.startswith(("prenorm", "full"))]
+    assert len(titles) == 2 and all("contribution share" not in t and "<br>" in t for t in titles)
+    assert both.layout.title.text == figures.KIND_TITLES["contrib"]
+
+
+def test_long_source_heatmap_is_compact():
+    """#17 item 7: above COMPACT_TOKENS tokens only z goes out, as float32."""
+    n = figures.COMPACT_TOKENS + 4
+    trace = make_trace("full", n_pos=n, str_tokens=["x"] * n)
+    fig = figures.source_heatmap(trace)
+    assert fig.data[0].customdata is None and fig.data[0].text is None
+    assert np.asarray(fig.data[0].z).dtype == np.float32
+    assert figures.source_heatmap(make_trace("full")).data[0].customdata is not None
 
 
 def test_token_heatmap_title_names_model_and_token():
@@ -168,6 +246,10 @@ def test_ablation_chart_shows_delta_loss_bars_beside_mass_for_one_read():
     np.testing.assert_allclose(bar.y, [0.4, 0.1, 0.9])
     np.testing.assert_allclose(mass.y, [0.2, 0.3, 0.5])
     assert mass.yaxis == "y2"
+    contrib = fig.data[2]
+    assert contrib.yaxis == "y3"  # #17 item 4: routing mass and contribution share on their own axes
+    assert list(fig.layout.yaxis2.tickvals) == [0, 0.5, 1]
+    assert fig.layout.yaxis3.range[0] <= 0 and fig.layout.yaxis3.range[1] >= 1
 
 
 def test_ablation_chart_draws_one_bar_series_per_mode_and_markers_once():
@@ -216,3 +298,31 @@ def test_repr_html_of_a_trace_is_the_summary_card():
     trace = make_trace("block", grad_in=[1, 1, 1, 1, 1])
     out = trace._repr_html_()
     assert "5 × 3" in out and "recorded" in out and "2.0000" in out
+
+
+
+# -- reading the residual stream (#17 item 13) --------------------------------------------------
+def test_logit_contributions_and_logit_lens_charts_from_a_probe():
+    from attnres_probe import ByteTokenizer, Probe
+    from helpers import tiny_model
+
+    probe = Probe(tiny_model("block"), tokenizer=ByteTokenizer(), name="block")
+    lc = probe.logit_contributions("hello there", token=4)
+    fig = figures.logit_contributions_chart(lc, k=3, name="block")
+    z = np.asarray(fig.data[0].z, dtype=float)
+    assert z.shape == (len(lc.sources) + 1, 3)
+    np.testing.assert_allclose(z[-1], np.sort(lc.logits)[::-1][:3], rtol=1e-5, atol=1e-5)  # the sum row is the logit
+    assert fig.data[0].zmin == -fig.data[0].zmax and "token 4" in fig.layout.title.text
+    lens = probe.logit_lens("hello there", k=3, positions=[4])
+    lf = figures.logit_lens_chart(lens, 4, name="block")
+    assert np.asarray(lf.data[0].z, dtype=float).shape == (len(set(lens["read"])), 3)
+    assert (np.asarray(lf.data[0].text) != "").all()
+
+
+def test_static_image_export_is_in_the_default_install():
+    """#17 item 9: kaleido is a default dependency, not only the study extra."""
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert any(d.replace(" ", "").startswith("kaleido") for d in project["dependencies"])

@@ -137,3 +137,18 @@ def test_a_resumed_run_equals_an_uninterrupted_one(probe, whole):
 def test_continuing_stats_with_another_model_is_refused(whole):
     with pytest.raises(StatsError, match="different models"):
         Probe(tiny_model("full"), name="full").run_corpus(DOCS, progress=False, stats=whole)
+
+
+def test_asking_for_an_aggregate_says_which_names_are_valid(whole):
+    """#17 item 8: no bare TypeError / KeyError; repr lists the names; stats.stats does not dump arrays."""
+    with pytest.raises(TypeError, match="depth_weights"):
+        whole.mean()
+    with pytest.raises(KeyError) as err:
+        whole.mean("foo")
+    assert "'foo' is not an aggregate" in str(err.value) and "depth_weights" in str(err.value)
+    with pytest.raises(ValueError, match="valid names"):  # also a ValueError, for code that catches those
+        whole.var("foo")
+    np.testing.assert_array_equal(whole.mean("weights"), whole.mean("depth_weights"), strict=False)
+    assert "depth_weights" in repr(whole) and "contrib" in repr(whole) and whole.names == list(whole.stats)
+    text = repr(whole.stats)
+    assert len(text) < 200 * len(whole.stats) and "array(" not in text and "observations=" in text

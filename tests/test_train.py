@@ -425,3 +425,29 @@ def test_routing_probes_are_recorded_over_training_and_survive_a_resume(tmp_path
     assert last.tokens.shape == (2, 32) and last.has_gradients
     fig = over_training({"block": history})
     assert len(fig.data) == 4 * 5 + 1  # four per-read rows of 5 reads, and the gradient spread
+
+
+def test_cli_defaults_to_the_demo_models_size(tmp_path):
+    """#17 item 10: without --config the model is the demo models' (d_model 64, 8 layers, n_ctx 128)."""
+    from attnres_probe.training.cli import _configs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers(dest="command", required=True))
+    model_cfg, _ = _configs_from_args(parser.parse_args(["train", "--out", str(tmp_path / "r"), "--residual", "block"]))
+    assert (model_cfg.d_model, model_cfg.n_layers, model_cfg.n_ctx, model_cfg.n_heads) == (64, 8, 128, 4)
+    assert model_cfg.residual == "block" and model_cfg.block_size == 4
+    full, _ = _configs_from_args(parser.parse_args(["train", "--out", str(tmp_path / "r"), "--d-model", "32"]))
+    assert (full.residual, full.d_model, full.d_head, full.d_mlp) == ("full", 32, 8, 128)
+
+
+def test_progress_shows_the_latest_validation_loss_and_an_estimate(tmp_path, capsys):
+    """#17 item 10: the bar's val is the one just measured (with its step); a time estimate after the first steps."""
+    from attnres_probe.training.loop import progress_postfix, time_estimate
+
+    assert progress_postfix(1.23456, [(0, 5.589), (4, 3.21)]) == {"loss": "1.235", "val": "3.210 (step 4)"}
+    assert progress_postfix(1.0, []) == {"loss": "1.000"}
+    line = time_estimate(10.0, 5, 1995)
+    assert "2.00 s/step" in line and " min " in line and "1995" in line
+    train(small_model("full"), small_train(steps=6, eval_every=3), tmp_path / "a", progress=True)
+    err = capsys.readouterr().err
+    assert "s/step over the first 5 steps" in err and "(step 6)" in err

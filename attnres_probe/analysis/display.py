@@ -20,8 +20,11 @@ __all__ = [
     "fmt_estimate",
     "fmt_interval",
     "fmt_number",
+    "group_rows",
     "headline",
     "held_text",
+    "metric_group",
+    "readable",
     "interval_text",
     "table_rows",
 ]
@@ -195,10 +198,44 @@ def table_rows(frame: pd.DataFrame) -> dict[str, Any]:
                 verdicts.append("")
         rows.append({"metric": metric, "label": LABELS.get(metric, metric), "cells": cells, "verdicts": verdicts,
                      "n_models": len(models)})
-    return {"columns": columns, "models": models, "comparisons": [f"{m} vs {b}" for m, b in comps], "rows": rows}
+    return {"columns": columns, "models": models, "comparisons": [f"{m} vs {b}" for m, b in comps], "rows": rows,
+            "groups": group_rows(rows)}
+
+
+OTHER_GROUP = "Other measures"
+
+
+def metric_group(metric: str) -> str:
+    """The headline group a metric belongs to (:data:`HEADLINE`), else :data:`OTHER_GROUP`."""
+    return next((title for title, _, keys in HEADLINE if metric in keys), OTHER_GROUP)
+
+
+def group_rows(rows: list[dict]) -> list[dict[str, Any]]:
+    """Rows (each with a ``metric``) under the headline groups' plain names, in the headline's order,
+    the rest last under "Other measures": [{"title", "rows"}], empty groups left out."""
+    order = [title for title, _, _ in HEADLINE] + [OTHER_GROUP]
+    by = {t: [] for t in order}
+    for r in rows:
+        by[metric_group(r["metric"])].append(r)
+    return [{"title": t, "rows": by[t]} for t in order if by[t]]
 
 
 def _cell(r: pd.Series) -> str:
     est = fmt_estimate(r)
     iv = fmt_interval(r)
     return f"{est} {iv}" if iv else est
+
+
+def readable(frame: pd.DataFrame) -> pd.DataFrame:
+    """A :func:`attnres_probe.metrics.compare` frame as a person reads it: one row per metric,
+    indexed by (comparison group, plain name) as the dashboard and the report group them; one
+    column per model ("value [interval]") and per comparison ("estimate [interval]"), then each
+    comparison's verdict. ``metrics.compare(a, b).pipe(readable)`` in a notebook."""
+    t = table_rows(frame)
+    rows, index = [], []
+    for g in t["groups"]:
+        for r in g["rows"]:
+            index.append((g["title"], r["label"]))
+            rows.append([*r["cells"], *r["verdicts"]])
+    columns = [*t["columns"], *(f"verdict: {c}" for c in t["comparisons"])]
+    return pd.DataFrame(rows, index=pd.MultiIndex.from_tuples(index, names=["group", "metric"]), columns=columns)

@@ -52,17 +52,18 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "train",
         help="train a model on an offline byte corpus",
         description="Train a PreNorm / Full AttnRes / Block AttnRes model on an offline corpus. Writes the "
-        "checkpoint, train_log.json and resumable state into --out.",
+        "checkpoint, train_log.json and resumable state into --out. Without --config the model has the demo "
+        "models' size; after the first steps the command prints how long the run will take.",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, log, resumable state)")
     p.add_argument("--config", metavar="JSON", help="model config file (ModelConfig fields); flags below override it")
     m = p.add_argument_group("model")
     m.add_argument("--residual", choices=RESIDUALS, help="residual rule (default full)")
-    m.add_argument("--n-layers", type=int, help="transformer blocks (2 sublayers each)")
-    m.add_argument("--d-model", type=int, help="residual stream width")
-    m.add_argument("--n-heads", type=int, help="attention heads")
-    m.add_argument("--n-ctx", type=int, help="context length")
-    m.add_argument("--block-size", type=int, help="sublayers per block (--residual block)")
+    m.add_argument("--n-layers", type=int, help="transformer blocks, 2 sublayers each (default 8, as the demo models)")
+    m.add_argument("--d-model", type=int, help="residual stream width (default 64, as the demo models)")
+    m.add_argument("--n-heads", type=int, help="attention heads (default 4)")
+    m.add_argument("--n-ctx", type=int, help="context length (default 128)")
+    m.add_argument("--block-size", type=int, help="sublayers per block with --residual block (default 4)")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, help="optimizer updates (default 2000)")
     t.add_argument("--batch-size", type=int, help="windows per update (default 16)")
@@ -101,8 +102,12 @@ def _configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConf
     saved = read_run_configs(args.out) if args.resume else None
     if args.config:
         base = _read_model_config(args.config).to_dict()
-    else:
-        base = saved[0].to_dict() if saved else {}
+    elif saved:
+        base = saved[0].to_dict()
+    else:  # a new run without a config file: the demo models' size (64 wide, 8 layers, context 128)
+        from attnres_probe.demo import demo_config
+
+        base = demo_config(args.residual or "full").to_dict()
     model_dict = dict(base)
     train_dict = saved[1].to_dict() if saved else {}
     for dest, field in _MODEL_FLAGS.items():
@@ -124,6 +129,8 @@ def _configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConf
             model_dict.pop("d_head")
         if base["d_mlp"] == 4 * base["d_model"]:
             model_dict.pop("d_mlp")
+        if base.get("n_kv_heads") == base["n_heads"] and model_dict["n_heads"] != base["n_heads"]:
+            model_dict.pop("n_kv_heads", None)  # plain multi-head attention stays plain
     return ModelConfig.from_dict(model_dict), TrainConfig.from_dict(train_dict)
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import math
 import platform
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -423,6 +424,7 @@ def _run_steps(session: _Session, end: int, progress: bool) -> None:
     cfg, history = session.cfg, session.history
     bar = _progress_bar(progress, history.step, cfg.steps, session.model.cfg.residual)
     clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+    start, t_start, estimated = history.step, time.perf_counter(), False
     try:
         with frozen_gc():  # the collector skips the objects that predate the loop
             while history.step < end:
@@ -436,21 +438,53 @@ def _run_steps(session: _Session, end: int, progress: bool) -> None:
                 probed = session.probe_due()
                 if probed:
                     session.probe()
+                validated = False
                 if cfg.eval_every and history.step % cfg.eval_every == 0 or history.step == cfg.steps:
                     session.validate()
+                    validated = True
                     if history.step < end:  # the end of the session saves in _finish
                         session.save()
                 elif probed and history.step < end:
                     session.save()  # a probe's summary survives a kill
                 if bar is not None:
-                    postfix = {"loss": f"{value:.3f}"}
-                    if history.val_losses:
-                        postfix["val"] = f"{history.val_losses[-1][1]:.3f}"
-                    bar.set_postfix(postfix, refresh=False)
+                    bar.set_postfix(progress_postfix(value, history.val_losses), refresh=False)
                     bar.update(1)
+                    if validated:
+                        bar.refresh()  # show the new validation loss now, not at the next redraw
+                    if not estimated and history.step - start >= ESTIMATE_AFTER_STEPS and history.step < end:
+                        estimated = True
+                        bar.write(time_estimate(time.perf_counter() - t_start, history.step - start, end - history.step), file=sys.stderr)
     finally:
         if bar is not None:
             bar.close()
+
+
+ESTIMATE_AFTER_STEPS = 5  # the progress bar prints the expected run time after this many steps
+
+
+def progress_postfix(loss: float, val_losses: list) -> dict[str, str]:
+    """The progress bar's figures: the last training loss and the latest validation loss with its step."""
+    out = {"loss": f"{loss:.3f}"}
+    if val_losses:
+        step, val = val_losses[-1]
+        out["val"] = f"{val:.3f} (step {step})"
+    return out
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def time_estimate(elapsed: float, done: int, remaining: int) -> str:
+    """One line after the first steps: seconds per step and the time the remaining steps will take
+    (validation and probes come on top)."""
+    per = elapsed / max(done, 1)
+    return (f"{per:.2f} s/step over the first {done} steps: about {_duration(per * remaining)} for the remaining "
+            f"{remaining} steps (plus validation)")
 
 
 def _finish(session: _Session, used_backend: str) -> TrainResult:

@@ -20,11 +20,27 @@ import torch
 
 from attnres_probe.model import AttnResTransformer
 
-__all__ = ["PROBE_DIR", "probe_tokens", "record_probe", "summarize", "tokens_sha256"]
+__all__ = ["PROBE_DIR", "load_history", "probe_tokens", "record_probe", "summarize", "tokens_sha256"]
 
 PROBE_DIR = "probes/last"
 # per-read series in a probe summary: metric name -> (function of the trace, column)
 SERIES = ("embed_weight", "embed_contrib", "recent_mass", "distance", "entropy", "rms_in", "grad_in")
+
+
+def load_history(run_dir: str | Path) -> list[dict[str, Any]] | None:
+    """The routing probes of a training run (``train_log.json`` beside the checkpoint:
+    ``probes.history``), or None when the folder has no log or the run recorded no probes."""
+    import json
+
+    path = Path(run_dir) / "train_log.json"
+    if not path.is_file():
+        return None
+    try:
+        log = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    history = ((log.get("probes") or {}) if isinstance(log, dict) else {}).get("history")
+    return list(history) if isinstance(history, list) and history else None
 
 
 def probe_tokens(val_batches: list[torch.Tensor], n: int, seq_len: int) -> torch.Tensor:

@@ -37,8 +37,12 @@ def texts(component) -> list[str]:
 def test_token_views_show_each_models_weights_for_the_selected_token(ex):
     out = callbacks.token_views(ex, token(ex, 4), "weights", [])
     for name, fig in zip(ex.names, out["figures"]):
+        if name == "prenorm":  # all ones: blank, with a note naming the control to use
+            assert np.isnan(np.asarray(fig.data[0].z, dtype=float)).all()
+            assert "colour by: contribution share" in fig.layout.annotations[0].text
+            continue
         np.testing.assert_array_equal(fig.data[0].z, ex.initial.traces[name].depth_weights[0, 4].astype(np.float64))
-        assert fig.layout.title.text.startswith(f"{name} · token 4 ")
+        assert fig.layout.title.text.startswith(f"{name}<br>token 4 ")
     assert out["panels"] == [callbacks.SHOWN] * 3
     assert "token 4 of" in "".join(texts(out["info"]))
 
@@ -322,3 +326,105 @@ def test_saved_traces_beside_models_are_hidden_for_other_texts(models, ex):
 def test_a_model_with_a_shorter_context_sets_the_limit(models):
     app = create_app({"prenorm": models["prenorm"], "short": make_model("full")}, text="ab")
     assert app.explorer.n_ctx == N_CTX
+
+
+
+# -- #17: signed scales, difference view, reading the residual stream, names, one model -----------
+def test_share_panels_share_one_symmetric_range_centred_on_zero(ex):
+    out = callbacks.token_views(ex, token(ex, 3), "contrib", [])
+    ranges = {(f.data[0].zmin, f.data[0].zmax) for f in out["figures"]}
+    assert len(ranges) == 1 and next(iter(ranges))[0] == -next(iter(ranges))[1] <= -1
+
+
+def test_difference_view_shows_each_attnres_model_minus_the_baseline(ex):
+    out = callbacks.token_views(ex, token(ex, 3), "contrib", ["diff"])
+    figs = dict(zip(ex.names, out["figures"]))
+    assert "full − prenorm" in figs["full"].layout.title.text and "block − prenorm" in figs["block"].layout.title.text
+    assert "−" not in figs["prenorm"].layout.title.text  # the baseline itself
+    want = figures.difference_heatmap(ex.initial.traces["full"], ex.initial.traces["prenorm"], token=3)
+    np.testing.assert_allclose(np.asarray(figs["full"].data[0].z, float), np.asarray(want.data[0].z, float))
+    mean = callbacks.mean_views(ex, ex.initial.key, "contrib", ["diff"])
+    assert "mean over tokens" in mean["figures"][1].layout.title.text
+
+
+def test_reading_views_show_logit_contributions_and_the_logit_lens_of_each_model(ex):
+    out = callbacks.reading_views(ex, token(ex, 2))
+    for i, name in enumerate(ex.names):
+        assert "token 2" in out["decomp"][i].layout.title.text and name in out["decomp"][i].layout.title.text
+        assert "logit lens" in out["lens"][i].layout.title.text
+        assert out["decomp_graphs"][i] == out["lens_graphs"][i] == callbacks.SHOWN and out["notes"][i] == ""
+
+
+def test_reading_views_say_in_words_that_saved_traces_hold_no_activations(models):
+    trace = Probe(models["full"], name="saved").run(TEXT)
+    ex = create_app({"saved": trace}).explorer
+    out = callbacks.reading_views(ex, token(ex, 1))
+    assert out["decomp_graphs"] == [callbacks.HIDDEN] and "holds depth weights, not activations" in out["notes"][0]
+
+
+def test_one_model_page_does_not_talk_about_a_baseline(models):
+    page = " ".join(texts(build_layout(create_app({"mine": models["full"]}, text=TEXT).explorer)))
+    assert "beside the baseline" not in page and "PreNorm's weights are all one" not in page
+
+
+def test_traces_of_other_texts_say_so_on_their_panels(models):
+    a = Probe(models["full"], name="a").run("dog")
+    b = Probe(models["block"], name="b").run("fox")
+    ex = create_app({"a": a, "b": b}).explorer
+    out = callbacks.token_views(ex, token(ex, 0), "weights", [])
+    assert out["notes"][0] == "" and "b holds another text: its token 0 is 'f'" in out["notes"][1]
+
+
+def test_dash_names_trace_folders_by_folder_or_by_names(tmp_path, models):
+    from attnres_probe.dashboards.cli import load_entries
+
+    for d in ("run-a", "run-b"):
+        Probe(models["block"], name="block").run(TEXT).save(tmp_path / d)
+    dirs = [str(tmp_path / "run-a"), str(tmp_path / "run-b")]
+    assert list(load_entries(None, dirs)) == ["run-a", "run-b"]
+    assert list(load_entries(None, dirs, names=["first", "second"])) == ["first", "second"]
+    with pytest.raises(ValueError, match="one per folder"):
+        load_entries(None, dirs, names=["only"])
+
+
+def test_over_training_section_appears_for_a_run_with_routing_probes(models, tmp_path):
+    import json
+
+    from attnres_probe.training.probes import load_history
+
+    hist = [{"step": s, "embed_weight": [0.5, 0.4, 0.3, 0.2, 0.1], "recent_mass": [0.5] * 5, "entropy": [0.9] * 5,
+             "rms_in": [1.0] * 5, "act_grad_cv": 0.3} for s in (0, 10)]
+    (tmp_path / "train_log.json").write_text(json.dumps({"probes": {"history": hist}}))
+    assert load_history(tmp_path) == hist and load_history(tmp_path / "missing") is None
+    model = make_model("full")
+    model.train_history = hist
+    ex = create_app({"prenorm": models["prenorm"], "run": model}, text=TEXT).explorer
+    page = build_layout(ex)
+    graphs = [n for n in _walk(page) if getattr(n, "id", None) == "over-training"]
+    assert graphs and "Routing over training" in graphs[0].figure.layout.title.text
+    assert "prenorm recorded no routing probes" in " ".join(texts(page))
+    plain = build_layout(create_app(models, text=TEXT).explorer)
+    assert not [n for n in _walk(plain) if getattr(n, "id", None) == "over-training"]
+
+
+def _walk(node):
+    yield node
+    kids = getattr(node, "children", None)
+    if isinstance(kids, (list, tuple)):
+        for k in kids:
+            yield from _walk(k)
+    elif kids is not None and not isinstance(kids, str):
+        yield from _walk(kids)
+
+
+def test_metric_names_carry_a_drawn_info_mark_not_a_glyph(ex):
+    cards = callbacks.metric_cards(ex, ex.initial.key)
+    assert "ⓘ" not in " ".join(texts(cards))
+
+
+def test_traces_only_prompt_box_shows_the_text_not_token_labels(models):
+    """#17 item 5: a saved trace of "a\nb" shows a newline in the prompt box, not the chip label \\n."""
+    trace = Probe(models["full"], tokenizer=ByteTokenizer(), name="saved").run("a\nb")
+    page = build_layout(create_app({"saved": trace}).explorer)
+    box = [n for n in _walk(page) if getattr(n, "id", None) == "prompt"][0]
+    assert box.value == "a\nb"

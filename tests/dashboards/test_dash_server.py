@@ -53,7 +53,7 @@ def test_waitress_serves_the_page_layout_and_a_token_callback(app, waitress_url)
                                                         "kind.value": "weights", "expanded.value": []})
     status, resp = fetch(waitress_url + "/_dash-update-component", body)
     response = json.loads(resp)["response"]
-    assert status == 200 and "full · token 2" in response["token-graph-1"]["figure"]["layout"]["title"]["text"]
+    assert status == 200 and "full<br>token 2" in response["token-graph-1"]["figure"]["layout"]["title"]["text"]
 
 
 def test_the_page_references_no_external_url(app):

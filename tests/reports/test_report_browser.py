@@ -56,7 +56,7 @@ def _z(driver, div: str) -> tuple[np.ndarray, str]:
 
 
 def _explorer_divs(driver) -> list[str]:
-    return driver.execute_script("return Array.from(document.querySelectorAll('#explorer div.plot'), d => d.id)")
+    return driver.execute_script("return Array.from(document.querySelectorAll('#explorer .grid:not(.reading) div.plot'), d => d.id)")
 
 
 def test_page_loads_without_console_errors(browser):

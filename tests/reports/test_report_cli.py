@@ -77,3 +77,13 @@ def test_demo_takes_names_like_the_other_commands(tmp_path, capsys):
         main(["report", "--demo", "nope", "--out", str(out)])
     assert exc.value.code == 2
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_report_carries_no_absolute_local_path(checkpoints, tmp_path):
+    """#17 item 6: checkpoint folders and --out appear relative or by name, never as this machine's absolute paths."""
+    out = tmp_path / "r.html"
+    assert main(["report", "--models", *checkpoints, "--text", "abc abc", "--no-backward", "--out", str(out)]) == 0
+    html = out.read_text()
+    assert str(tmp_path) not in html
+    for d in checkpoints:
+        assert d not in html

@@ -112,8 +112,8 @@ def test_metric_table_matches_compare_against_the_baseline(soup, traces):
     header = [th.get_text() for th in table.find("tr").find_all("th")]
     assert header == ["metric", "prenorm", "full", "block", "full vs prenorm", "block vs prenorm",
                       "verdict: full vs prenorm", "verdict: block vs prenorm"]
-    rows = {tr["data-metric"]: tr for tr in table.find_all("tr")[1:]}
-    assert list(rows) == list(dict.fromkeys(frame["metric"]))
+    rows = {tr["data-metric"]: tr for tr in table.select("tr[data-metric]")}
+    assert set(rows) == set(frame["metric"])
     assert rows["mean_loss"].find("td")["title"] == metrics.FORMULAS["mean_loss"]
     for metric, tr in rows.items():
         want = list(frame[(frame.metric == metric) & (frame.comparison != "value")]["verdict"])
@@ -195,7 +195,7 @@ def test_ablation_section_has_a_chart_and_a_table_per_model(soup, ablations):
 
 def test_formulas_section_lists_every_metric_formula(soup):
     section = soup.find("section", id="formulas")
-    terms = [dt.get_text() for dt in section.find_all("dt")]
+    terms = [dt.find("code").get_text() for dt in section.find_all("dt")]
     assert terms == list(metrics.FORMULAS)
     assert [dd.get_text() for dd in section.find_all("dd")] == list(metrics.FORMULAS.values())
 
@@ -219,3 +219,16 @@ def test_traces_of_different_texts_get_one_explorer_each(tmp_path):
     b = record_text(tiny_model("block"), "second, longer text", name="b", backward=False)
     html = build_report([a, b], tmp_path / "r.html").read_text()
     assert 'id="explorer-0"' in html and 'id="explorer-1"' in html
+
+
+def test_every_metric_table_groups_rows_under_plain_names_not_snake_case_keys(soup):
+    """#17 item 6: the table groups metrics under the headline comparisons and names them in words."""
+    from attnres_probe.analysis.display import LABELS
+
+    table = soup.find("section", id="metrics").find("table", class_="metrics")
+    groups = [th.get_text() for th in table.select("tr.group th")]
+    assert groups[:3] == ["Locality", "Embedding retention", "Gradient uniformity"]
+    for tr in table.select("tr[data-metric]"):
+        name = tr.find("td").get_text()
+        assert name == LABELS[tr["data-metric"]] and "_" not in name
+

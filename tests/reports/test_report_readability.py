@@ -1,0 +1,96 @@
+"""#17 in the report, opened from file:// in headless Chromium at 96 tokens: PreNorm notes that name
+the control and overlap nothing, signed shares, the logit decomposition and logit lens in the
+per-token explorer, routing over training. A screenshot goes to $ATTNRES_SCREENSHOTS when set."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from attnres_probe.reports import build_report, record_text
+from attnres_probe.reports.recording import record_readings
+from helpers import CHROME_FLAGS, tiny_model
+
+CHROMIUM = os.environ.get("ATTNRES_CHROMIUM", "/usr/bin/chromium")
+CHROMEDRIVER = os.environ.get("ATTNRES_CHROMEDRIVER", "/usr/bin/chromedriver")
+TEXT96 = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 3)[:96]
+HISTORY = [{"step": s, "embed_weight": [0.5 - 0.01 * s] * 5, "recent_mass": [0.5] * 5, "entropy": [0.9] * 5,
+            "rms_in": [1.0 + 0.01 * s] * 5, "act_grad_cv": 0.3} for s in (0, 10, 20)]
+BOXES = """
+return Array.from(document.querySelectorAll(arguments[0]), (e) => {
+  const r = e.getBoundingClientRect();
+  return {x0: r.left, x1: r.right, y0: r.top, y1: r.bottom, text: e.textContent};
+}).filter((b) => b.x1 > b.x0);
+"""
+
+
+@pytest.fixture(scope="module")
+def report96(tmp_path_factory):
+    models = {r: tiny_model(r, n_ctx=128) for r in ("prenorm", "full", "block")}
+    traces = [record_text(m, TEXT96, name=r) for r, m in models.items()]
+    readings = {t.name: record_readings(models[t.name], t, n_tokens=8) for t in traces}
+    path = tmp_path_factory.mktemp("report96") / "report.html"
+    build_report(traces, path, readings=readings, histories={"prenorm": HISTORY, "full": HISTORY})
+    return path
+
+
+def test_report_holds_the_reading_views_and_routing_over_training(report96):
+    html = report96.read_text()
+    assert "Reading the residual stream at this token" in html and "logit lens" in html
+    assert "Stored for the first 8 tokens" in html
+    assert 'id="over-training"' in html
+    assert "colour by: contribution share" in html and "kind=&#39;contrib&#39;" not in html and "kind='contrib'" not in html
+
+
+def test_a_report_of_saved_traces_says_it_holds_no_activations(tmp_path):
+    trace = record_text(tiny_model("full"), "abc", name="full")
+    html = build_report([trace], tmp_path / "r.html").read_text()
+    assert "holds depth weights, not activations" in html
+
+
+@pytest.mark.browser
+def test_report_at_96_tokens_in_chromium(report96):
+    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
+        pytest.skip("needs Chromium and ChromeDriver")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless", "--window-size=1400,1000", *CHROME_FLAGS):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    try:
+        driver.get(report96.as_uri())
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == []
+        # item 3: the PreNorm note on the mean heatmaps overlaps no subplot title or axis title
+        heat = driver.execute_script("return document.querySelector('#heatmaps div.plot').id")
+        texts = driver.execute_script(BOXES, f"#{heat} .annotation text, #{heat} .xtitle, #{heat} .ytitle, #{heat} .gtitle")
+        notes = [b for b in texts if "contribution share" in b["text"] and "colour by" in b["text"] or "Choose" in b["text"]]
+        assert notes
+        for n in notes:
+            for o in texts:
+                if o is n or o["text"] in n["text"]:
+                    continue
+                assert not (n["x0"] < o["x1"] and o["x0"] < n["x1"] and n["y0"] < o["y1"] and o["y0"] < n["y1"]), (n, o)
+        # item 13: choosing a token updates the logit decomposition and the lens
+        reading = driver.execute_script("return Array.from(document.querySelectorAll('#explorer .grid.reading div.plot'), d => d.id)")
+        assert len(reading) == 6
+        driver.execute_script("const s = document.querySelector('#explorer select.token'); s.value = '5'; s.dispatchEvent(new Event('change'));")
+        title = driver.execute_script(f"return document.getElementById('{reading[0]}').layout.title.text")
+        assert "token 5" in title
+        got = json.loads(driver.execute_script(f"return JSON.stringify(document.getElementById('{reading[1]}').data[0].text)"))
+        assert all(all(cell for cell in row) for row in got)
+        shot = os.environ.get("ATTNRES_SCREENSHOTS")
+        if shot:
+            for where in ("metrics", "heatmaps", "explorer", "over-training"):
+                driver.execute_script(f"document.getElementById('{where}').scrollIntoView()")
+                driver.save_screenshot(os.path.join(shot, f"report_96_{where}.png"))
+            driver.execute_script("document.querySelector('#explorer .grid.reading').scrollIntoView()")
+            driver.save_screenshot(os.path.join(shot, "report_96_reading.png"))
+    finally:
+        driver.quit()
