@@ -15,7 +15,7 @@ DEFAULT_TEXT = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a,
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", metavar="DIR", help="a checkpoint directory (config.json + model.safetensors)")
+    src.add_argument("--model", metavar="DIR", help="a model folder: ours (config.json + model.safetensors) or a flash-linear-attention checkpoint")
     src.add_argument("--demo", choices=("prenorm", "full", "block"), help="a bundled demo model (default: block)")
     text = p.add_mutually_exclusive_group()
     text.add_argument("--text", help="the text to record (default: a short Python function); \\n and \\t stand for a newline and a tab")

@@ -424,7 +424,7 @@ def add_corpus_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         ),
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--models", nargs="+", metavar="DIR", help="checkpoint folders (config.json + model.safetensors)")
+    src.add_argument("--models", nargs="+", metavar="DIR", help="model folders: ours (config.json + model.safetensors) or flash-linear-attention checkpoints")
     src.add_argument("--demo", nargs="*", choices=("prenorm", "full", "block"), metavar="NAME",
                      help="bundled demo models: prenorm, full, block (bare --demo: all three)")
     p.add_argument("--data", required=True, metavar="FILE|DIR", help="a UTF-8 text file, or a folder of them (one document per file)")

@@ -294,10 +294,16 @@ def _tokenizer(directory: Path) -> PretrainedTokenizer:
         from transformers import AutoTokenizer
     except ImportError as exc:  # pragma: no cover - transformers is installed with the fla extra
         raise PretrainedError(f"reading the tokenizer needs transformers ({exc}); pip install 'attnres-probe[fla]'") from None
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its "model of type `transformer`" notice is about its own model registry, not this load
     try:
         return PretrainedTokenizer(AutoTokenizer.from_pretrained(str(directory), local_files_only=True))
     except Exception as exc:  # transformers raises many types for unreadable files
         raise PretrainedError(f"cannot read the tokenizer in {directory}: {type(exc).__name__}: {exc}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def load_pretrained(

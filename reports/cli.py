@@ -33,7 +33,7 @@ def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         ),
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--models", nargs="+", metavar="DIR", help="checkpoint directories (config.json + model.safetensors)")
+    src.add_argument("--models", nargs="+", metavar="DIR", help="model folders: ours (config.json + model.safetensors) or flash-linear-attention checkpoints")
     src.add_argument("--traces", nargs="+", metavar="DIR", help="saved DepthTrace directories (DepthTrace.save)")
     src.add_argument(
         "--demo",

@@ -184,3 +184,17 @@ def test_a_missing_tokenizer_or_weights_file_is_named(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(PretrainedError, match="has no model.safetensors"):
         load_pretrained(tmp_path, tokenizer=False)
+
+
+def test_loading_an_fla_folder_prints_no_transformers_notice(tmp_path):
+    """In a process that has not imported fla (a CLI run), transformers does not know the model
+    type 'transformer' and prints a registry notice ("a model of type `transformer` to
+    instantiate a model of type ``") about its own classes, not this load: none must show."""
+    import subprocess
+    import sys
+
+    _saved(tmp_path, 2)
+    code = f"from attnres_probe.pretrained import load_pretrained; load_pretrained({str(tmp_path)!r})"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "instantiate a model of type" not in done.stdout + done.stderr
