@@ -102,8 +102,10 @@ class ModelConfig:
 
     @property
     def n_sources(self) -> int:
-        """Columns of the common source axis: N+1 for block, L+1 otherwise."""
-        return self.n_blocks + 1 if self.residual == "block" else self.n_sublayers + 1
+        """Columns of the common source axis: N+1 for block, L+1 otherwise (the source axis answers)."""
+        from attnres_probe.axis import SourceAxis
+
+        return SourceAxis.from_config(self).n_sources
 
     # -- validation ----------------------------------------------------------------------
     def validate(self) -> None:

@@ -214,27 +214,12 @@ class Probe:
         """Split texts into n_ctx-token windows and yield right-padded batches (tokens, mask, str_tokens)."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}")
-        if isinstance(texts, (str, torch.Tensor)):
-            texts = [texts]  # one text (or one tensor of ids), not a sequence of characters
-        n_ctx = self.spec.n_ctx
         pending: list[torch.Tensor] = []
-        for index, text in enumerate(texts):
-            if isinstance(text, str):
-                if not text:
-                    continue  # an empty document contributes no tokens
-                if self.tokenizer is None:
-                    raise ValueError("this probe has no tokenizer: pass token ids, or Probe(model, tokenizer=...)")
-                ids = self.encode(text)
-            else:
-                ids = _token_ids(text, index)
-            ids = ids if ids.dim() == 2 else ids.reshape(1, -1)
-            for row in ids:
-                for start in range(0, row.shape[0], n_ctx):
-                    chunk, _ = self.tokenize(row[start : start + n_ctx])  # validates ids
-                    pending.append(chunk[0])
-                    if len(pending) == batch_size:
-                        yield self._pad(pending)
-                        pending = []
+        for _, _, chunk in self._corpus_windows(texts):
+            pending.append(chunk)
+            if len(pending) == batch_size:
+                yield self._pad(pending)
+                pending = []
         if pending:
             yield self._pad(pending)
 
