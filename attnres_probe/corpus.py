@@ -24,7 +24,10 @@ import argparse
 import codecs
 import hashlib
 import json
+import os
 import re
+import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -48,6 +51,7 @@ __all__ = [
 ]
 
 CORPUS_FILE = "corpus.json"
+RANKS_DIR = ".ranks"  # under torchrun: each rank's progress, until the merged result is written
 COMPARISON_FILE = "comparison.csv"
 CORPUS_SCHEMA_VERSION = 1
 DEMO_SOURCE = "demo:"
@@ -257,6 +261,7 @@ def record_corpus(
     progress: bool = True,
     n_resamples: int = 1000,
     seed: int = 0,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Record ``data`` through every model into ``out`` (resuming a run already there); return the manifest.
 
@@ -270,85 +275,140 @@ def record_corpus(
     from attnres_probe.probe import Probe
     from attnres_probe.stats import CorpusStats
 
+    from attnres_probe.distributed import current_ranks
+
+    ranks = current_ranks()
+    main = ranks is None or ranks.is_main
+    together = ranks.agree if ranks is not None else (lambda fn: fn())  # a step that fails on one rank fails on all
+
+    def setup() -> tuple[list[Document], dict[str, Any]]:
+        if out.exists() and not out.is_dir():
+            raise CorpusRunError(f"--out {out} is a file; the corpus run is written into a folder")
+        docs = list_documents(data)
+        if sum(d.size for d in docs) == 0:
+            raise CorpusDataError(f"--data {data}: every document is empty; the corpus has no tokens")
+        specs = _model_specs(models, demo, names)
+        for s in specs:  # load each model once to fingerprint it; runs below reload one at a time
+            model, _ = load_model(s["source"])
+            s["weights_sha256"] = model_digest(model)
+            s["dir"] = f"models/{_safe(s['name'])}"
+            del model
+        settings = {"batch_size": batch_size, "backward": bool(backward), "window_grads": True, "min_tokens": 2}
+        manifest = {
+            "schema_version": CORPUS_SCHEMA_VERSION,
+            "attnres_probe": __version__,
+            "data": _data_manifest(data, docs),
+            "settings": settings,
+            "models": [{**s, "complete": False, "progress": None, "windows": 0, "tokens": 0} for s in specs],
+            "complete": False,
+        }
+        old = _read_manifest(out) if out.is_dir() else None
+        if out.is_dir() and old is None and any(p for p in out.iterdir() if not p.name.startswith(".")):
+            raise CorpusRunError(f"--out {out} is not empty and holds no corpus run; choose a new or empty folder")
+        if resume and old is None:
+            raise CorpusRunError(f"--resume: {out} holds no corpus run to continue; leave out --resume to start one")
+        if old is not None:
+            _check_resume(old, manifest, out)
+            manifest["models"] = old["models"]
+        return docs, manifest
+
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise CorpusRunError(f"--out {out} is a file; the corpus run is written into a folder")
-    docs = list_documents(data)
-    if sum(d.size for d in docs) == 0:
-        raise CorpusDataError(f"--data {data}: every document is empty; the corpus has no tokens")
-    specs = _model_specs(models, demo, names)
-    for s in specs:  # load each model once to fingerprint it; runs below reload one at a time
-        model, _ = load_model(s["source"])
-        s["weights_sha256"] = model_digest(model)
-        s["dir"] = f"models/{_safe(s['name'])}"
-        del model
-    settings = {"batch_size": batch_size, "backward": bool(backward), "window_grads": True, "min_tokens": 2}
-    manifest = {
-        "schema_version": CORPUS_SCHEMA_VERSION,
-        "attnres_probe": __version__,
-        "data": _data_manifest(data, docs),
-        "settings": settings,
-        "models": [{**s, "complete": False, "progress": None, "windows": 0, "tokens": 0} for s in specs],
-        "complete": False,
-    }
-    old = _read_manifest(out) if out.is_dir() else None
-    if out.is_dir() and old is None and any(p for p in out.iterdir() if not p.name.startswith(".")):
-        raise CorpusRunError(f"--out {out} is not empty and holds no corpus run; choose a new or empty folder")
-    if old is not None:
-        _check_resume(old, manifest, out)
-        manifest["models"] = old["models"]
-    out.mkdir(parents=True, exist_ok=True)
-    _write_manifest(out, manifest)
-    byte_tokens = None
+    docs, manifest = together(setup)
+
+    def start() -> None:
+        if main:
+            out.mkdir(parents=True, exist_ok=True)
+            _write_manifest(out, manifest)
+
+    together(start)
     for entry in manifest["models"]:
         if entry["complete"]:
-            print(f"{entry['name']}: already recorded ({entry['windows']} windows)", file=sys.stderr)
+            if main:
+                print(f"{entry['name']}: already recorded ({entry['windows']} windows)", file=sys.stderr)
             continue
         model, tokenizer = load_model(entry["source"])
         probe = Probe(model, tokenizer=tokenizer, name=entry["name"])
         byte_tokens = tokenizer is None and probe.spec.d_vocab == 256
-        stats_dir = out / entry["dir"]
-        # the stats folder is saved as a whole, so its own progress (not the manifest's) says what it holds
-        stats = CorpusStats.load(stats_dir) if (stats_dir / "stats.json").is_file() or stats_dir.with_name(f".{stats_dir.name}.old").is_dir() else None
-        resume = None
-        if stats is not None:
-            stats.check_same_model({**probe.spec.meta, "weights_sha256": entry["weights_sha256"]}, what=f"resume {entry['name']!r}")
-            resume = tuple(stats.meta["progress"]) if stats.meta.get("progress") else None
-            if resume is None:
-                stats = None
+        # where this process keeps its progress: the model's stats folder, or under torchrun its rank's own
+        stats_dir = out / entry["dir"] if ranks is None else out / RANKS_DIR / f"of{ranks.world}" / f"rank{ranks.rank}" / entry["dir"]
+        stats, resume_after = together(lambda: _partial_stats(stats_dir, probe, entry))
         from tqdm.auto import tqdm
 
         total = manifest["data"]["bytes"] if byte_tokens else None
-        bar = tqdm(total=total, desc=f"corpus {entry['name']}", unit="tok", unit_scale=True, disable=not progress,
-                   initial=stats.n_tokens if stats is not None else 0, file=sys.stderr)
-        last = {"saved": time.monotonic(), "tokens": stats.n_tokens if stats is not None else 0}
+        bar = tqdm(total=total, desc=f"corpus {entry['name']}", unit="tok", unit_scale=True, disable=not (progress and main),
+                   initial=stats.n_tokens if stats is not None and ranks is None else 0, file=sys.stderr)
+        last = {"saved": time.monotonic(), "tokens": bar.n}
 
-        def on_batch(st, key, entry=entry, stats_dir=stats_dir, bar=bar, last=last):
-            bar.update(st.n_tokens - last["tokens"])
-            last["tokens"] = st.n_tokens
+        def on_progress(tokens, bar=bar, last=last):
+            bar.update(tokens - last["tokens"])
+            last["tokens"] = tokens
+
+        def on_batch(st, key, entry=entry, stats_dir=stats_dir, last=last):
             if time.monotonic() - last["saved"] >= save_every:
-                _save_progress(out, manifest, entry, st, stats_dir, key)
+                if ranks is None:
+                    _save_progress(out, manifest, entry, st, stats_dir, key)
+                else:
+                    _save_rank_progress(entry, st, stats_dir, key)
                 last["saved"] = time.monotonic()
 
-        start_doc = resume[0] if resume is not None else 0
-        texts = ("" if i < start_doc else read_document(d) for i, d in enumerate(docs))
+        start_doc = resume_after[0] if resume_after is not None else 0
+        texts = ("" if i < start_doc or (ranks is not None and not ranks.mine(i)) else read_document(d) for i, d in enumerate(docs))
         stats = probe.run_corpus(
             texts, batch_size=batch_size, backward=backward, progress=False, stats=stats,
-            resume_after=resume, on_batch=on_batch,
+            resume_after=resume_after, on_batch=on_batch, on_progress=on_progress,
         )
-        stats.meta["weights_sha256"] = entry["weights_sha256"]
-        stats.meta["source"] = entry["source"]
         bar.close()
         entry["complete"] = True
-        _save_progress(out, manifest, entry, stats, stats_dir, entry["progress"])
+
+        def finish(entry=entry, stats=stats) -> None:
+            if main:
+                _save_progress(out, manifest, entry, stats, out / entry["dir"], None)
+
+        together(finish)
         del model, probe, tokenizer
-    loaded = {m["name"]: CorpusStats.load(out / m["dir"]) for m in manifest["models"]}
-    frame = metrics.compare(*loaded.values(), names=list(loaded), n_resamples=n_resamples, seed=seed)
-    atomic_write(out / COMPARISON_FILE, lambda p: frame.to_csv(p, index=False))
+
+    def conclude() -> None:
+        if main:
+            loaded = {m["name"]: CorpusStats.load(out / m["dir"]) for m in manifest["models"]}
+            frame = metrics.compare(*loaded.values(), names=list(loaded), n_resamples=n_resamples, seed=seed)
+            atomic_write(out / COMPARISON_FILE, lambda p: frame.to_csv(p, index=False))
+            manifest["complete"] = True
+            manifest["comparison"] = {"n_resamples": n_resamples, "seed": seed, "file": COMPARISON_FILE}
+            _write_manifest(out, manifest)
+
+    together(conclude)
+    if ranks is not None:  # the result is written: each rank's progress is no longer needed
+        shutil.rmtree(out / RANKS_DIR / f"of{ranks.world}" / f"rank{ranks.rank}", ignore_errors=True)
+        together(lambda: None)
+        if main:
+            for folder in (out / RANKS_DIR / f"of{ranks.world}", out / RANKS_DIR):
+                try:
+                    folder.rmdir()  # only when empty (other machines' ranks keep theirs elsewhere)
+                except OSError:
+                    pass
     manifest["complete"] = True
-    manifest["comparison"] = {"n_resamples": n_resamples, "seed": seed, "file": COMPARISON_FILE}
-    _write_manifest(out, manifest)
     return manifest
+
+
+def _partial_stats(stats_dir: Path, probe, entry: dict[str, Any]):
+    """(stats, key of the last recorded window) saved in ``stats_dir`` by an interrupted run, or (None, None)."""
+    from attnres_probe.stats import CorpusStats
+
+    # the stats folder is saved as a whole, so its own progress (not the manifest's) says what it holds
+    if not ((stats_dir / "stats.json").is_file() or stats_dir.with_name(f".{stats_dir.name}.old").is_dir()):
+        return None, None
+    stats = CorpusStats.load(stats_dir)
+    stats.check_same_model({**probe.spec.meta, "weights_sha256": entry["weights_sha256"]}, what=f"resume {entry['name']!r}")
+    key = tuple(stats.meta["progress"]) if stats.meta.get("progress") else None
+    return (stats, key) if key is not None else (None, None)
+
+
+def _save_rank_progress(entry: dict, stats, stats_dir: Path, key) -> None:
+    """Save one rank's stats of its shard (under torchrun), with the key of its last window."""
+    stats.meta["weights_sha256"] = entry["weights_sha256"]
+    stats.meta["source"] = entry["source"]
+    stats.meta["progress"] = list(key) if key is not None else None
+    stats.save(stats_dir)
 
 
 def _save_progress(out: Path, manifest: dict, entry: dict, stats, stats_dir: Path, key) -> None:
@@ -436,8 +496,18 @@ def add_corpus_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples of comparison.csv (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out (running the same command again does too; this flag also refuses to start a new one)")
     p.set_defaults(func=_run_corpus)
     return p
+
+
+def _stopped_by_torchrun(rank: int) -> None:
+    """torchrun stops the other ranks when one fails: say so once (rank 0), then exit as SIGTERM would."""
+    if rank == 0:
+        print("attnres-probe corpus: error: stopped by torchrun because another rank stopped (its report below names "
+              "the rank and the cause); no result was written (rerun with --resume to continue)", file=sys.stderr, flush=True)
+    os._exit(143)
 
 
 def _run_corpus(args: argparse.Namespace) -> int:
@@ -445,12 +515,29 @@ def _run_corpus(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-size is {args.batch_size}; need at least 1")
     if args.resamples < 1:
         raise ValueError(f"--resamples is {args.resamples}; need at least 1")
+    from attnres_probe.distributed import DistributedRunError, in_torchrun
+
     t0 = time.perf_counter()
-    manifest = record_corpus(
-        args.data, args.out, models=args.models, demo=args.demo, names=args.names, batch_size=args.batch_size,
-        backward=not args.no_backward, save_every=args.save_every, progress=not args.no_progress,
-        n_resamples=args.resamples, seed=args.seed,
-    )
+    rank = int(os.environ.get("RANK", "0")) if in_torchrun() else 0
+    if in_torchrun():
+        signal.signal(signal.SIGTERM, lambda *_: _stopped_by_torchrun(rank))
+    try:
+        manifest = record_corpus(
+            args.data, args.out, models=args.models, demo=args.demo, names=args.names, batch_size=args.batch_size,
+            backward=not args.no_backward, save_every=args.save_every, progress=not args.no_progress,
+            n_resamples=args.resamples, seed=args.seed, resume=args.resume,
+        )
+    except DistributedRunError as exc:  # every rank raises it; rank 0 says it, once
+        if rank == 0:
+            print(f"attnres-probe corpus: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    if rank != 0:
+        return 0
     plural = lambda n, word: f"{n} {word}{'' if n == 1 else 's'}"  # noqa: E731
     for m in manifest["models"]:
         skipped = f", {plural(m['skipped'], 'window')} under two tokens left out" if m.get("skipped") else ""

@@ -247,6 +247,7 @@ class Probe:
         first_doc: int = 0,
         resume_after: tuple[int, int] | None = None,
         on_batch: Any = None,
+        on_progress: Any = None,
     ):
         """Stream many texts through the model, keeping running aggregates in bounded memory.
 
@@ -273,7 +274,15 @@ class Probe:
             resume_after: (document, offset) of the last window already recorded: windows up
                 to and including it are skipped (a resumed run).
             on_batch: called as ``on_batch(stats, (doc, offset))`` after every recorded batch,
-                with the key of its last window (for saving progress).
+                with the key of its last window (for saving progress). Under ``torchrun`` the
+                stats are this rank's.
+            on_progress: called with the number of tokens recorded so far after every batch
+                (under ``torchrun``: by all ranks together).
+
+        Under ``torchrun`` (or in a process group the caller initialised) each rank records
+        its shard of the texts (text ``i`` belongs to rank ``i % world``), the ranks advance in
+        lock step, and every rank returns the merged stats of all texts
+        (:mod:`attnres_probe.distributed`). ``stats`` and ``resume_after`` are then this rank's.
 
         Returns:
             :class:`~attnres_probe.stats.CorpusStats` (and the list of traces with ``keep_traces``).
@@ -281,9 +290,11 @@ class Probe:
         Raises:
             ValueError: the corpus has no window of at least ``min_tokens`` tokens; ``stats``
                 from another model.
+            DistributedRunError: under ``torchrun``, a rank failed or stopped (on every rank).
         """
         from tqdm.auto import tqdm
 
+        from attnres_probe.distributed import DistributedRunError, current_ranks, merge_all
         from attnres_probe.stats import CorpusStats
 
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
@@ -297,7 +308,12 @@ class Probe:
         per_window = backward and window_grads
         need = max(min_tokens, 2) if backward else min_tokens
         traces = []
-        bar = tqdm(desc=f"recording {self.name}", unit="window", disable=not progress)
+        ranks = current_ranks()
+        if ranks is not None:
+            if isinstance(texts, (str, torch.Tensor)):
+                texts = [texts]
+            texts = ranks.shard(texts, empty="")
+        bar = tqdm(desc=f"recording {self.name}", unit="window", disable=not progress or (ranks is not None and not ranks.is_main))
 
         def flush(rows: list[tuple[int, int, torch.Tensor]]) -> None:
             groups = [[r] for r in rows] if per_window else [rows]
@@ -307,25 +323,42 @@ class Probe:
                 stats.update(trace, docs=[r[0] for r in group], starts=[r[1] for r in group])
                 if keep_traces:
                     traces.append(trace)
-            bar.update(len(rows))
-            bar.set_postfix(tokens=stats.n_tokens)
             if on_batch is not None:
                 on_batch(stats, (rows[-1][0], rows[-1][1]))
+            total = stats.n_tokens if ranks is None else ranks.tick(stats.n_tokens, done=False)[0]
+            bar.update(len(rows))
+            bar.set_postfix(tokens=total)
+            if on_progress is not None:
+                on_progress(total)
 
-        pending: list[tuple[int, int, torch.Tensor]] = []
-        for doc, start, ids in self._corpus_windows(texts, first_doc):
-            if resume_after is not None and (doc, start) <= tuple(resume_after):
-                continue
-            if ids.shape[0] < need:
-                stats.n_skipped += 1
-                continue
-            pending.append((doc, start, ids))
-            if len(pending) == batch_size:
+        try:
+            pending: list[tuple[int, int, torch.Tensor]] = []
+            for doc, start, ids in self._corpus_windows(texts, first_doc):
+                if resume_after is not None and (doc, start) <= tuple(resume_after):
+                    continue
+                if ids.shape[0] < need:
+                    stats.n_skipped += 1
+                    continue
+                pending.append((doc, start, ids))
+                if len(pending) == batch_size:
+                    flush(pending)
+                    pending = []
+            if pending:
                 flush(pending)
-                pending = []
-        if pending:
-            flush(pending)
+        except Exception as exc:
+            if ranks is None or isinstance(exc, DistributedRunError):
+                raise
+            ranks.fail(exc)  # every rank raises one error naming this rank and the cause
         bar.close()
+        if ranks is not None:
+            while True:  # answer the others' ticks until every rank has finished its shard
+                total, done = ranks.tick(stats.n_tokens, done=True)
+                if on_progress is not None:
+                    on_progress(total)
+                if done == ranks.world:
+                    break
+            parts = [CorpusStats.from_bytes(b) for b in ranks.all_gather_bytes(stats.to_bytes())]
+            stats = merge_all(parts, stats.meta)
         if stats.n_windows == 0:
             if stats.n_skipped:
                 raise ValueError(

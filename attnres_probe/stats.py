@@ -19,10 +19,12 @@ run over the same documents.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import shutil
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -403,6 +405,28 @@ class CorpusStats:
                 raise StatsError(f"the window table lacks columns {missing}")
             out.windows = {c: table[c].tolist() for c in (*KEY_COLUMNS, *WINDOW_METRICS)}
         return out
+
+    def to_bytes(self) -> bytes:
+        """Everything as bytes, without pickle: the JSON document, the ``.npz`` arrays and the
+        Parquet window table, each prefixed by its length (what ranks of a distributed run exchange)."""
+        doc, arrays = self.state()
+        npz, table = io.BytesIO(), io.BytesIO()
+        np.savez(npz, **arrays)
+        self.window_table().to_parquet(table, index=False)
+        parts = [json.dumps(doc, default=_json_default, allow_nan=True).encode(), npz.getvalue(), table.getvalue()]
+        return b"".join(struct.pack("<Q", len(p)) + p for p in parts)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> CorpusStats:
+        """The stats of :meth:`to_bytes` (arrays read with ``allow_pickle=False``)."""
+        parts, at = [], 0
+        for _ in range(3):
+            (n,) = struct.unpack("<Q", data[at : at + 8])
+            parts.append(data[at + 8 : at + 8 + n])
+            at += 8 + n
+        with np.load(io.BytesIO(parts[1]), allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+        return cls.from_state(json.loads(parts[0]), arrays, pd.read_parquet(io.BytesIO(parts[2])))
 
     def save(self, directory: str | Path) -> Path:
         """Write the stats into ``directory`` (created or replaced as a whole): stats.json, arrays.npz, windows.parquet.

@@ -12,8 +12,15 @@
 2. The bootstrap: ``metrics.compare``'s engine on three models x 1,000 windows x every
    headline metric, 1,000 resamples (and the bare resampling of one metric pair). Target <= 2 s.
 
+3. With ``--procs 1 2``: ``Probe.run_corpus`` under torchrun (gloo), each process on one torch
+   thread, over the same documents (``--docs``, one window each at the model's context): tokens/s
+   with each process count, timed inside the processes from a barrier to the merged result
+   (start-up left out), repeated and interleaved (median). Target: >= 1.7x with 2 processes on
+   a 2-core machine.
+
     python benchmarks/corpus.py              # d=256, 12 layers, n_ctx 256, 16 windows
     python benchmarks/corpus.py --quick      # tiny model, for a smoke run
+    python benchmarks/corpus.py --procs 1 2 --size demo --docs 64
 """
 
 from __future__ import annotations
@@ -109,6 +116,53 @@ def bootstrap_timings(n_windows: int, n_resamples: int, reps: int) -> dict[str, 
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def procs_worker(size: str, residual: str, n_docs: int) -> None:
+    """One process of the --procs timing (started by torchrun, or alone for 1 process)."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from attnres_probe.distributed import current_ranks
+
+    torch.set_num_threads(1)
+    model = build(size, residual)
+    g = torch.Generator().manual_seed(2)
+    docs = [t for t in torch.randint(0, 256, (n_docs, SIZES[size]["n_ctx"]), generator=g)]
+    probe = Probe(model)
+    ranks = current_ranks()
+    probe.run_corpus(docs[: max(2, ranks.world if ranks else 1)], backward=True, progress=False)  # warm-up
+    if ranks is not None:
+        dist.barrier()
+    t = time.perf_counter()
+    stats = probe.run_corpus(docs, backward=True, progress=False)
+    seconds = time.perf_counter() - t
+    if ranks is None or ranks.is_main:
+        print(json.dumps({"tokens": stats.n_tokens, "seconds": seconds, "procs": ranks.world if ranks else 1}), flush=True)
+    if ranks is not None:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def procs_timings(procs: list[int], size: str, residual: str, n_docs: int, reps: int) -> dict[int, float]:
+    """tokens/s of run_corpus with each process count: median of ``reps`` interleaved runs."""
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    worker = [__file__, "--worker", "--size", size, "--residuals", residual, "--docs", str(n_docs)]
+    rates: dict[int, list[float]] = {p: [] for p in procs}
+    for _ in range(reps):
+        for p in procs:
+            cmd = [sys.executable, *worker] if p == 1 else [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={p}", *worker]
+            run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            line = json.loads([x for x in run.stdout.splitlines() if x.startswith("{")][-1])
+            rates[p].append(line["tokens"] / line["seconds"])
+    return {p: statistics.median(v) for p, v in rates.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="large", choices=list(SIZES))
@@ -119,7 +173,25 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 4 windows, 2 reps")
     ap.add_argument("--bootstrap-only", action="store_true", help="only the bootstrap timing")
+    ap.add_argument("--procs", nargs="+", type=int, help="time run_corpus with these numbers of gloo processes instead")
+    ap.add_argument("--docs", type=int, default=64, help="documents (one window each) of the --procs timing")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker:
+        procs_worker(args.size, args.residuals[0], args.docs)
+    if args.procs:
+        residual = args.residuals[0] if args.residuals != ["prenorm", "full", "block"] else "block"
+        s = SIZES[args.size]
+        print(f"run_corpus under torchrun (gloo), 1 torch thread per process, {residual} d={s['d_model']}, "
+              f"{s['n_layers']} layers, {args.docs} windows x {s['n_ctx']} tokens, backward per window; "
+              f"median of {args.reps} interleaved runs\n")
+        rates = procs_timings(args.procs, args.size, residual, args.docs, args.reps)
+        base = rates.get(1)
+        for p, r in rates.items():
+            speed = f"{r / base:.2f}x" if base else ""
+            verdict = ("ok" if r / base >= 1.7 else "MISSES TARGET (>= 1.7x)") if base and p == 2 else ""
+            print(f"{p} process{'es' if p > 1 else '  '}  {r:9.0f} tokens/s  {speed:>6s}  {verdict}")
+        return 0
     if args.quick:
         args.size, args.windows, args.reps = "quick", 4, 2
     if args.threads:
