@@ -111,14 +111,16 @@ def _run_demo(args: argparse.Namespace) -> int:
             print(f"\n== {t.name}")
             with pd.option_context("display.width", 120, "display.float_format", "{:.4g}".format):
                 print(layer_summary(t).to_string())
-        from attnres_probe.analysis.display import table_rows
+        from attnres_probe.analysis.display import BASIS_NOTE, table_rows
 
         t = table_rows(metrics.compare(*traces))
         n = len(t["models"])
-        table = pd.DataFrame([[*r["cells"], *r["verdicts"]] for r in t["rows"]], index=[r["metric"] for r in t["rows"]],
+        table = pd.DataFrame([[*r["cells"], *(f"{v} ({c})" if c else v for v, c in zip(r["verdicts"], r["caveats"]))]
+                              for r in t["rows"]], index=[r["metric"] for r in t["rows"]],
                              columns=[*t["columns"], *[f"verdict: {c}" for c in t["comparisons"]]])
-        with pd.option_context("display.width", 200, "display.max_columns", 2 * n + 2, "display.max_colwidth", 40):
+        with pd.option_context("display.width", 200, "display.max_columns", 2 * n + 2, "display.max_colwidth", 60):
             print("\n== metrics (one text = one window: no intervals, every verdict inconclusive)\n" + table.to_string())
+        print("\n" + BASIS_NOTE)
         return 0
     from attnres_probe.dashboards.cli import run_demo
 

@@ -327,6 +327,8 @@ def record_corpus(
                 print(f"{entry['name']}: already recorded ({entry['windows']} windows)", file=sys.stderr)
             continue
         model, tokenizer = load_model(entry["source"])
+        if ranks is not None and ranks.device.type == "cuda":  # NCCL: each rank records on its own GPU
+            model = model.to(ranks.device)
         probe = Probe(model, tokenizer=tokenizer, name=entry["name"])
         byte_tokens = tokenizer is None and probe.spec.d_vocab == 256
         # where this process keeps its progress: the model's stats folder, or under torchrun its rank's own

@@ -46,6 +46,7 @@ __all__ = [
     "corpus_heatmap",
     "corpus_side_by_side",
     "difference_heatmap",
+    "difference_side_by_side",
     "gradient_bands",
     "gradient_norms",
     "logit_contributions_chart",
@@ -322,7 +323,8 @@ def source_heatmap(
         Figure with one Heatmap: ``z`` [R, n_tokens] (NaN where the source is unavailable),
         ``customdata`` [R, n_tokens, 3] = (weight, logit, contrib), ``text`` = token strings.
         ``compact`` (default: above :data:`COMPACT_TOKENS` tokens) keeps only ``z``, as float32,
-        so a long trace's page stays light; the hover then names the position and the value.
+        so a long trace's page stays light: the tokens then go once per column, as the x axis's
+        categories ("12 'a'": position and token, which the hover shows), not once per cell.
     """
     _check_kind(kind)
     if not 0 <= batch < trace.tokens.shape[0]:
@@ -334,11 +336,14 @@ def source_heatmap(
     z = _blank_prenorm(trace, kind, cells[kind])
     toks = list(trace.str_tokens[batch][:n]) + [""] * max(0, n - len(trace.str_tokens[batch]))
     compact = n > COMPACT_TOKENS if compact is None else compact
+    categories = None
     if compact:
         # a long trace: only the coloured value, as float32 (sent base64-packed); no per-cell
-        # token text or (weight, logit, share) triple, which would be 4-6 times the data
+        # token text or (weight, logit, share) triple, which would be 4-6 times the data. The
+        # token text goes once per column, as the category of x ("12 'a'"), which the hover names.
+        categories = [f"{i} {t!r}" for i, t in enumerate(toks)]
         heat = go.Heatmap(
-            z=z.astype(np.float32), x=np.arange(n, dtype=np.int32), y=trace.read_labels,
+            z=z.astype(np.float32), x=categories, y=trace.read_labels,
             hovertemplate=f"token %{{x}}<br>read %{{y}}<br>{KIND_TITLES[kind]} %{{z:.4~g}}<extra></extra>",
         )
     else:
@@ -352,6 +357,8 @@ def source_heatmap(
     label = trace.source_labels[s]
     parts = [trace.name, f"source {label} at every token (sequence {batch})", KIND_TITLES[kind]]
     tickvals, ticktext = token_ticks(toks, plot_px)
+    if categories is not None:
+        tickvals = [categories[v] for v in tickvals]
     fig.update_layout(
         title={"text": _title(parts)},
         meta={"title_parts": parts, "tokens": [str(t) for t in toks]},
@@ -368,6 +375,7 @@ def source_heatmap(
             "tickangle": 0,
             "range": [-0.5, n - 0.5],  # the whole text, even on a blank (PreNorm weights) panel
             "showgrid": False,
+            **({"type": "category"} if categories is not None else {}),
         },
         yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
     )
@@ -446,8 +454,10 @@ def side_by_side(
         toks = (f.layout.meta or {}).get("tokens")
         if toks is not None:  # a token axis: thin its ticks for a panel 1/n as wide
             vals, text = token_ticks(toks, max(120, 900 // n))
+            if xa.type == "category":  # a compact source heatmap: ticks at its categories
+                vals = [f.data[0].x[v] for v in vals]
             out.update_xaxes(row=1, col=i + 1, tickmode="array", tickvals=vals, ticktext=text, tickangle=0, showgrid=False,
-                             range=xa.range)
+                             range=xa.range, **({"type": "category"} if xa.type == "category" else {}))
         else:
             out.update_xaxes(row=1, col=i + 1, tickmode=xa.tickmode, tickvals=xa.tickvals, ticktext=xa.ticktext, tickangle=xa.tickangle, showgrid=False)
     out.update_yaxes(autorange="reversed", showgrid=False)
@@ -511,6 +521,35 @@ def difference_heatmap(
         xaxis={"title": {"text": "source (sublayer)"}, "showgrid": False, "tickangle": -45 if len(labels) > 8 else 0},
         yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
     )
+    return fig
+
+
+def difference_side_by_side(
+    traces: Sequence[DepthTrace], baseline: DepthTrace, kind: str = "contrib", names: Sequence[str] | None = None
+) -> go.Figure:
+    """:func:`difference_heatmap` of every trace against ``baseline`` (means over tokens), in a row on
+    one colour range symmetric around zero.
+
+    Args:
+        traces: the AttnRes traces, of the baseline's depth (the same reads).
+        baseline: what is subtracted (the PreNorm trace).
+        names: panel labels (default each trace's name); the baseline's label is its ``name``.
+
+    Returns:
+        Figure with one Heatmap per trace, ``z`` = trace − baseline on the sublayer axis.
+    """
+    traces = list(traces)
+    if not traces:
+        raise ValueError("difference_side_by_side() needs at least one trace besides the baseline")
+    names = list(names) if names is not None else [t.name for t in traces]
+    labels = {id(t): f"{n} − {baseline.name}" for t, n in zip(traces, names)}
+    fig = side_by_side(traces, lambda t, kind: difference_heatmap(t, baseline, kind=kind), names=list(labels.values()), kind=kind)
+    top = max((abs(float(t.zmax)) for t in fig.data if t.zmax is not None), default=1.0)
+    fig.update_traces(zmin=-top, zmax=top, zmid=0.0)
+    for ann, label in zip(fig.layout.annotations, labels.values()):  # the panel titles: what minus what, once
+        ann.text = html.escape(label)
+    fig.update_layout(title={"text": f"each model minus {html.escape(baseline.name)}: difference in {KIND_TITLES[kind]} "
+                                     "(mean over tokens)"}, margin={"t": 90})
     return fig
 
 
@@ -764,7 +803,16 @@ def corpus_side_by_side(stats: Sequence, kind: str = "weights", names: Sequence[
     return fig
 
 
-BAND_NOTE = "lines: mean over windows; bands: 95% interval of that mean"
+BAND_NOTE = ("lines: mean over {windows}; bands: 95% interval of that mean, computed on the log scale "
+             "(mean ×/÷ exp(1.96·se/mean)), so it stays above zero")
+
+
+def _windows_words(counts: Sequence[int]) -> str:
+    """"N windows" when every model has N, else "windows (N₁–N₂ per model)"."""
+    counts = sorted({int(c) for c in counts})
+    if not counts:
+        return "windows"
+    return f"{counts[0]} windows" if len(counts) == 1 else f"windows ({counts[0]}–{counts[-1]} per model)"
 
 
 def _hex_rgba(color: str, alpha: float) -> str:
@@ -773,7 +821,11 @@ def _hex_rgba(color: str, alpha: float) -> str:
 
 
 def _band_figure(stats: Sequence, names: Sequence[str] | None, panels: list[tuple[str, str, str]], title: str) -> go.Figure:
-    """Line + band per model on each panel; panels = [(profile name, subplot title, y label)]."""
+    """Line + band per model on each panel; panels = [(profile name, subplot title, y label)].
+
+    Bands are :meth:`CorpusStats.profile`'s intervals (the log-scale interval of the mean over
+    windows, positive by construction); the title says so, with the number of windows, and
+    each point's hover repeats it."""
     stats = list(stats)
     if not stats:
         raise ValueError("pass at least one CorpusStats")
@@ -781,6 +833,7 @@ def _band_figure(stats: Sequence, names: Sequence[str] | None, panels: list[tupl
     colors = model_colors(names)
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[p[1] for p in panels])
     notes = list(fig.layout.annotations)
+    counts = []
     for col, (prof_name, _, ylabel) in enumerate(panels, start=1):
         missing = 0
         for s, name in zip(stats, names):
@@ -792,31 +845,34 @@ def _band_figure(stats: Sequence, names: Sequence[str] | None, panels: list[tupl
                 continue
             x = list(prof.index)
             lo, hi = prof["low"].to_numpy(float), prof["high"].to_numpy(float)
+            counts += [int(c) for c in prof["windows"].to_numpy() if c > 0]
             fig.add_trace(go.Scatter(x=x + x[::-1], y=np.concatenate([hi, lo[::-1]]), fill="toself", mode="lines",
                                      line={"width": 0}, fillcolor=_hex_rgba(colors[name], 0.2), hoverinfo="skip",
                                      legendgroup=name, showlegend=False, name=f"{name} band"), row=1, col=col)
             fig.add_trace(go.Scatter(
                 x=x, y=prof["mean"].to_numpy(float), name=name, legendgroup=name, showlegend=col == 1, mode="lines+markers",
                 line={"color": colors[name]}, customdata=np.stack([lo, hi, prof["windows"].to_numpy(float)], axis=-1),
-                hovertemplate=f"{name}<br>%{{x}}<br>{ylabel} %{{y:.4~g}}<br>95% interval [%{{customdata[0]:.4~g}}, "
-                "%{customdata[1]:.4~g}]<br>windows %{customdata[2]:.0f}<extra></extra>",
+                hovertemplate=f"{html.escape(name)}<br>%{{x}}<br>{ylabel} %{{y:.4~g}} (mean over %{{customdata[2]:.0f}} windows)"
+                "<br>95% interval of the mean [%{customdata[0]:.4~g}, %{customdata[1]:.4~g}] (log scale)<extra></extra>",
             ), row=1, col=col)
     for col, (_, _, ylabel) in enumerate(panels, start=1):
         fig.update_yaxes(type="log", title_text=f"{ylabel} (log)", row=1, col=col)
-    fig.update_layout(title={"text": f"{title} ({BAND_NOTE})"}, annotations=notes, height=440)
+    note = BAND_NOTE.format(windows=_windows_words(counts))
+    fig.update_layout(title={"text": f"{title}<br><span style='font-size:12px'>{note}</span>"},
+                      meta={"band_note": note}, margin={"t": 110}, annotations=notes, height=460)
     return fig
 
 
 def magnitude_bands(stats: Sequence, names: Sequence[str] | None = None) -> go.Figure:
     """Magnitudes by depth over a corpus: RMS of mixed inputs by read and of written sources, each a
-    line (mean over windows of the window's mean) with a band (95% interval of that mean)."""
+    line (mean over windows of the window's mean) with a band (95% interval of that mean, on the log scale)."""
     return _band_figure(stats, names, [("rms_in", "RMS of mixed input h, by read", "rms(h)"),
                                        ("rms_out", "RMS of written source v", "rms(v)")], "Magnitudes by depth")
 
 
 def gradient_bands(stats: Sequence, names: Sequence[str] | None = None) -> go.Figure:
     """Gradient norms by depth over a corpus: ‖∂Loss/∂h‖ by read and parameter-gradient norm by
-    sublayer, each a line (mean over windows) with a band (95% interval of that mean)."""
+    sublayer, each a line (mean over windows) with a band (95% interval of that mean, on the log scale)."""
     return _band_figure(stats, names, [("grad_in", "‖∂Loss/∂h‖ at mixed inputs, by read", "‖∂L/∂h‖"),
                                        ("param_grad", "parameter-gradient norm per sublayer", "‖∂L/∂θ‖")], "Gradient norms by depth")
 

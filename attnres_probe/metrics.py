@@ -357,6 +357,13 @@ def compare(
     :func:`attnres_probe.analysis.verdicts.verdict` against the paper's direction. With one
     window there is no interval (the note says so) and every verdict is "inconclusive".
 
+    The bootstrap resamples documents (a cluster bootstrap; windows of one document together):
+    a corpus's windows carry their document, a trace's sequences are one document each, except a
+    text recorded in context-sized windows (``meta["windows"]``), which is one document. Under
+    ten documents the note says the intervals are rough. Locality and entropy read each model's
+    routing array (``kind="auto"``: weights for AttnRes, contribution shares for PreNorm); the
+    ``basis`` column names it, and a comparison of the two says so in its note.
+
     Args:
         *items: DepthTraces and/or CorpusStats, one per model.
         names: display names (default each item's name; duplicates get " (2)", ...).
@@ -367,8 +374,8 @@ def compare(
 
     Returns:
         The tidy frame of :func:`attnres_probe.analysis.compare.compare_windows`: columns
-        metric, model, baseline, comparison ("value" / "difference" / "ratio"), estimate, low,
-        high, pooled, windows, held, expected, verdict, note.
+        metric, model, baseline, comparison ("value" / "difference" / "ratio"), basis, estimate,
+        low, high, pooled, windows, documents, held, expected, verdict, note.
     """
     from attnres_probe.analysis.compare import Windows, compare_windows
     from attnres_probe.stats import CorpusStats

@@ -125,7 +125,8 @@ class Probe:
             text_or_tokens: a string, or token ids [pos] / [batch, pos].
             backward: also run a backward pass of the mean next-token loss and record
                 per-token gradient norms at every mixed input and per-sublayer parameter
-                gradient norms (the model's ``.grad`` fields are not touched).
+                gradient norms (the model's ``.grad`` fields are not touched). Default True:
+                one text is cheap, and its gradients are half of what a trace shows.
             truncate: keep the first n_ctx tokens of a longer input instead of raising.
             contributions: compute contribution shares (skip to save time).
 
@@ -260,7 +261,9 @@ class Probe:
         Args:
             texts: strings (or token-id sequences); a single string counts as one text.
             batch_size: windows per forward pass (without per-window gradients).
-            backward: also aggregate gradient norms.
+            backward: also aggregate gradient norms (one backward pass per window with
+                ``window_grads``). Default False: a corpus is large and a forward is enough for
+                routing; ``attnres-probe corpus`` turns it on (``--no-backward`` turns it off).
             contributions: aggregate contribution shares.
             progress: show a tqdm progress bar (windows).
             keep_traces: also return the per-batch traces (unbounded memory; for tests).

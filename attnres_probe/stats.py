@@ -253,9 +253,17 @@ class CorpusStats:
     def profile(self, name: str, level: float = 0.95) -> pd.DataFrame:
         """A depth profile over windows: the mean of the per-window means, its interval, the spread.
 
-        Columns ``mean``, ``low``, ``high`` (normal-approximation interval of the mean over
-        windows, mean ± z·sd/√n), ``sd`` (standard deviation across windows) and ``windows``;
-        indexed by read (rms_in, grad_in), source (rms_out) or sublayer (param_grad).
+        Columns ``mean``, ``low``, ``high``, ``sd`` (standard deviation across windows) and
+        ``windows``; indexed by read (rms_in, grad_in), source (rms_out) or sublayer (param_grad).
+
+        ``low``/``high`` is the ``level`` interval of the mean over windows, computed on the log
+        scale: mean ×/÷ exp(z·se/mean), se = sd/√windows (the delta method for log(mean)). The
+        profiles are norms and RMS values, positive by nature, drawn on log axes: this interval
+        stays above zero however wide it is, where mean ± z·se would cross zero for a spread-out
+        profile, and it is as wide on the log axis above the line as below. NaN where the mean is
+        not positive or fewer than two windows were recorded. Windows are taken as independent
+        here (the profiles are aggregated without document ids); :func:`attnres_probe.metrics.compare`
+        resamples by document.
         """
         from statistics import NormalDist
 
@@ -270,10 +278,12 @@ class CorpusStats:
         s = self.profiles.get(name) or RunningStats.zeros((len(labels),))
         z = NormalDist().inv_cdf((1 + level) / 2)
         sd = np.sqrt(s.sample_var)
-        half = z * sd / np.sqrt(np.maximum(s.count, 1))
         mean = s.mean_or_nan
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rel = np.where(mean > 0, z * sd / np.sqrt(np.maximum(s.count, 1)) / mean, np.nan)  # z·se/mean
+            factor = np.exp(rel)
         return pd.DataFrame(
-            {"mean": mean, "low": mean - half, "high": mean + half, "sd": sd, "windows": s.count},
+            {"mean": mean, "low": mean / factor, "high": mean * factor, "sd": sd, "windows": s.count},
             index=pd.Index(list(labels), name="read" if name != "rms_out" else "source"),
         )
 

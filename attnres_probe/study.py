@@ -34,7 +34,7 @@ import torch
 
 from attnres_probe import figures, metrics
 from attnres_probe.analysis import bootstrap
-from attnres_probe.analysis.display import LABELS, fmt_number, table_rows
+from attnres_probe.analysis.display import BASIS_NOTE, LABELS, documents_warning, fmt_number, table_rows
 from attnres_probe.analysis.verdicts import verdict
 from attnres_probe.analysis.windows import window_metrics
 from attnres_probe.demo import DEMO_NAMES, demo_log, demo_validation_batches, load_demo
@@ -394,14 +394,17 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         "## Every metric",
         "",
         "Each model's mean over windows [95% interval]; each AttnRes model against PreNorm on the same windows "
-        "[95% interval] with the verdict (`metrics.compare`).",
+        "[95% interval] with the verdict (`metrics.compare`; the bootstrap resamples documents, here each window "
+        "its own). " + BASIS_NOTE,
         "",
+        *([f"**{documents_warning(frame)}**", ""] if documents_warning(frame) else []),
         "| metric | " + " | ".join(t["columns"]) + " | " + " | ".join(f"verdict: {c}" for c in t["comparisons"]) + " |",
         "|---|" + "---|" * (len(t["columns"]) + len(t["comparisons"])),
     ]
     for r in t["rows"]:
+        verdicts = [f"{v} ({c})" if c else v for v, c in zip(r["verdicts"], r["caveats"])]
         lines.append(f"| {LABELS.get(r['metric'], r['metric'])} (`{r['metric']}`) | " + " | ".join(r["cells"])
-                     + " | " + " | ".join(r["verdicts"]) + " |")
+                     + " | " + " | ".join(verdicts) + " |")
     nums = results["numbers"]
     lines += [
         "",
@@ -417,7 +420,8 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         "",
         "## Figures",
         "",
-        "Magnitudes and gradients: lines are means over windows, bands their 95% intervals.",
+        "Magnitudes and gradients: lines are means over windows, bands the 95% intervals of those means, computed on "
+        "the log scale (mean ×/÷ exp(1.96·se/mean)), so they stay above zero on the log axes.",
         "",
     ]
     for name, file in figs.items():

@@ -23,7 +23,7 @@ import numpy as np
 from dash import ALL, ClientsideFunction, Input, Output, State, html, no_update
 
 from attnres_probe import figures, metrics
-from attnres_probe.analysis.display import HEADLINE, LABELS, headline, table_rows
+from attnres_probe.analysis.display import BASIS_NOTE, HEADLINE, LABELS, documents_warning, headline, table_rows
 from attnres_probe.dashboards import layout as ids
 from attnres_probe.dashboards.state import Explorer, PromptError, UnknownKeyError
 
@@ -31,6 +31,7 @@ __all__ = [
     "CARD_GROUPS",
     "ablation_reads",
     "ablation_view",
+    "comparison_notes",
     "headline_cards",
     "mean_views",
     "metric_table",
@@ -345,7 +346,20 @@ def metric_cards(ex: Explorer, key: Any) -> list:
     except UnknownKeyError as exc:
         return [html.P(str(exc), className="status error")]
     frame = metrics.compare(*result.traces.values(), names=list(result.traces))
-    return headline_cards(frame, ex.colors)
+    return [*comparison_notes(frame), *headline_cards(frame, ex.colors)]
+
+
+def comparison_notes(frame) -> list:
+    """What a page says once above the comparisons of a :func:`metrics.compare` frame: too few
+    documents for firm intervals, and that locality and entropy set AttnRes's routing weights against
+    PreNorm's contribution shares (when a comparison does)."""
+    out = []
+    warning = documents_warning(frame)
+    if warning:
+        out.append(html.P(warning, className="notice few-documents"))
+    if frame["basis"].astype(str).str.contains(" vs ").any():
+        out.append(html.P(BASIS_NOTE, className="help basis-note"))
+    return out
 
 
 def _verdict_badge(verdict: str, note: str = "") -> html.Span:
@@ -366,7 +380,8 @@ def headline_cards(frame, colors: dict[str, str]) -> list:
             for v in m["values"]:
                 c = comps.get(v["model"])
                 name = html.Td(v["model"], style={"color": colors.get(v["model"])}, className="model")
-                value = html.Td([html.Div(v["estimate"], className="value"), html.Div(v["interval"], className="vs interval")])
+                value = html.Td([html.Div(v["estimate"], className="value"), html.Div(v["interval"], className="vs interval"),
+                                 html.Div(v["basis"], className="vs basis") if v["basis"] else None])
                 if c is None:
                     body.append(html.Tr([name, value, html.Td("baseline" if any(x["baseline"] == v["model"] for x in comps.values()) else "",
                                                               className="vs"), html.Td("")]))
@@ -374,8 +389,9 @@ def headline_cards(frame, colors: dict[str, str]) -> list:
                 against = html.Td([html.Div(f"{c['estimate']} vs {c['baseline']}", className="value"),
                                    html.Div(c["interval"], className="vs interval"),
                                    html.Div(" · ".join(x for x in (c["expected"], c["held"]) if x), className="vs")])
-                body.append(html.Tr([name, value, against, html.Td(_verdict_badge(c["verdict"], c["note"]))],
-                                    className="comparison"))
+                verdict = [_verdict_badge(c["verdict"], c["note"]),
+                           html.Div(c["caveat"], className="vs caveat") if c["caveat"] else None]
+                body.append(html.Tr([name, value, against, html.Td(verdict)], className="comparison"))
             blocks.append(html.Div(
                 [html.Div([m["label"], html.Span("i", className="formula info-icon", **{"aria-label": "formula"})], title=metrics.FORMULAS.get(m["metric"], ""),
                           className="metric-name", **{"data-metric": m["metric"]}),
@@ -411,7 +427,8 @@ def metric_table(frame) -> html.Table:
         cells = [html.Td(LABELS.get(r["metric"], r["metric"]), title=metrics.FORMULAS.get(r["metric"], ""), className="metric-name")]
         cells += [html.Td(c, className="num") for c in r["cells"][:n_models]]
         cells += [html.Td(c, className="num") for c in r["cells"][n_models:]]
-        cells += [html.Td(_verdict_badge(v) if v else "") for v in r["verdicts"]]
+        cells += [html.Td([_verdict_badge(v), html.Div(c, className="vs caveat") if c else None] if v else "")
+                  for v, c in zip(r["verdicts"], r["caveats"])]
         body.append(html.Tr(cells, **{"data-metric": r["metric"]}))
     return html.Table([html.Thead(head), html.Tbody(body)], className="metric-table full-table")
 

@@ -325,7 +325,8 @@ def _profiles() -> html.Section:
 
 
 VERDICT_HELP = ("Each comparison is the model against the baseline on the same windows: a ratio (×) for spreads, "
-                "growths and peaks, a difference (±) otherwise, with its 95% bootstrap interval over windows. The verdict "
+                "growths and peaks, a difference (±) otherwise, with its 95% bootstrap interval (whole documents "
+                "resampled, since windows of one document are alike). The verdict "
                 "sets that interval against the paper's direction: consistent (it excludes no difference, on the paper's "
                 "side), contrary (it excludes it, on the other side), inconclusive (it does not exclude it, or there is "
                 "no interval). Hover a metric name for its formula.")
@@ -349,7 +350,7 @@ def _corpus(ex: Explorer) -> html.Section | None:
     if not ex.stats:
         return None
     from attnres_probe import figures
-    from attnres_probe.dashboards.callbacks import headline_cards, metric_table
+    from attnres_probe.dashboards.callbacks import comparison_notes, headline_cards, metric_table
 
     stats = list(ex.stats.values())
     names = list(ex.stats)
@@ -359,6 +360,7 @@ def _corpus(ex: Explorer) -> html.Section | None:
         [
             html.H2("Corpus: AttnRes against the baseline, window by window"),
             _help(f"Recorded corpus ({sizes}). " + VERDICT_HELP),
+            *comparison_notes(frame),
             html.Div(headline_cards(frame, ex.colors), className="cards", id=CORPUS_HEADLINE),
             html.Details(
                 [html.Summary("Every metric with its interval and verdict"), metric_table(frame)],

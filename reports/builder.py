@@ -177,6 +177,8 @@ def render_report(
     shown_text = text if text is not None else _text_of(traces[0])
     ablation = _ablation_context(ablations, plots, ablation_read)
     sections = {k: v for k, v in SECTIONS.items() if k != "ablation" or ablation}
+    if not any(t.residual == "prenorm" for t in traces):  # nothing is compared with a baseline
+        sections["metrics"] = "Metrics"
     provenance = {
         "title": title,
         "created": created.isoformat(),
@@ -200,6 +202,7 @@ def render_report(
             plots.add(figures.side_by_side(traces, "mean_heatmap", names=names, kind="weights")),
             plots.add(figures.side_by_side(traces, "mean_heatmap", names=names, kind="contrib")),
         ],
+        "difference": _difference_context(_renamed(traces, names), plots),
         "magnitudes": plots.add(figures.magnitudes(_renamed(traces, names))),
         "gradients": plots.add(figures.gradient_norms(_renamed(traces, names))),
         "explorers": _explorers(traces, names, plots, explorer_tokens, explorer_digits, readings),
@@ -308,6 +311,7 @@ def render_stats_report(
             plots.add(figures.corpus_side_by_side(items, "contrib", names=names)),
             plots.add(figures.corpus_side_by_side(items, "contrib", names=names, value="sd")),
         ],
+        "difference": _difference_context(_renamed([s.to_trace() for s in items], names), plots),
         "magnitudes": plots.add(figures.magnitude_bands(items, names)),
         "gradients": plots.add(figures.gradient_bands(items, names)),
         "formulas": metrics.FORMULAS,
@@ -447,6 +451,19 @@ def _renamed(traces: list[DepthTrace], names: list[str]) -> list[DepthTrace]:
     return [t if t.name == n else dataclasses.replace(t, meta={**t.meta, "name": n}) for t, n in zip(traces, names)]
 
 
+def _difference_context(traces: list[DepthTrace], plots: _Plots) -> dict[str, Any] | None:
+    """Each AttnRes model minus the baseline (the first PreNorm trace), mean contribution shares cell by
+    cell (:func:`figures.difference_side_by_side`); None without a baseline or another model."""
+    base = next((t for t in traces if t.residual == "prenorm"), None)
+    others = [t for t in traces if t.residual != "prenorm"]
+    if base is None or not others:
+        return None
+    same = [t for t in others if list(t.read_labels) == list(base.read_labels)]
+    skipped = [t.name for t in others if t not in same]
+    plot = plots.add(figures.difference_side_by_side(same, base, "contrib")) if same else None
+    return {"baseline": base.name, "models": [t.name for t in same], "plot": plot, "skipped": skipped}
+
+
 def _model_row(trace: DepthTrace, name: str) -> dict[str, Any]:
     meta, cfg = trace.meta, dict(trace.meta.get("config") or {})
     residual = trace.residual
@@ -520,24 +537,32 @@ def _token_rows(trace: DepthTrace) -> list[list[dict[str, Any]]]:
 
 
 METRICS_NOTE = (
-    "Each model's value is the mean over windows with its 95% bootstrap interval (windows resampled {n_resamples} times, "
-    "seed {seed}). Each AttnRes model is set against the PreNorm baseline on the same windows: a ratio (×) for spreads, "
+    "Each model's value is the mean over windows with its 95% bootstrap interval (resampled {n_resamples} times, "
+    "seed {seed}; the bootstrap resamples whole documents, since windows of one document are alike)."
+)
+COMPARISON_NOTE = (
+    "Each AttnRes model is set against the PreNorm baseline on the same windows: a ratio (×) for spreads, "
     "growths and peaks, a difference (±) otherwise, with its interval. The verdict sets that interval against the "
     "paper's direction: consistent (it excludes no difference, on the paper's side), contrary (it excludes it, on the "
     "other side), inconclusive (it does not exclude it, or there is no interval)."
 )
+NO_BASELINE_NOTE = "No PreNorm model is in this report, so nothing is compared with a baseline and there are no verdicts."
 
 
 def _metrics_context(frame: pd.DataFrame) -> dict[str, Any]:
     """The headline panel and the full metric table of a :func:`metrics.compare` frame, as strings."""
-    from attnres_probe.analysis.display import headline, table_rows
+    from attnres_probe.analysis.display import BASIS_NOTE, documents_warning, headline, table_rows
 
     windows = {str(r["model"]): int(r["windows"]) for _, r in frame[frame["comparison"] == "value"].groupby("model", sort=False).max().reset_index().iterrows()}
+    has_baseline = bool((frame["comparison"] != "value").any())
+    note = METRICS_NOTE.format(n_resamples=frame.attrs.get("n_resamples", "?"), seed=frame.attrs.get("seed", "?"))
     return {
         "headline": headline(frame),
         "table": table_rows(frame),
-        "has_baseline": bool((frame["comparison"] != "value").any()),
-        "note": METRICS_NOTE.format(n_resamples=frame.attrs.get("n_resamples", "?"), seed=frame.attrs.get("seed", "?")),
+        "has_baseline": has_baseline,
+        "note": f"{note} {COMPARISON_NOTE if has_baseline else NO_BASELINE_NOTE}",
+        "basis_note": BASIS_NOTE if frame["basis"].astype(str).str.contains(" vs ").any() else "",
+        "documents": documents_warning(frame),
         "one_window": max(windows.values(), default=0) <= 1,
     }
 

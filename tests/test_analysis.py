@@ -60,6 +60,34 @@ def test_mean_interval_covers_the_true_mean_of_a_skewed_distribution():
     assert 0.90 <= _coverage(draw, truth=1.5, n=60) <= 0.99
 
 
+def test_resampling_documents_covers_when_windows_of_a_document_are_alike_and_resampling_windows_does_not():
+    """#16: windows of one document share a document effect; resampled one by one they give intervals far
+    too narrow (about half cover), resampled by document about 95% cover."""
+    rng = np.random.default_rng(2024)
+    n_docs, per_doc, reps = 30, 8, 200
+    docs = np.repeat(np.arange(n_docs), per_doc)
+    by_window = by_document = 0
+    for rep in range(reps):
+        v = rng.normal(0, 1, n_docs)[docs] + rng.normal(0, 0.3, docs.size)  # true mean 0
+        _, lo, hi = bootstrap.mean_interval(v, bootstrap.resample_counts(docs.size, 400, seed=rep))
+        by_window += lo <= 0 <= hi
+        _, lo, hi = bootstrap.mean_interval(v, bootstrap.cluster_counts(docs, 400, seed=rep))
+        by_document += lo <= 0 <= hi
+    assert 0.90 <= by_document / reps <= 0.99
+    assert by_window / reps < 0.75
+
+
+def test_cluster_counts_take_whole_documents_and_equal_window_counts_for_one_window_per_document():
+    docs = np.array([7, 7, 3, 3, 3, 9])
+    c = bootstrap.cluster_counts(docs, 200, seed=5)
+    assert c.shape == (200, 6)
+    assert (c[:, 0] == c[:, 1]).all() and (c[:, 2] == c[:, 3]).all() and (c[:, 3] == c[:, 4]).all()
+    np.testing.assert_array_equal(c, bootstrap.cluster_counts(docs, 200, seed=5))  # seeded
+    np.testing.assert_array_equal(bootstrap.cluster_counts(np.arange(9), 50, seed=2), bootstrap.resample_counts(9, 50, seed=2))
+    plan = bootstrap.Resamples(6, 200, seed=5, groups=docs, max_cells=12)  # chunks of two resamples
+    np.testing.assert_array_equal(plan.matrix(), c)
+
+
 def test_vectorised_intervals_equal_the_one_metric_functions():
     rng = np.random.default_rng(0)
     a, b = rng.normal(1, 1, (50, 4)), rng.normal(1.2, 1, (50, 4))
@@ -196,6 +224,58 @@ def test_compare_gives_intervals_paired_differences_and_verdicts_on_the_same_win
     assert not np.allclose(other["low"].dropna(), frame["low"].dropna())
 
 
+def test_compare_resamples_documents_and_warns_when_they_are_few():
+    """#16: four documents of ten alike windows each: the interval spans the documents' spread, the
+    note says the intervals are rough; one document gives no interval at all."""
+    rng = np.random.default_rng(3)
+    docs = np.repeat(np.arange(4), 10)
+    base = rng.normal(3, 1, 4)[docs] + rng.normal(0, 0.05, 40)
+    model = base + rng.normal(-0.5, 0.6, 4)[docs] + rng.normal(0, 0.05, 40)
+    pre = _windows("prenorm", "prenorm", {"mean_loss": base})
+    att = _windows("block", "block", {"mean_loss": model})
+    for w in (pre, att):
+        w.table["doc"], w.table["start"] = docs, np.tile(np.arange(10), 4) * 24
+    frame = compare_windows([pre, att], n_resamples=500, seed=0)
+    row = frame.query("metric == 'mean_loss' and baseline == 'prenorm'").iloc[0]
+    assert row["documents"] == 4 and row["windows"] == 40
+    assert "only 4 documents: intervals are rough" in row["note"]
+    assert frame.attrs["documents"] == {"prenorm": 4, "block": 4} and frame.attrs["unit"] == "document"
+    d = model - base
+    window_lo, window_hi = bootstrap.mean_interval(d, bootstrap.resample_counts(40, 500, seed=0))[1:]
+    assert row["high"] - row["low"] > 3 * (window_hi - window_lo)  # document effects widen it
+    value = frame.query("metric == 'mean_loss' and model == 'block' and comparison == 'value'").iloc[0]
+    assert value["documents"] == 4 and "only 4 documents" in value["note"]
+    one = _windows("prenorm", "prenorm", {"mean_loss": base[:10]})
+    one.table["doc"] = 0
+    row = compare_windows([one], n_resamples=200).query("metric == 'mean_loss'").iloc[0]
+    assert np.isnan(row["low"]) and row["note"].startswith("no interval: 1 document")
+
+
+def test_compare_names_the_quantity_each_side_reads_and_says_when_they_differ():
+    """#16: locality and entropy read AttnRes's routing weights but PreNorm's contribution shares."""
+    frame = metrics.compare(make_trace("prenorm"), make_trace("full"))
+    loc = frame.query("metric == 'locality_distance'").set_index(["model", "comparison"])
+    assert loc.loc[("prenorm", "value"), "basis"] == "contribution shares"
+    assert loc.loc[("full", "value"), "basis"] == "routing weights"
+    comp = loc.loc[("full", "difference")]
+    assert comp["basis"] == "routing weights vs contribution shares"
+    assert comp["note"].startswith("different quantities: full's routing weights against prenorm's contribution shares")
+    share = frame.query("metric == 'embed_contrib_deep' and comparison != 'value'").iloc[0]
+    assert share["basis"] == "contribution shares" and "different quantities" not in share["note"]
+    assert (frame.query("metric == 'mean_loss'")["basis"] == "").all()
+    assert list(frame.query("metric == 'embed_weight_deep'")["basis"]) == ["", "routing weights"]  # PreNorm has none
+    same = metrics.compare(make_trace("full"), make_trace("block"), baseline="full")
+    assert set(same.query("metric == 'mean_entropy'")["basis"]) == {"routing weights"}
+
+
+def test_a_text_recorded_in_windows_is_one_document():
+    trace = make_trace("full", batch=3)
+    trace.meta["windows"] = {"n_ctx": trace.tokens.shape[1], "count": 3}
+    w = Windows.of_trace(trace)
+    assert list(w.table["doc"]) == [0, 0, 0] and list(w.table["start"]) == [0, trace.tokens.shape[1], 2 * trace.tokens.shape[1]]
+    assert list(Windows.of_trace(make_trace("full", batch=3)).table["doc"]) == [0, 1, 2]  # a batch of texts
+
+
 def test_compare_pairs_windows_by_key_not_by_position():
     v = np.arange(1.0, 11.0)
     pre = _windows("prenorm", "prenorm", {"mean_loss": v}, digests=[f"d{i}" for i in range(10)])
@@ -238,8 +318,8 @@ def test_compare_of_a_multi_window_trace_keeps_parameter_gradients_pooled_only()
 
 def test_compare_columns_and_the_baseline_choice():
     frame = metrics.compare(make_trace("prenorm"), make_trace("full"), names=["base", "model"])
-    assert list(frame.columns) == ["metric", "model", "baseline", "comparison", "estimate", "low", "high", "pooled",
-                                   "windows", "held", "expected", "verdict", "note"]
+    assert list(frame.columns) == ["metric", "model", "baseline", "comparison", "basis", "estimate", "low", "high", "pooled",
+                                   "windows", "documents", "held", "expected", "verdict", "note"]
     assert set(frame.loc[frame.comparison != "value", "baseline"]) == {"base"}
     assert frame.attrs["n_resamples"] == 1000 and frame.attrs["baseline"] == "base"
     no_base = metrics.compare(make_trace("full"), make_trace("block"))

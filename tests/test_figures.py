@@ -123,6 +123,21 @@ def test_long_source_heatmap_is_compact():
     assert figures.source_heatmap(make_trace("full")).data[0].customdata is not None
 
 
+def test_long_source_heatmap_hover_names_each_token_once_per_column():
+    """#17 item 7 follow-up: the compact heatmap's hover names the token ("token 12 'c'"), sent once per
+    column (the x categories), not once per cell; ticks sit on those categories; side by side keeps them."""
+    n = figures.COMPACT_TOKENS + 4
+    toks = [chr(97 + i % 26) for i in range(n)]
+    fig = figures.source_heatmap(make_trace("full", n_pos=n, str_tokens=toks))
+    heat = fig.data[0]
+    assert list(heat.x[:2]) == ["0 'a'", "1 'b'"] and len(heat.x) == n and "%{x}" in heat.hovertemplate
+    assert fig.layout.xaxis.type == "category" and set(fig.layout.xaxis.tickvals) <= set(heat.x)
+    assert heat.text is None and heat.customdata is None  # nothing per cell but the value
+    both = figures.side_by_side([make_trace("full", n_pos=n, str_tokens=toks)] * 2, "source_heatmap")
+    assert both.layout.xaxis2.type == "category" and set(both.layout.xaxis2.tickvals) <= set(heat.x)
+
+
+
 def test_token_heatmap_title_names_model_and_token():
     fig = figures.token_heatmap(make_trace("full", name="demo-full", str_tokens=["x", "y", "z"]), token=2)
     assert "demo-full" in fig.layout.title.text and "'z'" in fig.layout.title.text
@@ -195,6 +210,26 @@ def test_magnitudes_draws_both_profiles_per_trace_in_one_colour_on_log_axes():
     np.testing.assert_allclose(fig.data[2].y, [1, 3, 9])
     assert fig.data[1].line.dash == "dash"
     assert fig.layout.yaxis.type == "log" and fig.layout.yaxis2.type == "log"
+
+
+def test_corpus_bands_are_positive_and_the_title_says_what_they_are():
+    """#16: bands by depth on log axes never go below zero; the caption and the hover say what a band is."""
+    from attnres_probe import Probe
+    from attnres_probe.stats import RunningStats
+    from helpers import tiny_model
+
+    stats = Probe(tiny_model("full"), name="full").run_corpus(["a short text.", "another, longer text here"], backward=True,
+                                                              progress=False)
+    g = np.random.default_rng(1).lognormal(0.0, 2.0, size=(6, len(stats.meta["read_labels"])))
+    stats.profiles["grad_in"] = RunningStats.zeros((g.shape[1],))
+    stats.profiles["grad_in"].update(g)  # spread over orders of magnitude between windows
+    fig = figures.gradient_bands([stats])
+    band = next(d for d in fig.data if d.name == "full band")
+    assert np.nanmin(np.asarray(band.y, float)) > 0
+    title = fig.layout.title.text
+    assert "95% interval of that mean" in title and "log scale" in title and "windows" in title
+    line = next(d for d in fig.data if d.name == "full")
+    assert "95% interval of the mean" in line.hovertemplate and "windows" in line.hovertemplate
 
 
 def test_model_colors_are_deterministic_by_name_and_order():

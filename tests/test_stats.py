@@ -117,6 +117,23 @@ def test_profiles_give_bands_across_windows(whole):
         whole.profile("weights")
 
 
+def test_profile_bands_of_a_spread_out_positive_quantity_stay_above_zero():
+    """#16: gradient norms that vary over orders of magnitude between windows: mean ± z·se crosses zero
+    (a band below zero on a log axis); the log-scale interval stays positive, around the mean."""
+    from attnres_probe.stats import RunningStats
+
+    stats = CorpusStats(meta={"read_labels": ["L0.attn", "L0.mlp", "final"]})
+    g = np.random.default_rng(0).lognormal(0.0, 2.0, size=(5, 3))  # 5 windows, 3 reads
+    stats.profiles["grad_in"] = RunningStats.zeros((3,))
+    stats.profiles["grad_in"].update(g)
+    prof = stats.profile("grad_in")
+    mean, sd = g.mean(0), g.std(0, ddof=1)
+    assert (mean - 1.96 * sd / np.sqrt(5) < 0).any()  # the normal interval would cross zero
+    assert (prof["low"] > 0).all() and (prof["low"] < prof["mean"]).all() and (prof["mean"] < prof["high"]).all()
+    np.testing.assert_allclose(prof["low"] * prof["high"], prof["mean"] ** 2)  # as wide on a log axis both ways
+    np.testing.assert_allclose(prof["mean"], mean)
+
+
 def test_run_corpus_refuses_a_corpus_of_only_short_windows_and_an_empty_one(probe):
     with pytest.raises(ValueError, match="no window of at least 2 tokens"):
         probe.run_corpus(["a", "b"], progress=False)

@@ -6,11 +6,18 @@ C [n_resamples, n], C[b, i] = how often window i is in resample b. A resampled m
 per-window column v is then (C @ v) / (C @ 1), so all metrics of all models cost one matrix
 product, and paired comparisons of two models use the same resamples (same C) for both.
 
+Windows of one document are not independent (they share a topic, a style, a length), so when
+windows carry document ids the resampling unit is the document (a cluster bootstrap):
+:func:`cluster_counts` resamples documents with replacement and gives every window the count of
+its document, so each resample takes all windows of the documents it drew. With one window per
+document it is the plain window bootstrap, count for count.
+
 Intervals are percentile intervals: the (1 − level)/2 and (1 + level)/2 quantiles of the
 resampled statistic. Windows where a value is NaN are left out of that value's mean (a
 resample holding none of the valid windows gives NaN, which the quantiles skip).
 
     C = resample_counts(len(a), n_resamples=1000, seed=0)    # or Resamples(...): the same, in chunks
+    C = cluster_counts(docs, n_resamples=1000, seed=0)       # by document: docs[i] = window i's document
     est, lo, hi = mean_interval(a, C)
     est, lo, hi = paired_interval(a, b, C, kind="ratio")
 """
@@ -23,7 +30,9 @@ import numpy as np
 
 __all__ = [
     "DEFAULT_LEVEL",
+    "FEW_DOCUMENTS",
     "Resamples",
+    "cluster_counts",
     "DEFAULT_RESAMPLES",
     "mean_interval",
     "mean_intervals",
@@ -36,6 +45,7 @@ __all__ = [
 
 DEFAULT_RESAMPLES = 1000
 DEFAULT_LEVEL = 0.95
+FEW_DOCUMENTS = 10  # below this many documents an interval rests on too few independent units: pages warn
 
 
 def resample_counts(n: int, n_resamples: int = DEFAULT_RESAMPLES, seed: int | np.random.Generator = 0) -> np.ndarray:
@@ -58,6 +68,31 @@ def resample_counts(n: int, n_resamples: int = DEFAULT_RESAMPLES, seed: int | np
     return np.bincount(idx.ravel(), minlength=int(n_resamples) * n).reshape(int(n_resamples), n)
 
 
+def _groups(groups) -> tuple[np.ndarray, int]:
+    """(index of each window's document among the sorted distinct documents, number of documents)."""
+    g = np.asarray(groups)
+    if g.ndim != 1:
+        raise ValueError(f"groups must be one document id per window; got shape {g.shape}")
+    if g.size == 0:
+        return np.zeros(0, np.int64), 0
+    uniq, inv = np.unique(g, return_inverse=True)
+    return inv.astype(np.int64), len(uniq)
+
+
+def cluster_counts(groups, n_resamples: int = DEFAULT_RESAMPLES, seed: int | np.random.Generator = 0) -> np.ndarray:
+    """Counts of a cluster bootstrap: ``n_resamples`` resamples of the documents (with replacement),
+    each window counted as often as its document was drawn: int [n_resamples, n].
+
+    Args:
+        groups: the document id of each of the n windows (any sortable ids; the order of the
+            distinct ids, not of the windows, fixes which document each draw picks).
+        n_resamples, seed: as :func:`resample_counts` (the documents are drawn with it, so one
+            window per document gives exactly its counts).
+    """
+    inv, n_docs = _groups(groups)
+    return resample_counts(n_docs, n_resamples, seed)[:, inv]
+
+
 class Resamples:
     """The counts of :func:`resample_counts`, drawn chunk by chunk so memory stays bounded.
 
@@ -70,15 +105,20 @@ class Resamples:
         n_resamples: resamples.
         seed: an int (or a ``numpy.random.Generator``).
         max_cells: the largest chunk, in matrix entries.
+        groups: the document id of each window: resample documents (:func:`cluster_counts`);
+            None resamples windows (:func:`resample_counts`).
     """
 
     def __init__(self, n: int, n_resamples: int = DEFAULT_RESAMPLES, seed: int | np.random.Generator = 0,
-                 max_cells: int = 1 << 23):
+                 max_cells: int = 1 << 23, groups=None):
         resample_counts(0, n_resamples)  # validates n_resamples
         if n < 0:
             raise ValueError(f"n must be >= 0; got {n}")
         self.n, self.n_resamples, self.seed = int(n), int(n_resamples), seed
         self.chunk = max(1, min(self.n_resamples, max_cells // max(self.n, 1)))
+        self.inv, self.n_docs = (np.arange(self.n), self.n) if groups is None else _groups(groups)
+        if len(self.inv) != self.n:
+            raise ValueError(f"groups has {len(self.inv)} entries for {self.n} windows")
 
     def chunks(self):
         """Count matrices [k, n] whose rows, in order, are the ``n_resamples`` resamples."""
@@ -86,8 +126,12 @@ class Resamples:
         done = 0
         while done < self.n_resamples:
             k = min(self.chunk, self.n_resamples - done)
-            yield resample_counts(self.n, k, rng)
+            yield resample_counts(self.n_docs, k, rng)[:, self.inv]
             done += k
+
+    def matrix(self) -> np.ndarray:
+        """All resamples at once: int [n_resamples, n] (what :func:`cluster_counts` gives)."""
+        return np.concatenate(list(self.chunks()), axis=0)
 
 
 def _chunks(counts):

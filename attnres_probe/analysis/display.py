@@ -11,12 +11,16 @@ from typing import Any
 
 import pandas as pd
 
+from attnres_probe.analysis.bootstrap import FEW_DOCUMENTS
 from attnres_probe.analysis.verdicts import EXPECTED
 
 __all__ = [
+    "BASIS_NOTE",
     "HEADLINE",
     "LABELS",
+    "basis_caveat",
     "comparison_rows",
+    "documents_warning",
     "fmt_estimate",
     "fmt_interval",
     "fmt_number",
@@ -24,10 +28,21 @@ __all__ = [
     "headline",
     "held_text",
     "metric_group",
+    "no_interval_reason",
     "readable",
     "interval_text",
     "table_rows",
 ]
+
+# said once wherever comparisons are shown (the frame's ``basis`` column, per row)
+BASIS_NOTE = (
+    "Locality and entropy are measured on each AttnRes model's routing weights (its softmax over depth) but on "
+    "PreNorm's contribution shares, since PreNorm has no weights (every coefficient is one). Their comparisons set "
+    "two different quantities side by side and are marked \"weights vs shares\": such a verdict says how the two "
+    "numbers fall, not that the models route alike or differently. The embedding share c₀ is the same quantity for "
+    "every model."
+)
+CAVEAT = "weights vs shares: different quantities"
 
 # the headline panel: the three comparisons the toolkit exists for, plus magnitude growth
 HEADLINE: list[tuple[str, str, list[str]]] = [
@@ -93,14 +108,63 @@ def fmt_interval(row: pd.Series | dict, digits: int = 3) -> str:
     return f"[{float(lo):.{digits + 1}g}, {float(hi):.{digits + 1}g}]"
 
 
-def interval_text(row: pd.Series | dict, level: float = 0.95) -> str:
-    """The interval with its level ("95% CI [0.85, 1.02]"), or in words why there is none."""
+def interval_text(row: pd.Series | dict, level: float = 0.95, said: str = "") -> str:
+    """The interval with its level ("95% CI [0.85, 1.02]"), or in words why there is none; "" when
+    that reason is ``said`` (the page says it once, :func:`no_interval_reason`)."""
     iv = fmt_interval(row)
     if iv:
         return f"{level:.0%} CI {iv}"
-    note = str(row.get("note") or "")
-    reason = next((p for p in note.split("; ") if p.startswith(("no interval", "pooled", "not available", "no windows", "PreNorm"))), "")
+    reason = _reason(row)
+    if said and reason.startswith(said):
+        return ""
     return reason or "no interval"
+
+
+def _reason(row: pd.Series | dict) -> str:
+    note = str(row.get("note") or "")
+    return next((p for p in note.split("; ") if p.startswith(("no interval", "pooled", "not available", "no windows", "PreNorm"))), "")
+
+
+def no_interval_reason(frame: pd.DataFrame) -> str:
+    """"no interval: 1 window" or "no interval: 1 document" when no value of the frame has an
+    interval for that one reason, for every model; else "". A page says it once instead of in
+    every cell (:func:`interval_text` leaves out a reason that starts with it)."""
+    vals = frame[frame["comparison"] == "value"]
+    if vals.empty or (vals["low"].notna() & vals["high"].notna()).any():
+        return ""
+    reasons = [r for r in (_reason(row) for _, row in vals.iterrows()) if r.startswith("no interval")]
+    for prefix in ("no interval: 1 window", "no interval: 1 document"):
+        if reasons and all(r.startswith(prefix) for r in reasons):
+            return prefix
+    return ""
+
+
+def documents_warning(frame: pd.DataFrame) -> str:
+    """A sentence for the top of a page when the intervals rest on few documents ("" otherwise).
+
+    The bootstrap resamples documents (their windows are alike), so the number of documents, not of
+    windows, is what an interval rests on: below :data:`FEW_DOCUMENTS` they are rough."""
+    docs = {str(k): int(v) for k, v in (frame.attrs.get("documents") or {}).items()}
+    vals = frame[frame["comparison"] == "value"]
+    if not docs or vals.empty or int(vals["windows"].max()) <= 1:
+        return ""  # one window: the page's one-window note says it
+    n = min(docs.values())
+    each = "" if len(set(docs.values())) == 1 else " (" + ", ".join(f"{k}: {v}" for k, v in docs.items()) + ")"
+    if n == 1:
+        return (f"Only 1 document{each}: windows of one text are alike, so they are resampled together and there is "
+                "no interval; every verdict is inconclusive. Record several documents (attnres-probe corpus) for intervals.")
+    if n < FEW_DOCUMENTS:
+        return (f"Only {n} documents{each}: intervals are rough. The bootstrap resamples whole documents (windows of "
+                f"one document are alike), so every interval rests on {n} independent texts; {FEW_DOCUMENTS} or more "
+                "give firmer ones.")
+    return ""
+
+
+def basis_caveat(row: pd.Series | dict) -> str:
+    """"weights vs shares: different quantities" for a comparison of AttnRes's routing weights with
+    PreNorm's contribution shares (the frame's ``basis``); else ""."""
+    b = str(row.get("basis") or "")
+    return CAVEAT if row.get("comparison") != "value" and " vs " in b else ""
 
 
 def held_text(row: pd.Series | dict) -> str:
@@ -121,15 +185,18 @@ def expected_text(row: pd.Series | dict) -> str:
 def comparison_rows(frame: pd.DataFrame, metric: str) -> list[dict[str, Any]]:
     """Every comparison of ``metric`` (one per AttnRes model) as display strings."""
     level = float(frame.attrs.get("level", 0.95))
+    said = no_interval_reason(frame)
     out = []
     for _, r in frame[(frame["metric"] == metric) & (frame["comparison"] != "value")].iterrows():
         out.append({
             "model": r["model"],
             "baseline": r["baseline"],
             "estimate": fmt_estimate(r),
-            "interval": interval_text(r, level),
+            "interval": interval_text(r, level, said),
             "expected": expected_text(r),
             "verdict": r["verdict"],
+            "basis": str(r.get("basis") or ""),
+            "caveat": basis_caveat(r),
             "held": held_text(r),
             "note": r["note"],
             "claim": EXPECTED[metric].claim if metric in EXPECTED else "",
@@ -142,18 +209,23 @@ def headline(frame: pd.DataFrame) -> list[dict[str, Any]]:
     magnitude growth), per metric, each model's value and each comparison's estimate,
     interval, paper's direction and verdict, all as strings.
 
+    A reason for no interval that holds for every model (one window) is left out of the cells:
+    the page says it once (:func:`no_interval_reason`).
+
     Returns:
         [{"title", "help", "claim", "metrics": [{"metric", "label", "values": [{"model",
-        "estimate", "interval"}], "comparisons": [comparison_rows entries], "rows": [value entry +
+        "estimate", "interval", "basis"}], "comparisons": [comparison_rows entries], "rows": [value entry +
         {"comparison": its comparison or None, "is_baseline"}]}]}]
     """
     level = float(frame.attrs.get("level", 0.95))
+    said = no_interval_reason(frame)
     groups = []
     for title, help_text, names in HEADLINE:
         rows = []
         for m in names:
             vals = frame[(frame["metric"] == m) & (frame["comparison"] == "value")]
-            values = [{"model": r["model"], "estimate": fmt_estimate(r), "interval": interval_text(r, level)}
+            values = [{"model": r["model"], "estimate": fmt_estimate(r), "interval": interval_text(r, level, said),
+                       "basis": str(r.get("basis") or "")}
                       for _, r in vals.iterrows()]
             comps = comparison_rows(frame, m)
             by_model = {c["model"]: c for c in comps}
@@ -176,7 +248,8 @@ def table_rows(frame: pd.DataFrame) -> dict[str, Any]:
     comparison "estimate [low, high]" and its verdict.
 
     Returns:
-        {"columns": [header strings], "rows": [{"metric", "label", "cells": [str], "verdicts": [str]}]}
+        {"columns": [header strings], "rows": [{"metric", "label", "cells": [str], "verdicts": [str],
+        "caveats": [str per comparison, :func:`basis_caveat`]}]}
     """
     models = list(dict.fromkeys(frame.loc[frame["comparison"] == "value", "model"]))
     comps = list(dict.fromkeys((r["model"], r["baseline"]) for _, r in frame[frame["comparison"] != "value"].iterrows()))
@@ -184,7 +257,7 @@ def table_rows(frame: pd.DataFrame) -> dict[str, Any]:
     rows = []
     for metric in dict.fromkeys(frame["metric"]):
         sub = frame[frame["metric"] == metric]
-        cells, verdicts = [], []
+        cells, verdicts, caveats = [], [], []
         for m in models:
             r = sub[(sub["model"] == m) & (sub["comparison"] == "value")]
             cells.append(_cell(r.iloc[0]) if len(r) else "")
@@ -193,11 +266,13 @@ def table_rows(frame: pd.DataFrame) -> dict[str, Any]:
             if len(r):
                 cells.append(_cell(r.iloc[0]))
                 verdicts.append(str(r.iloc[0]["verdict"]))
+                caveats.append(basis_caveat(r.iloc[0]))
             else:
                 cells.append("")
                 verdicts.append("")
+                caveats.append("")
         rows.append({"metric": metric, "label": LABELS.get(metric, metric), "cells": cells, "verdicts": verdicts,
-                     "n_models": len(models)})
+                     "caveats": caveats, "n_models": len(models)})
     return {"columns": columns, "models": models, "comparisons": [f"{m} vs {b}" for m, b in comps], "rows": rows,
             "groups": group_rows(rows)}
 
@@ -236,6 +311,6 @@ def readable(frame: pd.DataFrame) -> pd.DataFrame:
     for g in t["groups"]:
         for r in g["rows"]:
             index.append((g["title"], r["label"]))
-            rows.append([*r["cells"], *r["verdicts"]])
+            rows.append([*r["cells"], *(f"{v} ({c})" if c else v for v, c in zip(r["verdicts"], r["caveats"]))])
     columns = [*t["columns"], *(f"verdict: {c}" for c in t["comparisons"])]
     return pd.DataFrame(rows, index=pd.MultiIndex.from_tuples(index, names=["group", "metric"]), columns=columns)

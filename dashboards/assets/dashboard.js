@@ -16,6 +16,8 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
                 token = JSON.parse(id.slice(0, -9)).index;
             } else if (trig.value.points && trig.value.points.length) {
                 token = trig.value.points[0].x;
+                // a long trace's heatmap names its columns "12 'a'" (position, token)
+                if (typeof token === "string") { token = parseInt(token, 10); if (isNaN(token)) { token = undefined; } }
             }
             if (typeof token !== "number" || token === state.token) { return nu; }
             return {key: state.key, token: token};

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from dash_helpers import NAMES, TEXT, make_model
+from dash_helpers import CORPUS, NAMES, TEXT, make_model
 from helpers import CHROME_FLAGS
 
 CHROMIUM = "/usr/bin/chromium"
@@ -32,14 +32,6 @@ def _one_torch_thread():
 def models() -> dict:
     """prenorm (the baseline), full and block, in display order."""
     return {name: make_model(name) for name in NAMES}
-
-
-CORPUS = [
-    "The cat sat on the mat. The dog sat on the log. ",
-    "Depth routing, token by token, window by window.",
-    "A third document: short.",
-    "def f(x):\n    return x + 1\n",
-]
 
 
 @pytest.fixture(scope="session")

@@ -222,8 +222,10 @@ def _expected_headline_verdicts(frame) -> list[str]:
 
 
 def test_metric_cards_show_compare_s_estimates_intervals_and_verdicts_with_formulas(ex):
-    cards = callbacks.metric_cards(ex, ex.initial.key)
+    shown_all = callbacks.metric_cards(ex, ex.initial.key)
+    cards = [c for c in shown_all if c.className == "metric-card"]
     assert [c.children[0].children for c in cards] == ["Locality", "Embedding retention", "Gradient uniformity", "Magnitude growth"]
+    assert [c.className for c in shown_all if c not in cards] == ["help basis-note"]  # said once, above the cards
     frame = metrics.compare(*ex.initial.traces.values(), names=list(NAMES))
     assert _verdicts_shown(cards) == _expected_headline_verdicts(frame) and set(_verdicts_shown(cards)) == {"inconclusive"}
     names = _find(cards[0], lambda n: getattr(n, "className", None) == "metric-name")
@@ -231,7 +233,10 @@ def test_metric_cards_show_compare_s_estimates_intervals_and_verdicts_with_formu
     shown = " ".join(texts(cards[0]))
     row = frame.query("metric == 'locality_distance' and model == 'full' and baseline == 'prenorm'").iloc[0]
     assert f"{row['estimate']:+.3g} vs prenorm" in shown
-    assert "no interval: 1 window" in shown and "paper: lower than prenorm" in shown
+    assert "paper: lower than prenorm" in shown
+    assert "no interval: 1 window" not in shown  # a prompt is one window: the section says it once, not every cell
+    assert "routing weights" in shown and "contribution shares" in shown  # what each side of locality reads
+    assert "weights vs shares: different quantities" in shown
 
 
 def test_no_text_asserts_the_papers_direction(ex):
@@ -256,8 +261,22 @@ def test_the_corpus_section_leads_with_compare_s_verdicts_for_the_same_stats(mod
         want = list(frame[(frame.metric == metric) & (frame.comparison != "value")]["verdict"])
         assert _verdicts_shown(rows[metric]) == want
     graphs = {g.id: g.figure for g in _find(corpus, lambda n: getattr(n, "figure", None) is not None)}
-    assert "95% interval" in graphs["corpus-magnitudes"].layout.title.text
+    assert "95% interval" in graphs["corpus-magnitudes"].layout.title.text and "log scale" in graphs["corpus-magnitudes"].layout.title.text
+    notes = " ".join(texts(corpus))
+    assert "PreNorm has no weights" in notes
+    assert "Only" not in notes  # twelve documents: no warning
     assert "sd over tokens" in graphs["corpus-contrib"].data[0].hovertemplate
+
+
+def test_the_corpus_section_warns_once_when_the_documents_are_few(models):
+    """#16: a four-document corpus gives rough intervals: the page says so above the cards."""
+    from attnres_probe import Probe
+    from dash_helpers import CORPUS
+
+    few = {name: Probe(m, name=name).run_corpus(CORPUS, backward=True, progress=False) for name, m in models.items()}
+    corpus = _find(create_app(models, text=TEXT, stats=few).layout, lambda n: getattr(n, "id", None) == "corpus")[0]
+    warnings = _find(corpus, lambda n: "few-documents" in (getattr(n, "className", "") or ""))
+    assert len(warnings) == 1 and "Only 4 documents: intervals are rough" in warnings[0].children
 
 
 def test_dash_stats_refuses_models_the_stats_were_not_recorded_from(tmp_path, corpus_stats):

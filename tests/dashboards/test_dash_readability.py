@@ -5,12 +5,14 @@ page goes to $ATTNRES_SCREENSHOTS when that is set."""
 from __future__ import annotations
 
 import os
+import re
+import time
 
 import pytest
-import torch
+from dash.testing.wait import until
 
-from attnres_probe import AttnResTransformer, ModelConfig
 from attnres_probe.dashboards import create_app
+from dash_helpers import TEXT, make_model
 from test_dash_browser import figure, wait_for_title
 
 pytestmark = pytest.mark.browser
@@ -44,21 +46,9 @@ return Array.from(document.querySelectorAll(arguments[0]), (e) => {
 """
 
 
-def _model(residual: str) -> AttnResTransformer:
-    kw = {"block_size": 2} if residual == "block" else {}
-    model = AttnResTransformer(ModelConfig(d_model=32, n_layers=2, n_heads=2, n_ctx=128, residual=residual, seed=1, **kw),
-                               backend="torch")
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for m in model.mixers:
-            m.query.copy_(torch.randn(m.query.shape, generator=g) * 1.5)
-            m.norm.weight.copy_(1 + 0.5 * torch.randn(m.query.shape, generator=g))
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def app96():
-    return create_app({r: _model(r) for r in ("prenorm", "full", "block")}, text=TEXT96)
+    return create_app({r: make_model(r, n_ctx=128, scale=1.5) for r in ("prenorm", "full", "block")}, text=TEXT96)
 
 
 def _overlaps(boxes: list[dict], pad: float = 0.5) -> list[tuple[str, str]]:
@@ -123,3 +113,53 @@ def test_a_negative_share_is_coloured_differently_from_zero(dash_duo, app96):
     shot = os.environ.get("ATTNRES_SCREENSHOTS")
     if shot:
         dash_duo.driver.save_screenshot(os.path.join(shot, "dashboard_96_contrib.png"))
+
+
+def test_one_model_panel_is_not_stretched_across_the_page(dash_duo):
+    """#17 item 5: with one model, a heatmap's panel keeps a bounded width instead of filling a 1400 px page."""
+    dash_duo.driver.set_window_size(1400, 1000)
+    dash_duo.start_server(create_app({"full": make_model("full")}, text=TEXT))
+    wait_for_title(dash_duo, "token-graph-0", "token 0 ", timeout=30)
+    wait_for_title(dash_duo, "mean-graph-0", "mean over", timeout=30)
+    page = driver_width(dash_duo, ".page")
+    for view in ("token", "mean", "source"):
+        slot = driver_width(dash_duo, f"#{view}-panel-0")
+        plot = driver_width(dash_duo, f"#{view}-graph-0 .main-svg")
+        assert page > 1100 and slot <= 761 and plot <= slot, (view, page, slot, plot)
+
+
+def driver_width(dash_duo, selector: str) -> float:
+    return dash_duo.driver.execute_script("return document.querySelector(arguments[0]).getBoundingClientRect().width", selector)
+
+
+# hover label of a heatmap cell: Plotly's own hover at data coordinates (a category axis counts columns)
+HOVER_JS = """
+const gd = document.querySelector('#' + arguments[0] + ' .js-plotly-plot');
+Plotly.Fx.hover(gd, {xval: arguments[1], yval: arguments[2]});
+const t = gd.querySelector('.hoverlayer .hovertext');
+return t ? t.textContent : null;
+"""
+# a click on that cell, as Plotly's click handler emits it (the hovered points)
+CLICK_JS = """
+const gd = document.querySelector('#' + arguments[0] + ' .js-plotly-plot');
+Plotly.Fx.hover(gd, {xval: arguments[1], yval: arguments[2]});
+gd.emit('plotly_click', {points: gd._hoverdata, event: {}});
+"""
+
+
+def test_a_long_trace_names_the_token_in_the_one_source_hover_and_a_click_selects_it(dash_duo):
+    """#17 item 7: the compact (>256 tokens) one-source heatmap still names each token in its hover,
+    and a click on a cell still selects that token."""
+    text = ("abcdefghijklmnopqrstuvwxyz" * 12)[:300]
+    dash_duo.driver.set_window_size(1400, 1000)
+    dash_duo.start_server(create_app({"full": make_model("full", n_ctx=320)}, text=text))
+    wait_for_title(dash_duo, "source-graph-0", "at every token", timeout=30)
+    label = dash_duo.driver.execute_script(HOVER_JS, "source-graph-0", 28, 1)
+    assert label is not None and "token 28 'c'" in label, label
+    col = 150
+    time.sleep(0.3)  # Plotly throttles hover: a second one at once would keep the first point
+    dash_duo.driver.execute_script(CLICK_JS, "source-graph-0", col, 1)
+    until(lambda: "token 0 " not in (figure(dash_duo, "token-graph-0") or {}).get("title", ""), timeout=20)
+    picked = int(re.search(r"token (\d+) ", figure(dash_duo, "token-graph-0")["title"]).group(1))
+    assert picked == col
+    assert dash_duo.get_logs() == []

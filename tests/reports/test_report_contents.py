@@ -24,6 +24,16 @@ def _plot_specs(soup) -> dict[str, dict]:
     return out
 
 
+def _array(value) -> np.ndarray:
+    """A figure JSON array: a plain list, or plotly's base64 typed array {"dtype", "bdata", "shape"}."""
+    if isinstance(value, dict):
+        import base64
+
+        shape = [int(x) for x in str(value.get("shape", "-1")).split(",")]
+        return np.frombuffer(base64.b64decode(value["bdata"]), dtype=value["dtype"]).reshape(shape).astype(float)
+    return np.asarray(value, dtype=float)
+
+
 def test_report_parses_as_html_and_has_every_section(soup):
     ids = [s.get("id") for s in soup.find_all("section")]
     assert ids == list(SECTIONS)  # ablation included: the fixture report has ablation results
@@ -142,7 +152,7 @@ def test_heatmap_magnitude_and_gradient_charts_come_from_figures(soup, traces):
     section_plots = {
         sid: [specs[d["id"]] for d in soup.find("section", id=sid).select("div.plot")] for sid in ("heatmaps", "magnitudes", "gradients")
     }
-    weights, contrib = section_plots["heatmaps"]
+    weights, contrib, _difference = section_plots["heatmaps"]
     assert [d["type"] for d in weights["data"]] == ["heatmap"] * 3
     assert weights["layout"]["title"]["text"] == "depth weight α" and contrib["layout"]["title"]["text"] == "contribution share c"
     (mags,) = section_plots["magnitudes"]
@@ -150,6 +160,25 @@ def test_heatmap_magnitude_and_gradient_charts_come_from_figures(soup, traces):
     (grads,) = section_plots["gradients"]
     assert grads["layout"]["title"]["text"] == "Gradient norms by depth"
     assert {d["name"] for d in grads["data"]} == {"prenorm", "full", "block"}
+
+
+def test_report_shows_each_attnres_model_minus_the_baseline_on_a_scale_centred_on_zero(soup, traces, tmp_path):
+    """#17 item 1 in the report: the difference view the dashboard has, with a caption saying what is subtracted."""
+    from attnres_probe.numeric import token_mean
+
+    section = soup.find("section", id="heatmaps")
+    caption = section.find(id="difference").find_next("p").get_text(" ", strip=True)
+    assert "full, block minus prenorm" in caption and "contribution share" in caption and "zero" in caption
+    diff = _plot_specs(soup)[section.select("div.plot")[-1]["id"]]
+    assert [d["type"] for d in diff["data"]] == ["heatmap"] * 2
+    for d in diff["data"]:
+        assert d["zmin"] == -d["zmax"] and d["zmid"] == 0 and d["colorscale"][0][1] != d["colorscale"][-1][1]
+    base, full = traces[0], traces[1]
+    want = token_mean(full.expanded("contrib")[0][full.mask]) - token_mean(base.expanded("contrib")[0][base.mask])
+    np.testing.assert_allclose(_array(diff["data"][0]["z"]), want, atol=1e-5)
+    assert "full − prenorm" in diff["layout"]["annotations"][0]["text"]
+    one = build_report([traces[1]], tmp_path / "one.html")  # no baseline: no difference view
+    assert 'id="difference"' not in one.read_text()
 
 
 def test_explorer_offers_every_token_and_one_heatmap_per_model(soup, traces):
@@ -232,3 +261,34 @@ def test_every_metric_table_groups_rows_under_plain_names_not_snake_case_keys(so
         name = tr.find("td").get_text()
         assert name == LABELS[tr["data-metric"]] and "_" not in name
 
+
+
+def test_a_one_model_report_promises_no_baseline_and_says_once_why_there_is_no_interval(tmp_path):
+    """#16: the one-model intro spoke of a baseline ("…with a baseline.This text…") and every cell
+    repeated "no interval: 1 window"."""
+    from bs4 import BeautifulSoup
+
+    trace = record_text(tiny_model("full"), "abc def", name="full")
+    soup = BeautifulSoup(build_report([trace], tmp_path / "one.html").read_text(), "html.parser")
+    section = soup.find("section", id="metrics")
+    text = section.get_text(" ", strip=True)
+    assert section.find("h2").get_text() == "Metrics"
+    assert "set against the PreNorm baseline" not in text and "nothing is compared with a baseline" in text
+    assert not re.search(r"[a-z]\.[A-Z]", section.find("p").get_text())  # every sentence followed by a space
+    assert "one window per model, so there are no intervals" in text
+    assert "no interval:" not in text and "PreNorm has unit coefficients" not in soup.get_text()
+
+
+def test_locality_verdicts_say_they_set_weights_against_shares_and_windows_of_one_text_are_one_document(soup):
+    """#16: AttnRes's routing weights against PreNorm's contribution shares, said where the verdicts are;
+    the fixture text spans several windows of one text: one document, no interval, said once."""
+    section = soup.find("section", id="metrics")
+    assert "routing weights" in soup.find(id="basis-note").get_text() and "contribution shares" in soup.find(id="basis-note").get_text()
+    loc = section.find("table", class_="metrics").find("tr", attrs={"data-metric": "locality_distance"})
+    assert [c.get_text() for c in loc.select(".caveat")] == ["weights vs shares: different quantities"] * 2
+    loss = section.find("table", class_="metrics").find("tr", attrs={"data-metric": "mean_loss"})
+    assert loss.select(".caveat") == []
+    headline = soup.find(id="headline")
+    assert {b.get_text() for b in headline.select(".basis")} == {"routing weights", "contribution shares"}
+    assert "Only 1 document" in soup.find(id="few-documents").get_text()
+    assert "no interval: 1 document" not in headline.get_text()

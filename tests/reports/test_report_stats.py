@@ -98,6 +98,18 @@ def test_corpus_report_from_file_url_draws_and_shows_the_same_verdicts(stats_rep
         assert shown == _expected(frame, metric_names)
         n_divs, n_drawn = driver.execute_script(
             "const d = document.querySelectorAll('div.plot'); return [d.length, Array.from(d).filter(x => x.querySelector('.main-svg')).length];")
-        assert n_divs == n_drawn == 5
+        assert n_divs == n_drawn == 6  # three heatmaps, the difference from the baseline, two band charts
     finally:
         driver.quit()
+
+
+def test_corpus_report_warns_of_few_documents_and_names_what_each_side_measures(stats_soup):
+    """#16: eight documents: intervals are rough, said once at the top; locality verdicts marked as
+    routing weights against contribution shares."""
+    warning = stats_soup.find(id="few-documents").get_text()
+    assert "Only 8 documents: intervals are rough" in warning
+    assert "only 8 documents" not in stats_soup.find(id="headline").get_text()  # not in every cell
+    note = stats_soup.find(id="basis-note").get_text()
+    assert "routing weights" in note and "contribution shares" in note and "PreNorm has no weights" in note
+    cards = {m["data-metric"]: m.find_next("table") for m in stats_soup.select("#headline div.metric-name")}
+    assert len(cards["locality_distance"].select(".caveat")) == 2 and cards["embed_contrib_deep"].select(".caveat") == []
