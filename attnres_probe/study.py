@@ -49,7 +49,9 @@ __all__ = [
     "pooled_numbers",
     "record_pooled",
     "record_validation",
+    "run_seed_study",
     "run_study",
+    "study_model",
     "study_windows",
     "uniform_reference",
 ]
@@ -124,14 +126,32 @@ EXTRAS = {
 }
 
 
-def record_validation(name: str, n_windows: int = N_WINDOWS, progress: bool = False) -> tuple[Any, list[DepthTrace]]:
-    """Record the fixed validation windows of the shipped demo model ``name``, one forward and backward pass each.
+def study_model(name: str, models: str | Path | None = None) -> tuple[Any, dict[str, Any]]:
+    """(model, training log) of demo model ``name``: the shipped one, or ``models/<name>`` (a folder
+    written by ``attnres-probe demo-models --out``, e.g. another seed's models)."""
+    if models is None:
+        return load_demo(name)[0], demo_log(name)
+    folder = Path(models) / name
+    if not (folder / "model.safetensors").is_file() or not (folder / "train_log.json").is_file():
+        raise FileNotFoundError(
+            f"--models {models}: {folder} holds no demo model (model.safetensors and train_log.json); pass a folder "
+            f"written by `attnres-probe demo-models --out`, holding {', '.join(DEMO_NAMES)}"
+        )
+    from attnres_probe.model import AttnResTransformer
+
+    return AttnResTransformer.load(folder).eval(), json.loads((folder / "train_log.json").read_text())
+
+
+def record_validation(name: str, n_windows: int = N_WINDOWS, progress: bool = False,
+                      models: str | Path | None = None) -> tuple[Any, list[DepthTrace]]:
+    """Record the fixed validation windows of demo model ``name`` (see :func:`study_model`), one forward
+    and backward pass each.
 
     Returns:
         (CorpusStats with every window's metrics, the per-window traces).
     """
-    model, _ = load_demo(name)
-    windows = torch.cat(demo_validation_batches(demo_log(name)))[:n_windows, :-1]  # (n, n_ctx): the inputs
+    model, log = study_model(name, models)
+    windows = torch.cat(demo_validation_batches(log))[:n_windows, :-1]  # (n, n_ctx): the inputs
     return Probe(model, name=name).run_corpus(list(windows), backward=True, progress=progress, keep_traces=True)
 
 
@@ -150,10 +170,10 @@ def study_windows(traces: list[DepthTrace]) -> pd.DataFrame:
     return pd.concat(rows, ignore_index=True)
 
 
-def record_pooled(name: str, n_windows: int = N_WINDOWS) -> DepthTrace:
+def record_pooled(name: str, n_windows: int = N_WINDOWS, models: str | Path | None = None) -> DepthTrace:
     """The same windows recorded together, as one batch with one backward pass of their mean loss (the pool)."""
-    model, _ = load_demo(name)
-    windows = torch.cat(demo_validation_batches(demo_log(name)))[:n_windows, :-1]
+    model, log = study_model(name, models)
+    windows = torch.cat(demo_validation_batches(log))[:n_windows, :-1]
     return Probe(model, name=name).run(windows, backward=True)
 
 
@@ -239,15 +259,17 @@ def evaluate_findings(
 
 
 def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto", n_resamples: int = N_RESAMPLES,
-              seed: int = SEED, progress: bool = False) -> dict[str, Any]:
-    """Record the demo models, judge every finding over windows and write results, page and figures."""
+              seed: int = SEED, progress: bool = False, models: str | Path | None = None) -> dict[str, Any]:
+    """Record the demo models (the shipped ones, or those in ``models``), judge every finding over
+    windows and write results, page and figures."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    recorded = {name: record_validation(name, n_windows, progress) for name in DEMO_NAMES}
+    logs = {name: study_model(name, models)[1] for name in DEMO_NAMES}
+    recorded = {name: record_validation(name, n_windows, progress, models) for name in DEMO_NAMES}
     stats = {n: r[0] for n, r in recorded.items()}
     traces = {n: r[1] for n, r in recorded.items()}
     windows = {n: study_windows(t) for n, t in traces.items()}
-    pooled = {n: pooled_numbers(record_pooled(n, n_windows)) for n in DEMO_NAMES}
+    pooled = {n: pooled_numbers(record_pooled(n, n_windows, models)) for n in DEMO_NAMES}
     refs = {n: uniform_reference(t[0]) for n, t in traces.items()}
     findings = evaluate_findings(windows, pooled, refs, n_resamples, seed)
     frame = metrics.compare(*stats.values(), names=list(stats), n_resamples=n_resamples, seed=seed)
@@ -259,13 +281,17 @@ def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto",
         for extra in EXTRAS:
             est, lo, hi = bootstrap.mean_interval(windows[n][extra].to_numpy(), bootstrap.resample_counts(n_windows, n_resamples, seed))
             numbers[n][extra] = {"mean": _num(est), "low": _num(lo), "high": _num(hi), "pooled": _num(pooled[n][extra])}
-        numbers[n]["val_loss_shipped"] = float(demo_log(n)["shipped"]["val_loss"])
+        numbers[n]["val_loss_shipped"] = float(logs[n]["shipped"]["val_loss"])
         numbers[n].update(refs[n] if n != "prenorm" else {})
     comparisons = [
         {k: (_num(v) if isinstance(v, float) else (None if v is pd.NA else v)) for k, v in r.items()}
         for r in frame[frame["comparison"] != "value"].to_dict("records")
     ]
+    tc = logs["block"]["train_config"]
     results = {
+        "models": "the shipped demo models" if models is None else Path(models).as_posix(),
+        "training": {"steps": tc["steps"], "seed": tc["seed"], "corpus": tc["corpus"], "batch_size": tc["batch_size"],
+                     "seq_len": tc["seq_len"]},
         "n_windows": n_windows,
         "tokens_per_model": int(stats["block"].n_tokens),
         "bootstrap": {"n_resamples": n_resamples, "seed": seed, "level": 0.95, "unit": "window"},
@@ -280,10 +306,114 @@ def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto",
     results["pooled"] = {n: {k: _num(v) for k, v in pooled[n].items()} for n in DEMO_NAMES}
     results["references"] = refs
     atomic_write(out / "results.json", lambda p: p.write_text(json.dumps(results, indent=1) + "\n"))
-    written = _write_figures(_figures(stats, traces), out, images)
+    histories = {n: logs[n].get("probes", {}).get("history") for n in DEMO_NAMES}
+    histories = {n: h for n, h in histories.items() if h}
+    written = _write_figures(_figures(stats, traces, histories), out, images)
     page = _page(results, frame, written)
     atomic_write(out / "study.md", lambda p: p.write_text(page))
     return results
+
+
+def run_seed_study(out: str | Path, seed_dirs: list[str | Path], n_resamples: int = N_RESAMPLES, seed: int = SEED,
+                   level: float = 0.95) -> dict[str, Any]:
+    """Every finding over training seeds and windows at once, from several seeds' study folders.
+
+    Each folder is the ``--out`` of one ``attnres-probe study --models DIR`` run (results.json and
+    windows.csv) of the same recipe at another seed. Intervals draw seeds and windows with
+    replacement (:func:`attnres_probe.analysis.seeds.seed_interval`), each seed's AttnRes model
+    paired with the same seed's PreNorm on the same windows. Writes ``seeds.json`` and ``seeds.md``.
+
+    Raises:
+        ValueError: fewer than two folders, folders of different recipes or windows, or one that
+            is not a study folder.
+    """
+    from attnres_probe.analysis.seeds import seed_interval
+
+    if len(seed_dirs) < 2:
+        raise ValueError(f"--seeds needs the study folders of at least two seeds; got {len(seed_dirs)}")
+    runs = []
+    for d in seed_dirs:
+        d = Path(d)
+        if not (d / "results.json").is_file() or not (d / WINDOWS_FILE).is_file():
+            raise ValueError(f"--seeds {d}: not a study folder (results.json and {WINDOWS_FILE} are written by "
+                             "`attnres-probe study --models DIR --out FOLDER`)")
+        results = json.loads((d / "results.json").read_text())
+        if "training" not in results:
+            raise ValueError(f"--seeds {d}: its results.json predates seed studies (no 'training'); rerun the study")
+        runs.append((d, results, pd.read_csv(d / WINDOWS_FILE)))
+    recipe = {k: v for k, v in runs[0][1]["training"].items() if k != "seed"}
+    for d, results, _ in runs[1:]:
+        other = {k: v for k, v in results["training"].items() if k != "seed"}
+        if other != recipe or results["n_windows"] != runs[0][1]["n_windows"]:
+            raise ValueError(f"--seeds {d}: another recipe or window count ({other}, {results['n_windows']} windows) than "
+                             f"{runs[0][0]} ({recipe}, {runs[0][1]['n_windows']} windows); seeds must differ only in the seed")
+    seeds = [r[1]["training"]["seed"] for r in runs]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: two folders hold the same seed ({seeds})")
+
+    def values(model: str, metric: str) -> np.ndarray:  # [seeds, windows]
+        return np.stack([t[t["model"] == model].sort_values("window")[metric].to_numpy(np.float64) for _, _, t in runs])
+
+    findings = []
+    for f in FINDINGS:
+        per_seed = {str(sd): next(x["verdict"] for x in r["findings"] if x["key"] == f.key) for sd, (_, r, _) in zip(seeds, runs)}
+        a = values(f.model, f.metric)
+        if f.against == "baseline":
+            est, lo, hi = seed_interval(a, values("prenorm", f.metric), f.kind, n_resamples=n_resamples, seed=seed, level=level)
+            null, comparison = (1.0 if f.kind == "ratio" else 0.0), f.kind
+            against = "PreNorm of the same seed on the same windows"
+        else:
+            refs = [float(r["references"][f.model][f.against]) if isinstance(f.against, str) else float(f.against) for _, r, _ in runs]
+            null, comparison = float(np.mean(refs)), "value"
+            est, lo, hi = seed_interval(a, n_resamples=n_resamples, seed=seed, level=level)
+            against = f"{fmt_number(null)} ({f.against.replace('_', ' ')})" if isinstance(f.against, str) else fmt_number(null)
+        findings.append({
+            "key": f.key, "statement": f.statement, "model": f.model, "metric": f.metric, "against": against,
+            "comparison": comparison, "null": null, "expected": f.expected, "estimate": _num(est), "low": _num(lo),
+            "high": _num(hi), "verdict": verdict(lo, hi, f.expected, null), "per_seed": per_seed,
+            "seeds_consistent": sum(v == "consistent" for v in per_seed.values()),
+        })
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {
+        "seeds": seeds, "folders": [Path(d).as_posix() for d, _, _ in runs], "training": recipe,
+        "n_windows": runs[0][1]["n_windows"],
+        "bootstrap": {"n_resamples": n_resamples, "seed": seed, "level": level, "unit": "seed x window (crossed)"},
+        "val_loss": {n: [r["numbers"][n]["val_loss_shipped"] for _, r, _ in runs] for n in DEMO_NAMES},
+        "findings": findings,
+    }
+    atomic_write(out / "seeds.json", lambda p: p.write_text(json.dumps(summary, indent=1) + "\n"))
+    atomic_write(out / "seeds.md", lambda p: p.write_text(_seed_page(summary)))
+    return summary
+
+
+def _seed_page(summary: dict[str, Any]) -> str:
+    tr, boot = summary["training"], summary["bootstrap"]
+    seeds = summary["seeds"]
+    counts = pd.Series([f["verdict"] for f in summary["findings"]]).value_counts().to_dict()
+    lines = [
+        f"# The study across {len(seeds)} seeds",
+        "",
+        f"Seeds {', '.join(map(str, seeds))} of one recipe ({tr['steps']} steps of {tr['batch_size']} x {tr['seq_len']} tokens on "
+        f"`{tr['corpus']}`; PreNorm, Full and Block per seed), each recorded on the same {summary['n_windows']} validation "
+        f"windows (the study folders {', '.join(f'`{d}`' for d in summary['folders'])}). Every interval draws seeds *and* "
+        f"windows with replacement ({boot['n_resamples']} resamples, seed {boot['seed']}), so it is as wide as the "
+        "spread between trainings and between texts together; each seed's AttnRes model is paired with the same "
+        f"seed's PreNorm. With {len(seeds)} seeds the seed draws take few distinct values: the intervals are rough. "
+        "*Per seed* gives each seed's own verdict over windows (its study page).",
+        "",
+        f"Summary: {', '.join(f'{v} {k}' for k, v in sorted(counts.items()))} (of {len(summary['findings'])} findings).",
+        "",
+        "| the paper's claim | model | against | estimate | 95% interval (seeds x windows) | per seed | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for f in summary["findings"]:
+        per = ", ".join(f"{s}: {v}" for s, v in f["per_seed"].items())
+        lines.append(f"| {f['statement']} | {f['model']} | {f['against']} ({f['expected']} expected) | {_estimate(f)} | "
+                     f"{_interval(f)} | {per} | **{f['verdict']}** |")
+    lines += ["", "Validation loss of each seed's shipped fp16 weights: " + "; ".join(
+        f"{n} {', '.join(f'{x:.4g}' for x in v)}" for n, v in summary["val_loss"].items()) + ".", ""]
+    return "\n".join(lines)
 
 
 def _num(x: Any) -> float | None:
@@ -294,9 +424,10 @@ def _num(x: Any) -> float | None:
     return x if np.isfinite(x) else None
 
 
-def _figures(stats: dict[str, Any], traces: dict[str, list[DepthTrace]]) -> dict[str, Any]:
+def _figures(stats: dict[str, Any], traces: dict[str, list[DepthTrace]], histories: dict[str, list] | None = None) -> dict[str, Any]:
     attn = [n for n in stats if stats[n].meta["residual"] != "prenorm"]
-    return {
+    over = {"over_training": figures.over_training(histories)} if histories else {}
+    return {**over, 
         "magnitudes": figures.magnitude_bands(list(stats.values()), list(stats)),
         "gradients": figures.gradient_bands(list(stats.values()), list(stats)),
         "mean_weights": figures.corpus_side_by_side([stats[n] for n in attn], "weights", names=attn),
@@ -344,11 +475,17 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
     n = results["n_windows"]
     boot = results["bootstrap"]
     counts = pd.Series([f["holds"] for f in results["findings"]]).value_counts().to_dict()
+    models = results.get("models", "the shipped demo models")
+    shipped = models == "the shipped demo models"
+    tr = results.get("training")
+    recipe = (f": {tr['steps']} steps of {tr['batch_size']} x {tr['seq_len']} tokens on `{tr['corpus']}`, seed {tr['seed']}"
+              if tr else "")
     lines = [
         "# Reproduction study: the paper's diagnostics on the demo models, window by window",
         "",
-        "Generated by `attnres-probe study --out docs/study` from the shipped demo models (PreNorm, Full, Block; "
-        f"identical config, seed, data and steps). Each model records the same {n} validation windows "
+        f"Generated by `attnres-probe study{'' if shipped else ' --models ' + models}` from "
+        f"{'the shipped demo models' if shipped else 'the demo models in `' + models + '`'} (PreNorm, Full, Block; identical "
+        f"config, data and steps{recipe}). Each model records the same {n} validation windows "
         f"({results['tokens_per_model']} tokens; the windows its shipped validation loss was measured on), one forward "
         "and one backward pass per window. **The window is the unit**: every number is the mean over windows with a "
         f"95% percentile-bootstrap interval ({boot['n_resamples']} resamples of the windows, seed {boot['seed']}); "
@@ -438,14 +575,25 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--resamples", type=int, default=N_RESAMPLES, help="bootstrap resamples (default: %(default)s)")
     p.add_argument("--seed", type=int, default=SEED, help="bootstrap seed (default: %(default)s)")
     p.add_argument("--images", choices=("auto", "png", "html"), default="auto")
+    p.add_argument("--models", metavar="DIR", help="study the demo models in DIR (written by `attnres-probe demo-models --out DIR`, "
+                   "e.g. another seed's) instead of the shipped ones")
+    p.add_argument("--seeds", nargs="+", metavar="FOLDER", help="combine the study folders of several seeds of one recipe "
+                   "(each the --out of `study --models`) into seeds.md: intervals over seeds and windows")
     p.set_defaults(func=lambda a: _run(a))
     return p
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.seeds:
+        summary = run_seed_study(args.out, args.seeds, args.resamples, args.seed)
+        width = max(len(f["key"]) for f in summary["findings"])
+        for f in summary["findings"]:
+            print(f"{f['verdict']:<13} {f['key']:<{width}}  consistent in {f['seeds_consistent']} of {len(summary['seeds'])} seeds")
+        print(f"wrote {Path(args.out) / 'seeds.md'}")
+        return 0
     if not 1 <= args.windows <= N_WINDOWS:
         raise ValueError(f"--windows is {args.windows}; the demo models have {N_WINDOWS} validation windows (1..{N_WINDOWS})")
-    results = run_study(args.out, args.windows, args.images, args.resamples, args.seed, progress=True)
+    results = run_study(args.out, args.windows, args.images, args.resamples, args.seed, progress=True, models=args.models)
     width = max(len(f["key"]) for f in results["findings"])
     for f in results["findings"]:
         print(f"{f['verdict']:<13} {f['key']:<{width}}  holds: {f['holds']}")

@@ -1,4 +1,5 @@
-"""The study page (study.md) says what its comparisons set side by side (#16)."""
+"""The study page (study.md) says what its comparisons set side by side (#16); the study of another seed's
+models and across seeds (#21)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from attnres_probe.analysis.compare import Windows, compare_windows
 from attnres_probe.analysis.windows import WINDOW_METRICS
-from attnres_probe.study import _page
+from attnres_probe.study import FINDINGS, _page, run_seed_study, run_study, study_model
 
 STUDY = Path(__file__).resolve().parents[1] / "docs" / "study"
 
@@ -33,3 +35,62 @@ def test_the_study_page_marks_weights_against_shares_and_warns_of_few_documents(
     loss = next(line for line in every.splitlines() if "`mean_loss`" in line)
     assert "weights vs shares" not in loss
     assert "log scale" in page[page.index("## Figures"):]
+
+
+# -- the study of another seed's models, and across seeds (#21) --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def seed_studies(tmp_path_factory):
+    """Two seeds of a 2-step demo recipe, each studied on 3 validation windows (the whole pipeline, tiny)."""
+    from attnres_probe.demo import build_demo_models
+
+    root = tmp_path_factory.mktemp("seeds")
+    folders = []
+    for s in (1, 2):
+        build_demo_models(root / f"models{s}", seed=s, work=root / "work", progress=False, steps=2, warmup_steps=0,
+                          eval_every=0, probe_every=1)
+        run_study(root / f"study{s}", n_windows=3, images="html", n_resamples=50, models=root / f"models{s}")
+        folders.append(root / f"study{s}")
+    return root, folders
+
+
+def test_a_study_of_another_seeds_models_says_which_models_and_recipe(seed_studies):
+    root, (one, _) = seed_studies
+    results = json.loads((one / "results.json").read_text())
+    assert results["training"]["seed"] == 1 and results["training"]["steps"] == 2
+    page = (one / "study.md").read_text()
+    assert f"--models {(root / 'models1').as_posix()}" in page and "2 steps of 16 x 128 tokens on `shakespeare`, seed 1" in page
+    assert (one / "over_training.html").is_file()  # the runs' probes drawn against the training step
+
+
+def test_the_study_across_seeds_draws_seeds_and_windows_and_lists_each_seeds_verdict(seed_studies, tmp_path):
+    _, folders = seed_studies
+    summary = run_seed_study(tmp_path / "across", folders, n_resamples=200)
+    assert summary["seeds"] == [1, 2] and summary["bootstrap"]["unit"] == "seed x window (crossed)"
+    assert [f["key"] for f in summary["findings"]] == [f.key for f in FINDINGS]
+    for f in summary["findings"]:
+        assert set(f["per_seed"]) == {"1", "2"}
+        assert f["verdict"] in ("consistent", "contrary", "inconclusive")
+        if f["low"] is not None:
+            assert f["low"] <= f["high"]
+    page = (tmp_path / "across" / "seeds.md").read_text()
+    assert "1: " in page and "2: " in page and "seeds *and* windows" in page
+
+
+def test_the_study_across_seeds_refuses_mixed_recipes_and_single_seeds(seed_studies, tmp_path):
+    _, (one, two) = seed_studies
+    with pytest.raises(ValueError, match="at least two seeds"):
+        run_seed_study(tmp_path / "x", [one])
+    other = tmp_path / "other"
+    other.mkdir()
+    results = json.loads((two / "results.json").read_text())
+    results["training"]["steps"] = 8000
+    (other / "results.json").write_text(json.dumps(results))
+    (other / "windows.csv").write_text((two / "windows.csv").read_text())
+    with pytest.raises(ValueError, match="another recipe"):
+        run_seed_study(tmp_path / "x", [one, other])
+    with pytest.raises(ValueError, match="same seed"):
+        run_seed_study(tmp_path / "x", [two, two])
+    with pytest.raises(FileNotFoundError, match="holds no demo model"):
+        study_model("block", tmp_path)
