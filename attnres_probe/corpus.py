@@ -533,6 +533,10 @@ def _run_corpus(args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"attnres-probe corpus: error: {exc}", file=sys.stderr)
         return 1
+    except ValueError:  # found alike on every rank after the merge (e.g. no window at all): rank 0 says it
+        if rank == 0:
+            raise
+        return 2
     finally:
         import torch.distributed as dist
 
