@@ -334,6 +334,7 @@ def record_corpus(
         # where this process keeps its progress: the model's stats folder, or under torchrun its rank's own
         stats_dir = out / entry["dir"] if ranks is None else out / RANKS_DIR / f"of{ranks.world}" / f"rank{ranks.rank}" / entry["dir"]
         stats, resume_after = together(lambda: _partial_stats(stats_dir, probe, entry))
+        _say_where_it_resumes(out, entry, stats, ranks)
         from tqdm.auto import tqdm
 
         total = manifest["data"]["bytes"] if byte_tokens else None
@@ -375,7 +376,10 @@ def record_corpus(
             frame = metrics.compare(*loaded.values(), names=list(loaded), n_resamples=n_resamples, seed=seed)
             atomic_write(out / COMPARISON_FILE, lambda p: frame.to_csv(p, index=False))
             manifest["complete"] = True
-            manifest["comparison"] = {"n_resamples": n_resamples, "seed": seed, "file": COMPARISON_FILE}
+            from attnres_probe.analysis.display import documents_warning
+
+            manifest["comparison"] = {"n_resamples": n_resamples, "seed": seed, "file": COMPARISON_FILE,
+                                      "note": documents_warning(frame)}
             _write_manifest(out, manifest)
 
     together(conclude)
@@ -390,6 +394,27 @@ def record_corpus(
                     pass
     manifest["complete"] = True
     return manifest
+
+
+def _say_where_it_resumes(out: Path, entry: dict[str, Any], stats, ranks) -> None:
+    """One line (from rank 0) on what a resumed model continues from, and on saved progress this run cannot use."""
+    if ranks is None:
+        saved = stats.n_windows if stats is not None else 0
+        if saved:
+            print(f"{entry['name']}: resuming after {saved} windows ({stats.n_tokens} tokens) saved before", file=sys.stderr)
+    else:
+        counts = [int(x) for x in ranks.messages(str(stats.n_windows if stats is not None else 0))]
+        if ranks.is_main and sum(counts):
+            print(f"{entry['name']}: resuming after {sum(counts)} windows the {ranks.world} ranks saved before "
+                  f"({', '.join(f'rank {r}: {n}' for r, n in enumerate(counts))})", file=sys.stderr)
+    if ranks is not None and not ranks.is_main:
+        return
+    here = f"of{ranks.world}" if ranks is not None else None
+    unused = sorted(p.name for p in (out / RANKS_DIR).glob("of*") if p.name != here and any(p.glob(f"rank*/{entry['dir']}")))
+    if unused:
+        now = f"{ranks.world} ranks" if ranks is not None else "one process"
+        print(f"{entry['name']}: progress saved by {', '.join(u[2:] for u in unused)} ranks (in {out / RANKS_DIR}) is not used "
+              f"by a run of {now}; rerun with that many ranks to continue it", file=sys.stderr)
 
 
 def _partial_stats(stats_dir: Path, probe, entry: dict[str, Any]):
@@ -549,4 +574,7 @@ def _run_corpus(args: argparse.Namespace) -> int:
         skipped = f", {plural(m['skipped'], 'window')} under two tokens left out" if m.get("skipped") else ""
         print(f"{m['name']}: {plural(m['windows'], 'window')}, {plural(m['tokens'], 'token')}{skipped}")
     print(f"wrote {Path(args.out) / COMPARISON_FILE} and the aggregates in {args.out} ({time.perf_counter() - t0:.1f} s)")
+    note = manifest.get("comparison", {}).get("note")
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     return 0

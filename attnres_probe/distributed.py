@@ -10,9 +10,11 @@ split the documents between the ranks and combine what each recorded:
   records nothing and still takes part.
 - **Lock step.** After each recorded batch every rank joins one ``all_reduce`` of a few
   integers: the tokens recorded so far (rank 0's progress bar shows the sum), whether it has
-  finished its shard, and whether it failed. A rank that finished keeps answering until all
-  have. So a rank that raises is known to all at their next batch, and a rank that dies breaks
-  the collective on every other rank (gloo notices a closed connection at once; otherwise the
+  finished its shard, and whether it failed. It runs in the background while the rank records
+  its next batch (its result is read at the following tick), so ranks wait for each other only
+  when one runs a whole batch ahead. A rank that finished keeps answering until all have. So a
+  rank that raises is known to all within two batches, and a rank that dies breaks the
+  collective on every other rank (gloo notices a closed connection at once; otherwise the
   process-group timeout, ``ATTNRES_DIST_TIMEOUT`` seconds, default 1800, bounds the wait).
 - **Merge.** Each rank's :class:`~attnres_probe.stats.CorpusStats` travels as bytes (JSON, an
   ``.npz`` read with ``allow_pickle=False``, a Parquet window table: no pickle) through one
@@ -31,7 +33,7 @@ import datetime
 import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -47,7 +49,9 @@ __all__ = [
 
 T = TypeVar("T")
 _MESSAGE_BYTES = 1024
+_SEP = "\x1f"  # between an exception's type and its message in what ranks exchange
 DEFAULT_TIMEOUT_S = 1800.0
+RECORDING_STOPPED = "; the run stopped before its result was written: rerun with --resume to continue"
 
 
 class DistributedRunError(RuntimeError):
@@ -103,13 +107,14 @@ def current_ranks() -> Ranks | None:
     return Ranks(rank=dist.get_rank(), world=world, device=device)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Ranks:
     """This process's place in a distributed run, and the few collectives the corpus needs."""
 
     rank: int
     world: int
     device: torch.device
+    _pending: tuple[Any, torch.Tensor] | None = field(default=None, repr=False)  # the tick running in the background
 
     @property
     def is_main(self) -> bool:
@@ -134,45 +139,84 @@ class Ranks:
             cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise DistributedRunError(
                 f"rank {self.rank} lost contact with the other ranks ({cause[:200]}): a rank stopped "
-                "(torchrun's report names it); no result was written (rerun with --resume to continue)"
+                "(torchrun's report names it)" + RECORDING_STOPPED
             ) from None
 
-    def tick(self, tokens: int, done: bool, failed: bool = False) -> tuple[int, int]:
-        """Join the per-batch all_reduce: (tokens over all ranks, ranks done). Raises if a rank failed."""
-        import torch.distributed as dist
-
+    def _vector(self, tokens: int = 0, done: bool = False, failed: bool = False) -> torch.Tensor:
         v = torch.zeros(2 + self.world, dtype=torch.int64, device=self.device)
         v[0], v[1] = int(tokens), int(done)
         v[2 + self.rank] = int(failed)
-        self._collective(lambda: dist.all_reduce(v))
-        failed_ranks = [r for r in range(self.world) if v[2 + r].item()]
-        if failed_ranks and not failed:
-            self._raise_failure(failed_ranks, "")
-        return int(v[0].item()), int(v[1].item())
+        return v
 
-    def fail(self, exc: BaseException) -> None:
-        """This rank failed: tell the others (at their next tick) and raise the run's error everywhere."""
-        cause = f"{type(exc).__name__}: {exc}".strip()
-        v = torch.zeros(2 + self.world, dtype=torch.int64, device=self.device)
-        v[2 + self.rank] = 1
+    def _result(self, v: torch.Tensor) -> tuple[int, int, list[int]]:
+        """(tokens over all ranks, ranks done, failed ranks) of a finished all_reduce."""
+        flags = v[2:].tolist()
+        return int(v[0].item()), int(v[1].item()), [r for r, f in enumerate(flags) if f]
+
+    def _finish_pending(self) -> tuple[int, int, list[int]] | None:
+        if self._pending is None:
+            return None
+        work, v = self._pending
+        self._pending = None
+        self._collective(work.wait)
+        return self._result(v)
+
+    def tick(self, tokens: int, done: bool) -> tuple[int, int] | None:
+        """One step of the lock step: (tokens over all ranks, ranks done) as of the previous tick, or
+        None at the first. Raises :class:`DistributedRunError` once a rank has failed.
+
+        The all_reduce runs in the background while this rank records its next batch (the
+        result is read at the next tick), so a rank waits only when it runs a whole tick ahead.
+        When the previous tick showed every rank done, no new one starts: every rank stops at
+        the same tick.
+        """
         import torch.distributed as dist
 
-        self._collective(lambda: dist.all_reduce(v))
-        self._raise_failure([r for r in range(self.world) if v[2 + r].item()], cause)
+        previous = self._finish_pending()
+        if previous is not None:
+            total, n_done, failed = previous
+            if failed:
+                self._raise_failure(failed, "", RECORDING_STOPPED)
+            if n_done == self.world:
+                return total, n_done
+        v = self._vector(tokens, done)
+        work = self._collective(lambda: dist.all_reduce(v, async_op=True))
+        self._pending = (work, v)
+        return None if previous is None else previous[:2]
 
-    def _raise_failure(self, failed_ranks: list[int], own: str) -> None:
-        causes = self.messages(own)
+    def _sync(self, failed: bool, own: str, suffix: str) -> None:
+        """A synchronous round after any pending tick: raises if any rank failed."""
+        import torch.distributed as dist
+
+        previous = self._finish_pending()
+        if previous is not None and previous[2]:  # a rank failed at the last tick, before this one failed too
+            self._raise_failure(previous[2], own, suffix)
+        v = self._vector(failed=failed)
+        self._collective(lambda: dist.all_reduce(v))
+        failed_ranks = self._result(v)[2]
+        if failed_ranks:
+            self._raise_failure(failed_ranks, own, suffix)
+
+    def fail(self, exc: BaseException, suffix: str = "") -> None:
+        """This rank failed: tell the others (at their next tick) and raise the run's error everywhere."""
+        self._sync(True, f"{type(exc).__name__}{_SEP}{exc}", suffix)
+
+    def _raise_failure(self, failed_ranks: list[int], own: str, suffix: str) -> None:
+        causes = [c.partition(_SEP) for c in self.messages(own)]  # (type, sep, message)
+        shared = {causes[r] for r in failed_ranks}
+        if len(failed_ranks) == self.world and len(shared) == 1:  # every rank found the same: say it as one process would
+            raise DistributedRunError(causes[0][2] + suffix)
         first = failed_ranks[0]
+        kind, _, text = causes[first]
         more = f" (and rank{'s' if len(failed_ranks) > 2 else ''} {', '.join(map(str, failed_ranks[1:]))})" if len(failed_ranks) > 1 else ""
-        raise DistributedRunError(
-            f"rank {first} failed{more}: {causes[first] or 'no cause given'}; no result was written (rerun with --resume to continue)"
-        )
+        raise DistributedRunError(f"rank {first} failed{more}: {f'{kind}: {text}' if kind else 'no cause given'}{suffix}")
 
     def agree(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on this rank, then learn whether it succeeded on every rank.
 
         Every rank must call ``agree`` at the same point. If ``fn`` raised on any rank, every
-        rank raises one :class:`DistributedRunError` naming the first failing rank and its cause.
+        rank raises one :class:`DistributedRunError` naming the first failing rank and its cause
+        (or, when every rank found the same, the cause alone).
         """
         try:
             result = fn()
@@ -181,7 +225,7 @@ class Ranks:
         except Exception as exc:
             self.fail(exc)
             raise  # not reached: fail raises
-        self.tick(0, True)
+        self._sync(False, "", "")
         return result
 
     def messages(self, text: str) -> list[str]:

@@ -297,7 +297,7 @@ class Probe:
         """
         from tqdm.auto import tqdm
 
-        from attnres_probe.distributed import DistributedRunError, current_ranks, merge_all
+        from attnres_probe.distributed import RECORDING_STOPPED, DistributedRunError, current_ranks, merge_all
         from attnres_probe.stats import CorpusStats
 
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
@@ -328,11 +328,12 @@ class Probe:
                     traces.append(trace)
             if on_batch is not None:
                 on_batch(stats, (rows[-1][0], rows[-1][1]))
-            total = stats.n_tokens if ranks is None else ranks.tick(stats.n_tokens, done=False)[0]
+            seen = (stats.n_tokens, 0) if ranks is None else ranks.tick(stats.n_tokens, done=False)
             bar.update(len(rows))
-            bar.set_postfix(tokens=total)
-            if on_progress is not None:
-                on_progress(total)
+            if seen is not None:  # under torchrun: all ranks' tokens as of the previous batch
+                bar.set_postfix(tokens=seen[0])
+                if on_progress is not None:
+                    on_progress(seen[0])
 
         try:
             pending: list[tuple[int, int, torch.Tensor]] = []
@@ -351,14 +352,14 @@ class Probe:
         except Exception as exc:
             if ranks is None or isinstance(exc, DistributedRunError):
                 raise
-            ranks.fail(exc)  # every rank raises one error naming this rank and the cause
+            ranks.fail(exc, RECORDING_STOPPED)  # every rank raises one error naming this rank and the cause
         bar.close()
         if ranks is not None:
             while True:  # answer the others' ticks until every rank has finished its shard
-                total, done = ranks.tick(stats.n_tokens, done=True)
-                if on_progress is not None:
-                    on_progress(total)
-                if done == ranks.world:
+                seen = ranks.tick(stats.n_tokens, done=True)
+                if seen is not None and on_progress is not None:
+                    on_progress(seen[0])
+                if seen is not None and seen[1] == ranks.world:
                     break
             parts = [CorpusStats.from_bytes(b) for b in ranks.all_gather_bytes(stats.to_bytes())]
             stats = merge_all(parts, stats.meta)

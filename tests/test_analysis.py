@@ -245,6 +245,11 @@ def test_compare_resamples_documents_and_warns_when_they_are_few():
     assert row["high"] - row["low"] > 3 * (window_hi - window_lo)  # document effects widen it
     value = frame.query("metric == 'mean_loss' and model == 'block' and comparison == 'value'").iloc[0]
     assert value["documents"] == 4 and "only 4 documents" in value["note"]
+    from attnres_probe import analysis
+
+    with pytest.warns(UserWarning, match="Only 4 documents"):  # a notebook's readable table says it too
+        table = frame.pipe(analysis.display.readable)
+    assert table.attrs["notes"] and "Only 4 documents" in table.attrs["notes"][0]
     one = _windows("prenorm", "prenorm", {"mean_loss": base[:10]})
     one.table["doc"] = 0
     row = compare_windows([one], n_resamples=200).query("metric == 'mean_loss'").iloc[0]

@@ -41,8 +41,10 @@ def test_corpus_records_every_document_and_writes_aggregates_and_comparisons(tmp
     data = _write_docs(tmp_path / "data")
     out = tmp_path / "out"
     assert main(["corpus", "--models", *ckpts, "--data", str(data), "--out", str(out), "--no-progress", "--resamples", "200"]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "prenorm:" in printed and "block:" in printed and "comparison.csv" in printed
+    assert "note: Only 3 documents" in captured.err  # the few-documents warning, on the command line too (one doc is empty)
     manifest, stats = load_stats_dir(out)
     assert manifest["complete"] and [d[0] for d in manifest["data"]["files"]] == ["a.txt", "b/c.md", "d.txt", "e.txt"]
     n_bytes = sum(len(t.encode()) for t in DOCS.values())
@@ -54,7 +56,7 @@ def test_corpus_records_every_document_and_writes_aggregates_and_comparisons(tmp
     assert (frame.query("comparison != 'value'")["windows"] == stats["block"].n_windows).all()
 
 
-def test_an_interrupted_run_resumes_and_equals_an_uninterrupted_one(tmp_path, ckpts, monkeypatch):
+def test_an_interrupted_run_resumes_and_equals_an_uninterrupted_one(tmp_path, ckpts, monkeypatch, capsys):
     data = _write_docs(tmp_path / "data")
     whole = record_corpus(data, tmp_path / "whole", models=ckpts, batch_size=2, progress=False, n_resamples=100)
     calls = {"n": 0}
@@ -72,7 +74,9 @@ def test_an_interrupted_run_resumes_and_equals_an_uninterrupted_one(tmp_path, ck
     monkeypatch.setattr(corpus_mod, "_save_progress", real)
     with pytest.raises(corpus_mod.CorpusRunError, match="unfinished"):
         load_stats_dir(tmp_path / "part")
+    capsys.readouterr()
     record_corpus(data, tmp_path / "part", models=ckpts, batch_size=2, save_every=0, progress=False, n_resamples=100)
+    assert "prenorm: resuming after 4 windows" in capsys.readouterr().err  # two saves of two windows: says what it continues from
     _, a = load_stats_dir(tmp_path / "whole")
     _, b = load_stats_dir(tmp_path / "part")
     for name in a:

@@ -111,6 +111,13 @@ def test_a_rank_that_raises_fails_the_run_in_one_line_and_writes_no_result(tmp_p
     assert len(ours) == 1 and "rank 2 failed" in ours[0] and "injected fault" in ours[0], run.stderr[-3000:]
     assert not (out / COMPARISON_FILE).exists()
     assert not json.loads((out / CORPUS_FILE).read_text())["complete"]
+    assert "rerun with --resume" in ours[0]
+    # every rank finds the same setup error: said once, as one process would say it (no rank, no resume advice)
+    other = _torchrun(2, *_corpus_args(single["two"][0], out))
+    ours = [line for line in other.stderr.splitlines() if line.startswith("attnres-probe corpus: error:")]
+    assert other.returncode != 0 and len(ours) == 1, other.stderr[-3000:]
+    assert "holds a corpus run over other data" in ours[0] and "--resume" not in ours[0]
+    assert "rank 0" not in ours[0] and "CorpusRunError" not in ours[0]
 
 
 def test_a_rank_killed_mid_run_fails_the_run_and_resume_completes_it(tmp_path, single):
@@ -163,3 +170,14 @@ def test_resume_without_a_run_is_refused(tmp_path, single, capsys):
     data, _ = single["two"]
     assert main(_corpus_args(data, tmp_path / "new", "--resume")) == 2
     assert "holds no corpus run to continue" in capsys.readouterr().err
+
+
+def test_a_run_says_when_progress_saved_by_another_number_of_ranks_goes_unused(tmp_path, capsys):
+    from attnres_probe.corpus import _say_where_it_resumes
+
+    (tmp_path / RANKS_DIR / "of2" / "rank1" / "models" / "block").mkdir(parents=True)
+    _say_where_it_resumes(tmp_path, {"name": "block", "dir": "models/block"}, None, None)
+    err = capsys.readouterr().err
+    assert "progress saved by 2 ranks" in err and "not used by a run of one process" in err
+    _say_where_it_resumes(tmp_path, {"name": "prenorm", "dir": "models/prenorm"}, None, None)
+    assert capsys.readouterr().err == ""  # nothing saved for that model

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from attnres_probe.analysis import display  # noqa: F401  (analysis.display.readable in a notebook)
 from attnres_probe.analysis.bootstrap import cluster_counts, mean_interval, paired_interval, resample_counts
 from attnres_probe.analysis.compare import Windows, compare_windows
 from attnres_probe.analysis.verdicts import EXPECTED, VERDICTS, Expectation, verdict

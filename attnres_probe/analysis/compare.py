@@ -174,7 +174,9 @@ def _note_value(item: Windows, metric: str, n_ok: int, n_docs: int, pooled: floa
             return "PreNorm has no depth weights (unit coefficients)"
         if item.n == 0:
             return "no windows"
-        return "not available (recorded without gradients?)" if "grad" in metric else "not available"
+        if "grad" in metric:
+            return "not available: recorded without gradients (record with backward=True; `attnres-probe corpus` does unless --no-backward)"
+        return "not available"
     return _note_interval(n_ok, n_docs)
 
 

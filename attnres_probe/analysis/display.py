@@ -7,6 +7,7 @@ number or verdict is computed here, so every page shows the same strings.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import pandas as pd
@@ -313,4 +314,9 @@ def readable(frame: pd.DataFrame) -> pd.DataFrame:
             index.append((g["title"], r["label"]))
             rows.append([*r["cells"], *(f"{v} ({c})" if c else v for v, c in zip(r["verdicts"], r["caveats"]))])
     columns = [*t["columns"], *(f"verdict: {c}" for c in t["comparisons"])]
-    return pd.DataFrame(rows, index=pd.MultiIndex.from_tuples(index, names=["group", "metric"]), columns=columns)
+    out = pd.DataFrame(rows, index=pd.MultiIndex.from_tuples(index, names=["group", "metric"]), columns=columns)
+    notes = [n for n in (documents_warning(frame),) if n]
+    out.attrs["notes"] = notes  # what a page says once above the table
+    for note in notes:  # a notebook shows the frame, not its attrs: say it as a warning too
+        warnings.warn(note, UserWarning, stacklevel=2)
+    return out
