@@ -49,6 +49,7 @@ __all__ = [
     "difference_side_by_side",
     "gradient_bands",
     "gradient_norms",
+    "log_axis",
     "logit_contributions_chart",
     "logit_lens_chart",
     "magnitude_bands",
@@ -177,8 +178,26 @@ def _title(parts: Sequence[str]) -> str:
     return "<br>".join(parts)
 
 
+TITLE_LINE_PX = 22  # one title line at plotly's default 17 px title font (line spacing 1.3)
+TITLE_ASCENT_PX = 16  # from the top of the first line to its baseline
+TITLE_PAD_PX = 8  # above the title's first line
+
+
+def _title_layout(parts: Sequence[str]) -> dict:
+    """The title of a figure whose title has one line per part, hung from the top of the figure into a top
+    margin (:func:`_title_margin`) tall enough for every line, so the last line never sits on the plot.
+
+    Plotly's default puts the first line's baseline at the middle of the top margin, and its anchors
+    place only the first line (the lines after it run down from there), which pushed a third line onto
+    the first heatmap row. Here the first baseline sits ``TITLE_PAD_PX + TITLE_ASCENT_PX`` below the
+    top of the figure and the others follow, well above the plot."""
+    return {"text": _title(parts), "y": 1, "yref": "container", "yanchor": "top",
+            "pad": {"t": TITLE_PAD_PX + TITLE_ASCENT_PX}}
+
+
 def _title_margin(parts: Sequence[str]) -> dict:
-    return {"t": 30 + 20 * len(parts)}
+    """The top margin that holds a :func:`_title_layout` title of ``parts`` with a gap above the plot."""
+    return {"t": TITLE_PAD_PX + TITLE_LINE_PX * len(parts) + 20}
 
 
 def _read_block_lines(trace: DepthTrace) -> list[dict]:
@@ -247,7 +266,7 @@ def _cell_heatmap(
     shapes = _read_block_lines(trace) + (_source_block_lines(trace) if expanded else [])
     notes = _empty_note(trace, kind, z)
     fig.update_layout(
-        title={"text": _title(parts)},
+        title=_title_layout(parts),
         meta={"title_parts": list(parts)},
         margin=_title_margin(parts),
         shapes=shapes,
@@ -360,7 +379,7 @@ def source_heatmap(
     if categories is not None:
         tickvals = [categories[v] for v in tickvals]
     fig.update_layout(
-        title={"text": _title(parts)},
+        title=_title_layout(parts),
         meta={"title_parts": parts, "tokens": [str(t) for t in toks]},
         margin=_title_margin(parts),
         shapes=_read_block_lines(trace),
@@ -503,7 +522,12 @@ def difference_heatmap(
             cells, labels = cell_values(t, expanded=True, index=(batch, pos))
             vals.append(cells[kind])
     z = vals[0] - vals[1]
-    what = "mean over tokens" if token is None else f"token {trace.token_index(token, batch)} (sequence {batch})"
+    if token is None:
+        what = "mean over tokens"
+    else:  # as token_heatmap's title: position, the token's text, sequence
+        pos = trace.token_index(token, batch)
+        tok = trace.str_tokens[batch][pos] if pos < len(trace.str_tokens[batch]) else ""
+        what = f"token {pos} {tok!r} (sequence {batch})"
     parts = [f"{trace.name} − {baseline.name}", what, f"difference in {KIND_TITLES[kind]}"]
     fig = go.Figure(
         go.Heatmap(
@@ -514,7 +538,7 @@ def difference_heatmap(
         )
     )
     fig.update_layout(
-        title={"text": _title(parts)}, meta={"title_parts": parts}, margin=_title_margin(parts),
+        title=_title_layout(parts), meta={"title_parts": parts}, margin=_title_margin(parts),
         shapes=_read_block_lines(trace) + _source_block_lines(trace), plot_bgcolor="white",
         annotations=[] if np.isfinite(z).any() else [_note("no cell is available to both models")],
         height=max(320, 24 * len(trace.read_labels) + 120 + 20 * len(parts)),
@@ -558,6 +582,11 @@ NO_ACTIVATIONS_NOTE = ("A saved trace holds depth weights, not activations: the 
                        "need the model itself (load it with --models DIR, or Probe(model) in a notebook).")
 
 
+# the legend of _vocab_label's "#N" labels, said once beside the logit decomposition and the logit lens
+VOCAB_ID_NOTE = ("#N is token N of the vocabulary shown by its number: it has no printable character on its own "
+                 "(with the byte tokenizer, byte N: part of a multi-byte UTF-8 character, or a control character).")
+
+
 def _vocab_label(text: str, token_id: int) -> str:
     """A predicted token for a label: its text made visible, or ``#id`` when it does not print
     (a byte that is not UTF-8 on its own, a control character)."""
@@ -596,7 +625,7 @@ def logit_contributions_chart(lc, k: int = 5, name: str | None = None) -> go.Fig
     fig.add_shape(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=len(lc.sources) - 0.5, y1=len(lc.sources) - 0.5,
                   line=BOUNDARY_LINE)
     fig.update_layout(
-        title={"text": _title(parts)}, meta={"title_parts": parts}, margin=_title_margin(parts), plot_bgcolor="white",
+        title=_title_layout(parts), meta={"title_parts": parts}, margin=_title_margin(parts), plot_bgcolor="white",
         height=max(300, 22 * len(ylabels) + 120 + 20 * len(parts)),
         xaxis={"title": {"text": "predicted next token (by logit)"}, "showgrid": False, "tickangle": 0},
         yaxis={"title": {"text": "source"}, "autorange": "reversed", "showgrid": False},
@@ -631,7 +660,7 @@ def logit_lens_chart(frame: pd.DataFrame, position: int, name: str | None = None
         hovertemplate="read %{y}<br>%{x}: %{text}<br>probability %{z:.3f}<extra></extra>",
     ))
     fig.update_layout(
-        title={"text": _title(parts)}, meta={"title_parts": parts}, margin=_title_margin(parts), plot_bgcolor="white",
+        title=_title_layout(parts), meta={"title_parts": parts}, margin=_title_margin(parts), plot_bgcolor="white",
         height=max(320, 22 * len(reads) + 120 + 20 * len(parts)),
         xaxis={"title": {"text": "rank (✓ = the token that follows)"}, "showgrid": False, "side": "bottom"},
         yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
@@ -640,6 +669,34 @@ def logit_lens_chart(frame: pd.DataFrame, position: int, name: str | None = None
 
 
 # -- depth profiles ---------------------------------------------------------------------------
+LOG_TICKFORMAT = "~g"  # d3: 0.2, 0.05, 1, 20 (trailing zeros dropped)
+
+
+def log_axis(values) -> dict:
+    """Settings of a logarithmic axis over ``values`` on which every tick label is the full number
+    (0.2, 0.5, 1, 2), never plotly's small digits.
+
+    Between powers of ten plotly puts "D1" or "D2" ticks on a log axis (it picks them for a range
+    of one to a few decades) and labels those with their first digit only, so 0.2 reads "2" under
+    the tick "1" of the decade above. A ``tickformat`` makes plotly format every tick in full; the
+    ticks are then set at 1, 2 and 5 times each power of ten (``dtick="D2"``: "D1", every digit,
+    would be too many full labels to read) over 0.6 to 3.5 decades of data, at the powers of ten
+    only over more, and left to plotly below (its "L" ticks: evenly spaced values, also labelled in
+    full). Unlabelled minor ticks and grid lines mark the other digits.
+    """
+    v = np.asarray(values, dtype=np.float64).ravel()
+    v = v[np.isfinite(v) & (v > 0)]
+    out: dict = {"type": "log", "tickformat": LOG_TICKFORMAT}
+    if v.size:
+        span = math.log10(float(v.max()) / float(v.min()))
+        if span > 3.5:
+            out["dtick"] = 1
+        elif span >= 0.6:
+            out.update(dtick="D2", minor={"ticks": "outside", "ticklen": 3, "showgrid": True, "dtick": "D1",
+                                          "gridcolor": "rgba(255,255,255,0.45)"})
+    return out
+
+
 def _line_names(traces: Sequence[DepthTrace]) -> list[str]:
     if not traces:
         raise ValueError("pass at least one DepthTrace")
@@ -651,7 +708,8 @@ def magnitudes(traces: Sequence[DepthTrace]) -> go.Figure:
 
     Left: RMS of each read's mixed input h (``rms_in`` [B, P, R], mean over real tokens) by read.
     Right: RMS of each written source v (``rms_out`` [B, P, L+1]: embed, then every sublayer
-    output), dashed. Both y axes are logarithmic.
+    output). Solid lines on both panels (the legend's colour names the model); both y axes are
+    logarithmic, labelled in full numbers (:func:`log_axis`).
 
     Returns:
         Figure with two Scatter traces per model (``rms_in`` then ``rms_out``), legend grouped by model.
@@ -674,12 +732,14 @@ def magnitudes(traces: Sequence[DepthTrace]) -> go.Figure:
         fig.add_trace(
             go.Scatter(
                 x=list(srcs.index), y=srcs["rms_out"].to_numpy(), name=name, legendgroup=name, showlegend=False,
-                mode="lines+markers", line={**line, "dash": "dash"},
+                mode="lines+markers", line=line,
                 hovertemplate=f"{name}<br>source %{{x}}<br>rms(v) %{{y:.4~g}}<extra></extra>",
             ),
             row=1, col=2,
         )
-    fig.update_yaxes(type="log", title_text="RMS (log)")
+    for col, ylabel in ((1, "rms(h)"), (2, "rms(v)")):  # the corpus page's words (magnitude_bands)
+        values = [np.asarray(tr.y, float) for tr in fig.data if (tr.xaxis or "x") == ("x" if col == 1 else f"x{col}")]
+        fig.update_yaxes(title_text=f"{ylabel} (log)", **log_axis(np.concatenate(values) if values else []), row=1, col=col)
     fig.update_layout(title={"text": "Magnitudes by depth"}, height=420)
     return fig
 
@@ -688,7 +748,8 @@ def gradient_norms(traces: Sequence[DepthTrace]) -> go.Figure:
     """Gradient norms by depth, every trace in its own colour.
 
     Left: per-token ‖∂Loss/∂h‖ at each read's mixed input (``grad_in`` [B, P, R], mean over real
-    tokens). Right: each sublayer's parameter-gradient norm (``param_grad`` [L]). Log y axes.
+    tokens). Right: each sublayer's parameter-gradient norm (``param_grad`` [L]). Solid lines, log
+    y axes labelled in full numbers (:func:`log_axis`).
     A trace recorded without backward draws no line and gets a note "<name>: no gradients
     recorded" on that panel instead.
 
@@ -718,13 +779,15 @@ def gradient_norms(traces: Sequence[DepthTrace]) -> go.Figure:
             fig.add_trace(
                 go.Scatter(
                     x=x, y=y, name=name, legendgroup=name, showlegend=name not in shown, mode="lines+markers",
-                    line={"color": colors[name], "dash": "solid" if col == 1 else "dot"},
+                    line={"color": colors[name]},
                     hovertemplate=f"{name}<br>{what} %{{x}}<br>{sym} %{{y:.4~g}}<extra></extra>",
                 ),
                 row=1, col=col,
             )
             shown.add(name)
-    fig.update_yaxes(type="log", title_text="norm (log)")
+    for col, ylabel in ((1, "‖∂L/∂h‖"), (2, "‖∂L/∂θ‖")):  # the corpus page's words (gradient_bands)
+        values = [np.asarray(tr.y, float) for tr in fig.data if (tr.xaxis or "x") == ("x" if col == 1 else f"x{col}")]
+        fig.update_yaxes(title_text=f"{ylabel} (log)", **log_axis(np.concatenate(values) if values else []), row=1, col=col)
     fig.update_layout(title={"text": "Gradient norms by depth"}, annotations=notes, height=420)
     return fig
 
@@ -778,7 +841,7 @@ def corpus_heatmap(stats, kind: str = "weights", name: str | None = None, value:
     parts = [name, f"{'mean' if value == 'mean' else 'sd'} over {stats.n_tokens} tokens in {stats.n_windows} windows",
              KIND_TITLES[kind]]
     fig.update_layout(
-        title={"text": _title(parts)}, meta={"title_parts": parts}, margin=_title_margin(parts),
+        title=_title_layout(parts), meta={"title_parts": parts}, margin=_title_margin(parts),
         shapes=_read_block_lines(trace), annotations=notes, plot_bgcolor="white",
         height=max(320, 24 * len(trace.read_labels) + 120 + 20 * len(parts)),
         xaxis={"title": {"text": "source"}, "showgrid": False, "tickangle": -45 if len(trace.source_labels) > 8 else 0},
@@ -856,7 +919,9 @@ def _band_figure(stats: Sequence, names: Sequence[str] | None, panels: list[tupl
                 "<br>95% interval of the mean [%{customdata[0]:.4~g}, %{customdata[1]:.4~g}] (log scale)<extra></extra>",
             ), row=1, col=col)
     for col, (_, _, ylabel) in enumerate(panels, start=1):
-        fig.update_yaxes(type="log", title_text=f"{ylabel} (log)", row=1, col=col)
+        axis = "x" if col == 1 else f"x{col}"
+        values = [np.asarray(tr.y, float) for tr in fig.data if (tr.xaxis or "x") == axis]  # lines and bands
+        fig.update_yaxes(title_text=f"{ylabel} (log)", **log_axis(np.concatenate(values) if values else []), row=1, col=col)
     note = BAND_NOTE.format(windows=_windows_words(counts))
     fig.update_layout(title={"text": f"{title}<br><span style='font-size:12px'>{note}</span>"},
                       meta={"band_note": note}, margin={"t": 110}, annotations=notes, height=460)

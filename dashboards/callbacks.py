@@ -32,6 +32,7 @@ __all__ = [
     "ablation_reads",
     "ablation_view",
     "comparison_notes",
+    "difference_caption",
     "headline_cards",
     "mean_views",
     "metric_table",
@@ -172,7 +173,7 @@ def token_views(ex: Explorer, token: Any, kind: Any, expanded: Any) -> dict:
          "notes": [str per model], "info": components describing the token}
     """
     n = len(ex.names)
-    keep = {"figures": [no_update] * n, "panels": [no_update] * n, "notes": [no_update] * n}
+    keep = {"figures": [no_update] * n, "panels": [no_update] * n, "notes": [no_update] * n, "caption": no_update}
     if not isinstance(token, dict):
         return {**keep, "info": no_update}
     try:
@@ -207,7 +208,18 @@ def token_views(ex: Explorer, token: Any, kind: Any, expanded: Any) -> dict:
         panels.append(SHOWN)
         notes.append(note)
     _share_logit_range(figs)
-    return {"figures": figs, "panels": panels, "notes": notes, "info": _token_info(ex, result, pos)}
+    return {"figures": figs, "panels": panels, "notes": notes, "info": _token_info(ex, result, pos),
+            "caption": difference_caption(ex, kind) if diff else ""}
+
+
+def difference_caption(ex: Explorer, kind: str) -> str:
+    """The caption of the per-token difference view: what is subtracted from what, and how to read the colours."""
+    base = ex.baseline
+    if base is None:
+        return "Difference view: no PreNorm baseline is loaded, so every panel shows the model itself."
+    return (f"Difference view: each AttnRes panel is that model minus {base}, cell by cell, for the selected token "
+            f"(difference in {figures.KIND_TITLES[kind]}, on the sublayer axis). Blue is negative (the model is lower "
+            f"there than {base}), red positive (higher), white the same; the {base} panel shows {base} itself.")
 
 
 def _other_text(trace, first) -> bool:
@@ -508,7 +520,8 @@ def register(app, ex: Explorer) -> None:
     )(_bind(token_strip, ex))
     app.callback(
         output={"figures": _per_model("token", "graph", "figure", n), "panels": _per_model("token", "panel", "style", n),
-                "notes": _per_model("token", "note", "children", n), "info": Output(ids.TOKEN_INFO, "children")},
+                "notes": _per_model("token", "note", "children", n), "info": Output(ids.TOKEN_INFO, "children"),
+                "caption": Output(ids.TOKEN_DIFF_NOTE, "children")},
         inputs=[Input(ids.TOKEN, "data"), Input(ids.KIND, "value"), Input(ids.EXPANDED, "value")],
     )(_bind(token_views, ex))
     app.callback(

@@ -40,6 +40,9 @@ CORPUS_HEADLINE = "corpus-headline"
 CORPUS_WEIGHTS = "corpus-weights"
 CORPUS_CONTRIB = "corpus-contrib"
 CORPUS_SPREAD = "corpus-spread"
+CORPUS_DIFF = "corpus-difference"
+CORPUS_DIFF_NOTE = "corpus-difference-note"
+TOKEN_DIFF_NOTE = "token-difference-note"  # the caption of the per-token difference view (empty while it is off)
 CORPUS_MAGNITUDES = "corpus-magnitudes"
 CORPUS_GRADIENTS = "corpus-gradients"
 CHIP = "chip"  # pattern-matching type of the token chips: {"type": "chip", "index": i}
@@ -222,6 +225,7 @@ def _token_views(ex: Explorer) -> html.Section:
             html.H2("Depth routing of the selected token"),
             _help(_token_help(ex)),
             _controls(),
+            html.P(id=TOKEN_DIFF_NOTE, className="help diff-caption"),
             _panels(ex, "token", note=True),
         ],
         className="card",
@@ -230,6 +234,8 @@ def _token_views(ex: Explorer) -> html.Section:
 
 def _reading_views(ex: Explorer) -> html.Section:
     """Per model: direct logit contributions and the logit lens at the selected token (models only)."""
+    from attnres_probe import figures
+
     panels = []
     for i, name in enumerate(ex.names):
         body = [
@@ -248,6 +254,7 @@ def _reading_views(ex: Explorer) -> html.Section:
                   "most likely next tokens (red raises a token, blue lowers it; the last row is their sum, the logit). "
                   "Bottom: the logit lens, what each read's mixed input would predict through the final norm and the "
                   "unembedding (✓ marks the token that follows)."),
+            _help(figures.VOCAB_ID_NOTE),
             html.Div(panels, className="panels"),
         ],
         className="card",
@@ -377,6 +384,7 @@ def _corpus(ex: Explorer) -> html.Section | None:
                       config=GRAPH_CONFIG, className="graph"),
             dcc.Graph(id=CORPUS_SPREAD, figure=figures.corpus_side_by_side(stats, "contrib", names=names, value="sd"),
                       config=GRAPH_CONFIG, className="graph"),
+            *_corpus_difference(ex),
             html.H3("Magnitudes and gradients by depth"),
             dcc.Graph(id=CORPUS_MAGNITUDES, figure=figures.magnitude_bands(stats, names), config=GRAPH_CONFIG, className="graph"),
             dcc.Graph(id=CORPUS_GRADIENTS, figure=figures.gradient_bands(stats, names), config=GRAPH_CONFIG, className="graph"),
@@ -384,6 +392,40 @@ def _corpus(ex: Explorer) -> html.Section | None:
         className="card",
         id=CORPUS,
     )
+
+
+def corpus_difference_caption(models: list[str], baseline: str) -> str:
+    """What the corpus difference chart shows: which model minus which, and how the colours read."""
+    return (f"Each cell is the AttnRes model's mean contribution share over every token of the corpus minus "
+            f"{baseline}'s ({', '.join(models)} minus {baseline}), on the sublayer axis (a Block model's block columns "
+            f"are repeated on each of their sublayers). The scale diverges around zero: red, the model takes more from "
+            f"that source than {baseline}; blue, less; white, the same. Hover a cell for both values.")
+
+
+def _corpus_difference(ex: Explorer) -> list:
+    """Each AttnRes model minus the baseline over the corpus (mean contribution shares, cell by cell), as the
+    corpus report draws it (:func:`attnres_probe.figures.difference_side_by_side`); nothing without a baseline."""
+    import dataclasses
+
+    from attnres_probe import figures
+
+    traces = [(n, s.to_trace()) for n, s in ex.stats.items()]
+    traces = [(n, t if t.name == n else dataclasses.replace(t, meta={**t.meta, "name": n})) for n, t in traces]
+    base = next((t for _, t in traces if t.residual == "prenorm"), None)
+    others = [t for _, t in traces if t.residual != "prenorm"]
+    if base is None or not others:
+        return []
+    same = [t for t in others if list(t.read_labels) == list(base.read_labels)]
+    skipped = [t.name for t in others if t not in same]
+    out: list = [html.H3(f"Difference: each AttnRes model minus {base.name}")]
+    if same:
+        out += [html.P(corpus_difference_caption([t.name for t in same], base.name), className="help", id=CORPUS_DIFF_NOTE),
+                dcc.Graph(id=CORPUS_DIFF, figure=figures.difference_side_by_side(same, base, "contrib"),
+                          config=GRAPH_CONFIG, className="graph")]
+    if skipped:
+        out.append(_help(f"{', '.join(skipped)} differ{'s' if len(skipped) == 1 else ''} in depth from {base.name}: "
+                         "no cell-by-cell difference."))
+    return out
 
 
 def _ablation(ex: Explorer) -> html.Section:

@@ -56,7 +56,7 @@ SECTIONS: dict[str, str] = {
     "metrics": "Metrics: AttnRes vs baseline",
     "heatmaps": "Mean depth routing",
     "magnitudes": "Magnitudes by depth",
-    "gradients": "Gradient norms by layer",
+    "gradients": "Gradient norms by depth",  # the chart's own title, and the corpus report's heading
     "explorer": "Per-token explorer",
     "ablation": "Ablation",
     "formulas": "Metric formulas",
@@ -208,6 +208,7 @@ def render_report(
         "explorers": _explorers(traces, names, plots, explorer_tokens, explorer_digits, readings),
         "over_training": plots.add(figures.over_training(dict(histories))) if histories else None,
         "no_activations": None if readings else figures.NO_ACTIVATIONS_NOTE,
+        "vocab_note": figures.VOCAB_ID_NOTE,
         "explorer_kinds": EXPLORER_KINDS,
         "ablation": ablation,
         "formulas": metrics.FORMULAS,
@@ -549,6 +550,33 @@ COMPARISON_NOTE = (
 NO_BASELINE_NOTE = "No PreNorm model is in this report, so nothing is compared with a baseline and there are no verdicts."
 
 
+POOLED_REASON = "pooled value only"  # compare's note on a value with no per-window values (parameter gradients of one text)
+POOLED_MARK = "†"
+POOLED_TABLE_NOTE = ("(pooled): one value for the whole text, from one backward pass of the mean loss over all its windows; "
+                     "per-window values need one backward pass per window.")
+
+
+def _footnote_pooled(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The headline panel with the "pooled value only: …" reason said once per metric: each cell that
+    gave it as its interval gets a :data:`POOLED_MARK` instead, and the metric a ``footnotes`` list
+    with the reason once (the page shows it under that metric's table)."""
+    for g in groups:
+        for m in g["metrics"]:
+            notes: list[str] = []
+            for row in m["rows"]:
+                for cell in (row, row.get("comparison")):
+                    if cell is None:
+                        continue
+                    cell.setdefault("mark", "")
+                    reason = str(cell.get("interval") or "")
+                    if reason.startswith(POOLED_REASON):
+                        cell["interval"], cell["mark"] = "", POOLED_MARK
+                        if reason not in notes:
+                            notes.append(reason)
+            m["footnotes"] = [f"{POOLED_MARK} {n}" for n in notes]
+    return groups
+
+
 def _metrics_context(frame: pd.DataFrame) -> dict[str, Any]:
     """The headline panel and the full metric table of a :func:`metrics.compare` frame, as strings."""
     from attnres_probe.analysis.display import BASIS_NOTE, documents_warning, headline, table_rows
@@ -556,9 +584,11 @@ def _metrics_context(frame: pd.DataFrame) -> dict[str, Any]:
     windows = {str(r["model"]): int(r["windows"]) for _, r in frame[frame["comparison"] == "value"].groupby("model", sort=False).max().reset_index().iterrows()}
     has_baseline = bool((frame["comparison"] != "value").any())
     note = METRICS_NOTE.format(n_resamples=frame.attrs.get("n_resamples", "?"), seed=frame.attrs.get("seed", "?"))
+    table = table_rows(frame)
     return {
-        "headline": headline(frame),
-        "table": table_rows(frame),
+        "headline": _footnote_pooled(headline(frame)),
+        "table": table,
+        "pooled_note": POOLED_TABLE_NOTE if any("(pooled)" in c for r in table["rows"] for c in r["cells"]) else "",
         "has_baseline": has_baseline,
         "note": f"{note} {COMPARISON_NOTE if has_baseline else NO_BASELINE_NOTE}",
         "basis_note": BASIS_NOTE if frame["basis"].astype(str).str.contains(" vs ").any() else "",

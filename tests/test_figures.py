@@ -208,8 +208,21 @@ def test_magnitudes_draws_both_profiles_per_trace_in_one_colour_on_log_axes():
     assert [d.name for d in fig.data] == ["full", "full", "prenorm", "prenorm"]
     assert fig.data[0].line.color == fig.data[1].line.color != fig.data[2].line.color
     np.testing.assert_allclose(fig.data[2].y, [1, 3, 9])
-    assert fig.data[1].line.dash == "dash"
+    assert all(d.line.dash in (None, "solid") for d in fig.data)  # the legend shows solid lines: so do both panels
     assert fig.layout.yaxis.type == "log" and fig.layout.yaxis2.type == "log"
+    assert fig.layout.yaxis.tickformat == fig.layout.yaxis2.tickformat == figures.LOG_TICKFORMAT
+
+
+@pytest.mark.parametrize("low, high, dtick", [(0.2, 5.0, "D2"), (0.004, 0.09, "D2"), (1e-5, 10.0, 1), (0.3, 0.9, None)])
+def test_log_axes_format_every_tick_in_full_at_one_two_five(low, high, dtick):
+    """Plotly's own "D1"/"D2" ticks label the digits between powers of ten with one small digit (0.2 reads "2");
+    a tickformat labels them in full, at 1-2-5 over a few decades, powers of ten over many, plotly's evenly
+    spaced "L" ticks under one (see also the browser test in tests/reports/test_report_readability.py)."""
+    axis = figures.log_axis(np.geomspace(low, high, 9))
+    assert axis["type"] == "log" and axis["tickformat"] == "~g"
+    assert axis.get("dtick") == dtick
+    fig = figures.gradient_norms([make_trace("full", rms_in=[1, 2, 4])])
+    assert fig.layout.yaxis.tickformat == "~g"
 
 
 def test_corpus_bands_are_positive_and_the_title_says_what_they_are():
@@ -361,3 +374,21 @@ def test_static_image_export_is_in_the_default_install():
 
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert any(d.replace(" ", "").startswith("kaleido") for d in project["dependencies"])
+
+
+def test_titles_of_one_line_per_part_hang_from_the_top_with_room_above_the_plot():
+    """A three-line title anchored at the top of the figure, in a margin that holds all three lines and a gap
+    (plotly's default centres the first line in the margin, which put the third line on the first row)."""
+    for fig in (figures.token_heatmap(make_trace("full"), token=1), figures.difference_heatmap(make_trace("full"), make_trace("prenorm"), token=1)):
+        n = len(fig.layout.meta["title_parts"])
+        assert fig.layout.title.yanchor == "top" and fig.layout.title.yref == "container" and fig.layout.title.y == 1
+        last_baseline = fig.layout.title.pad.t + figures.TITLE_LINE_PX * (n - 1)
+        assert fig.layout.margin.t >= last_baseline + 12 and fig.layout.title.pad.t >= figures.TITLE_ASCENT_PX
+
+
+def test_a_per_token_difference_names_the_token_as_the_other_panels_do():
+    full, base = make_trace("full"), make_trace("prenorm")
+    tok = full.str_tokens[0][1]
+    diff = figures.difference_heatmap(full, base, token=1)
+    assert f"token 1 {tok!r} (sequence 0)" in diff.layout.title.text
+    assert f"token 1 {tok!r} (sequence 0)" in figures.token_heatmap(full, token=1).layout.title.text

@@ -154,3 +154,22 @@ def test_the_page_shows_the_same_verdicts_as_compare_for_the_same_stats(dash_duo
     assert "95% CI [" in dash_duo.find_element("#corpus-headline").text
     assert wait_for_title(dash_duo, "corpus-magnitudes", "Magnitudes by depth")["n"] == 2 * 2 * len(models)
     assert dash_duo.get_logs() == []
+
+
+def test_the_difference_checkbox_shows_its_caption_and_titles_with_the_token_text(dash_duo, app):
+    """Ticking "difference: each AttnRes model minus the baseline" shows the view's own caption and panel titles
+    that name the token's text, as the other per-token panels do; unticking hides the caption again."""
+    start(dash_duo, app)
+    assert not dash_duo.find_element("#token-difference-note").is_displayed()
+    box = dash_duo.driver.execute_script(
+        "return Array.from(document.querySelectorAll('#expanded input'), i => i).find(i => i.value === 'diff');")
+    box.click()
+    dash_duo.wait_for_contains_text("#token-difference-note", "minus prenorm", timeout=20)
+    caption = dash_duo.find_element("#token-difference-note")
+    assert caption.is_displayed() and "Blue is negative" in caption.text and "red positive" in caption.text
+    for i in (1, 2):  # full, block: model minus the baseline
+        title = wait_for_title(dash_duo, f"token-graph-{i}", " − prenorm")["title"]
+        assert "token 0 'T' (sequence 0)" in title
+    box.click()
+    until(lambda: not dash_duo.find_element("#token-difference-note").is_displayed(), timeout=20)
+    assert dash_duo.get_logs() == []

@@ -447,3 +447,44 @@ def test_traces_only_prompt_box_shows_the_text_not_token_labels(models):
     page = build_layout(create_app({"saved": trace}).explorer)
     box = [n for n in _walk(page) if getattr(n, "id", None) == "prompt"][0]
     assert box.value == "a\nb"
+
+
+def test_the_corpus_section_shows_each_attnres_model_minus_the_baseline_as_the_report_does(models, corpus_stats):
+    """The corpus report's difference view in `dash --stats`: the same figure function, a scale centred on zero,
+    and a caption saying what is subtracted from what."""
+    import dataclasses
+
+    corpus = _find(create_app(models, text=TEXT, stats=corpus_stats).layout, lambda n: getattr(n, "id", None) == "corpus")[0]
+    graphs = {g.id: g.figure for g in _find(corpus, lambda n: getattr(n, "figure", None) is not None)}
+    diff = graphs["corpus-difference"]
+    traces = {n: dataclasses.replace(s.to_trace(), meta={**s.to_trace().meta, "name": n}) for n, s in corpus_stats.items()}
+    want = figures.difference_side_by_side([traces["full"], traces["block"]], traces["prenorm"], "contrib")
+    assert [d.type for d in diff.data] == ["heatmap"] * 2
+    for got, exp in zip(diff.data, want.data):
+        np.testing.assert_allclose(np.asarray(got.z, float), np.asarray(exp.z, float))
+        assert got.zmid == 0 and got.zmin == -got.zmax > -np.inf
+        assert got.colorscale == exp.colorscale and got.colorscale[0][1] != got.colorscale[-1][1]  # diverging
+    caption = _find(corpus, lambda n: getattr(n, "id", None) == "corpus-difference-note")[0].children
+    assert "full, block minus prenorm" in caption and "contribution share" in caption and "zero" in caption
+    headings = [h.children for h in _find(corpus, lambda n: isinstance(n, html.H3))]
+    assert "Difference: each AttnRes model minus prenorm" in headings
+
+
+def test_the_per_token_difference_view_has_its_own_caption_and_names_the_token(ex):
+    """The checkbox in "Depth routing of the selected token": a caption (each model minus the baseline, per
+    cell, blue negative, red positive) shown while it is on, and titles that give the token's text as the
+    other panels do."""
+    assert _find(build_layout(ex), lambda n: getattr(n, "id", None) == "token-difference-note")
+    off = callbacks.token_views(ex, token(ex, 3), "contrib", [])
+    assert off["caption"] == ""
+    on = callbacks.token_views(ex, token(ex, 3), "contrib", ["diff"])
+    caption = on["caption"]
+    assert "minus prenorm" in caption and "cell by cell" in caption and "Blue is negative" in caption and "red positive" in caption
+    tok = ex.initial.traces["full"].str_tokens[0][3]
+    for name, fig in zip(ex.names, on["figures"]):
+        assert f"token 3 {tok!r} (sequence 0)" in fig.layout.title.text, name
+
+
+def test_the_reading_views_explain_the_numbered_tokens(ex):
+    reading = _find(build_layout(ex), lambda n: getattr(n, "id", None) == "reading")[0]
+    assert figures.VOCAB_ID_NOTE in texts(reading)

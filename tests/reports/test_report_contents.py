@@ -292,3 +292,41 @@ def test_locality_verdicts_say_they_set_weights_against_shares_and_windows_of_on
     assert {b.get_text() for b in headline.select(".basis")} == {"routing weights", "contribution shares"}
     assert "Only 1 document" in soup.find(id="few-documents").get_text()
     assert "no interval: 1 document" not in headline.get_text()
+
+
+def test_the_pooled_only_reason_is_said_once_under_its_metric_not_in_every_cell(soup):
+    """A text in several windows has one backward pass: parameter-gradient metrics are pooled values only.
+    The headline cells carry a footnote mark and the reason stands once under that metric's table."""
+    reason = "per-window values need one backward pass per window"
+    headline = soup.find(id="headline")
+    assert headline.get_text().count(reason) == 1
+    name = headline.find("div", attrs={"data-metric": "param_grad_cv"})
+    table = name.find_next("table")
+    cells = [td for td in table.select("td.num")]
+    assert cells and all(td.find("sup", class_="mark").get_text() == "†" for td in cells)
+    assert reason not in table.get_text()
+    footnote = table.find_next_sibling("p")
+    assert "footnote" in footnote["class"] and footnote.get_text().startswith("† pooled value only") and reason in footnote.get_text()
+    note = soup.find(id="pooled-note").get_text()  # the full table's "(pooled)" cells, said once under it
+    assert note.startswith("(pooled):") and reason in note
+
+
+def test_profile_charts_have_captions_solid_lines_and_the_corpus_page_s_names(soup, traces):
+    """The magnitude and gradient charts say what their lines are; every line is solid (the legend shows solid
+    lines); section, chart and axis titles use the words of the corpus report."""
+    from attnres_probe import figures
+    from attnres_probe.reports.builder import STATS_SECTIONS
+
+    specs = _plot_specs(soup)
+    for sid in ("magnitudes", "gradients"):
+        section = soup.find("section", id=sid)
+        caption = section.find("p", class_="caption").get_text(" ", strip=True)
+        assert "One line per model" in caption and "log scale" in caption and "every token of the text" in caption
+        (fig,) = [specs[d["id"]] for d in section.select("div.plot")]
+        assert section.find("h2").get_text() == fig["layout"]["title"]["text"] == STATS_SECTIONS[sid]
+        assert all(d.get("line", {}).get("dash") in (None, "solid") for d in fig["data"])
+    grads = soup.find("section", id="gradients").get_text(" ")
+    assert "‖∂L/∂h‖" in grads and "‖∂L/∂θ‖" in grads
+    mags, grads_fig = figures.magnitudes(traces), figures.gradient_norms(traces)
+    assert [mags.layout.yaxis.title.text, mags.layout.yaxis2.title.text] == ["rms(h) (log)", "rms(v) (log)"]
+    assert [grads_fig.layout.yaxis.title.text, grads_fig.layout.yaxis2.title.text] == ["‖∂L/∂h‖ (log)", "‖∂L/∂θ‖ (log)"]

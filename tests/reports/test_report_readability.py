@@ -94,3 +94,95 @@ def test_report_at_96_tokens_in_chromium(report96):
             driver.save_screenshot(os.path.join(shot, "report_96_reading.png"))
     finally:
         driver.quit()
+
+
+def test_logit_lens_labels_of_unprintable_tokens_are_explained_once(report96):
+    from bs4 import BeautifulSoup
+
+    from attnres_probe import figures
+
+    soup = BeautifulSoup(report96.read_text(), "html.parser")
+    notes = soup.select("#explorer p.vocab-note")
+    assert [n.get_text() for n in notes] == [figures.VOCAB_ID_NOTE]
+    assert "#N is token N" in figures.VOCAB_ID_NOTE and "no printable character" in figures.VOCAB_ID_NOTE
+    assert notes[0].find_next("div", class_="grid") is soup.select_one("#explorer .grid.reading")
+
+
+def _chromium():
+    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
+        pytest.skip("needs Chromium and ChromeDriver")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless", "--window-size=1400,1000", *CHROME_FLAGS):
+        opts.add_argument(flag)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+
+
+TITLE_GAP = """
+return Array.from(document.querySelectorAll(arguments[0]), (div) => {
+  const title = div.querySelector('.gtitle'), drag = div.querySelector('.nsewdrag');
+  if (!title || !drag) return null;
+  const svg = div.querySelector('.main-svg').getBoundingClientRect(), box = title.getBoundingClientRect();
+  return [div.id, box.bottom, drag.getBoundingClientRect().top, title.textContent, box.top - svg.top];
+}).filter((x) => x);
+"""
+
+
+@pytest.mark.browser
+def test_per_token_titles_end_above_the_first_heatmap_row(report96):
+    """The three-line titles of the explorer's heatmaps and reading charts stand in their own margin: the last
+    line ends above the plot area and the first starts inside the figure, also after another token is chosen
+    (which rewrites the titles)."""
+    driver = _chromium()
+    try:
+        driver.get(report96.as_uri())
+        for step in ("first token", "token 5"):
+            boxes = driver.execute_script(TITLE_GAP, "#explorer div.plot")
+            assert len(boxes) == 9  # three heatmaps, three logit decompositions, three logit lenses
+            for pid, bottom, top, text, below_edge in boxes:
+                assert bottom + 4 <= top, (step, pid, text, bottom, top)  # above the plot
+                assert below_edge >= 0, (step, pid, text, below_edge)  # and not cut by the figure's top edge
+            driver.execute_script("const s = document.querySelector('#explorer select.token'); s.value = '5'; "
+                                  "s.dispatchEvent(new Event('change'));")
+    finally:
+        driver.quit()
+
+
+LOG_TICKS = """
+return Array.from(document.querySelectorAll(arguments[0] + ' .yaxislayer-above'), (layer) =>
+  Array.from(layer.querySelectorAll('g[class^="y"][class$="tick"] text'), (t) => [t.textContent, t.getBoundingClientRect().top]));
+"""
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("low, high", [(0.2, 5.0), (0.004, 0.09), (0.03, 0.5)])
+def test_log_axes_label_every_tick_with_its_full_number(tmp_path, low, high):
+    """Plotly labels the ticks between powers of ten with one small digit ("2" for 0.2); the magnitude and
+    gradient charts label them in full, so the labels read in increasing order up the axis."""
+    import numpy as np
+
+    trace = record_text(tiny_model("full", n_ctx=128), TEXT96, name="full")
+    for name in ("rms_in", "rms_out", "grad_in", "param_grad"):  # every profile from low to high over depth
+        arr = getattr(trace, name)
+        arr[...] = np.geomspace(low, high, arr.shape[-1])
+    path = build_report([trace], tmp_path / "r.html")
+    driver = _chromium()
+    try:
+        driver.get(path.as_uri())
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        for sid in ("magnitudes", "gradients"):
+            WebDriverWait(driver, 20).until(lambda d: all(any(t for t, _ in a) for a in d.execute_script(LOG_TICKS, f"#{sid}")))
+            axes = driver.execute_script(LOG_TICKS, f"#{sid}")
+            assert len(axes) == 2
+            for ticks in axes:
+                shown = [(float(t.replace("\u2212", "-")), y) for t, y in ticks if t]
+                assert len(shown) >= 2, (sid, ticks)
+                up = [v for v, _ in sorted(shown, key=lambda p: -p[1])]  # bottom to top
+                assert up == sorted(up) and len(set(up)) == len(up), (sid, ticks)
+                assert min(up) >= low / 2 and max(up) <= high * 2, (sid, ticks)
+    finally:
+        driver.quit()

@@ -113,3 +113,52 @@ def test_corpus_report_warns_of_few_documents_and_names_what_each_side_measures(
     assert "routing weights" in note and "contribution shares" in note and "PreNorm has no weights" in note
     cards = {m["data-metric"]: m.find_next("table") for m in stats_soup.select("#headline div.metric-name")}
     assert len(cards["locality_distance"].select(".caveat")) == 2 and cards["embed_contrib_deep"].select(".caveat") == []
+
+
+def test_corpus_profiles_use_the_single_text_report_s_names_and_say_what_the_lines_are(stats_soup, corpus_stats):
+    from attnres_probe import figures
+    from attnres_probe.reports import SECTIONS
+
+    for sid in ("magnitudes", "gradients"):
+        section = stats_soup.find("section", id=sid)
+        assert section.find("h2").get_text() == SECTIONS[sid]
+        caption = section.find("p", class_="caption").get_text(" ", strip=True)
+        assert "One line per model" in caption and "band" in caption and "log scale" in caption
+    grads, mags = figures.gradient_bands(list(corpus_stats.values())), figures.magnitude_bands(list(corpus_stats.values()))
+    assert [grads.layout.yaxis.title.text, grads.layout.yaxis2.title.text] == ["‖∂L/∂h‖ (log)", "‖∂L/∂θ‖ (log)"]
+    assert [mags.layout.yaxis.title.text, mags.layout.yaxis2.title.text] == ["rms(h) (log)", "rms(v) (log)"]
+
+
+@pytest.mark.browser
+def test_corpus_headline_cards_sit_two_a_row_and_each_interval_on_one_line(stats_report):
+    """At 1400 px the four headline cards sit two a row (three a row made "95% CI [a, b]" wrap over three lines
+    and left the fourth card alone); every interval holds on one line."""
+    chromium = os.environ.get("ATTNRES_CHROMIUM", "/usr/bin/chromium")
+    chromedriver = os.environ.get("ATTNRES_CHROMEDRIVER", "/usr/bin/chromedriver")
+    if not (shutil.which(chromium) and shutil.which(chromedriver)):
+        pytest.skip("needs Chromium and ChromeDriver")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for flag in ("--headless", "--window-size=1400,1000", *CHROME_FLAGS):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(chromedriver), options=opts)
+    try:
+        driver.get(stats_report.as_uri())
+        cards = driver.execute_script(
+            "return Array.from(document.querySelectorAll('#headline .metric-card'), c => {"
+            "const r = c.getBoundingClientRect(); return [Math.round(r.left), Math.round(r.top), Math.round(r.width)]; });")
+        assert len(cards) == 4
+        assert len({left for left, _, _ in cards}) == 2 and len({top for _, top, _ in cards}) == 2
+        assert min(w for _, _, w in cards) > 500
+        spans = driver.execute_script(
+            "return Array.from(document.querySelectorAll('#headline td span.note'), s => {"
+            "const r = s.getBoundingClientRect(); return [s.textContent, r.height, parseFloat(getComputedStyle(s).lineHeight) || 1.2 * parseFloat(getComputedStyle(s).fontSize)]; });")
+        intervals = [(t, h, lh) for t, h, lh in spans if t.startswith("95% CI")]
+        assert intervals
+        for text, height, line in intervals:
+            assert height < 1.5 * line, (text, height, line)
+    finally:
+        driver.quit()
