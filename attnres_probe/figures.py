@@ -500,13 +500,22 @@ def difference_heatmap(
     PreNorm compare cell for cell; they need the same reads (same depth). ``token=None`` compares
     the means over real tokens; a token compares that token (the traces should hold the same text).
     The scale diverges around 0 (red: the model puts more there than the baseline, blue: less).
-    PreNorm's weights count as one each.
+    Against a PreNorm baseline only contribution shares compare: PreNorm has no routing weights
+    (its coefficients are all one, not a softmax) and no logits.
 
     Returns:
         Figure with one Heatmap: ``z`` [R, L+1] = model − baseline (NaN where either is unavailable),
         ``customdata`` [R, L+1, 2] = (model, baseline).
+
+    Raises:
+        ValueError: reads that differ, or weights / logits against a PreNorm baseline.
     """
     _check_kind(kind)
+    if kind != "contrib" and "prenorm" in (trace.residual, baseline.residual):
+        raise ValueError(
+            f"PreNorm has no routing {'weights' if kind == 'weights' else 'logits'} (its coefficients are all one): "
+            f"subtract contribution shares instead (kind='contrib')"
+        )
     if list(trace.read_labels) != list(baseline.read_labels):
         raise ValueError(
             f"cannot subtract {baseline.name!r} from {trace.name!r}: their reads differ "

@@ -76,7 +76,13 @@ def _difference(ex: Explorer, result, name: str, kind: str, token: int | None):
     trace, baseline = result.traces[name], result.traces[base]
     if list(trace.read_labels) != list(baseline.read_labels):
         return None, f"{name} and {base} differ in depth: no cell-by-cell difference; showing {name} itself"
-    return figures.difference_heatmap(trace, baseline, kind=kind, token=token), ""
+    return figures.difference_heatmap(trace, baseline, kind=difference_kind(ex, kind), token=token), ""
+
+
+def difference_kind(ex: Explorer, kind: str) -> str:
+    """What the difference view subtracts: the chosen quantity, or contribution shares against PreNorm,
+    which has no routing weights or logits to subtract."""
+    return "contrib" if ex.baseline is not None and kind != "contrib" else kind
 
 
 def _int(value: Any) -> int | None:
@@ -217,8 +223,11 @@ def difference_caption(ex: Explorer, kind: str) -> str:
     base = ex.baseline
     if base is None:
         return "Difference view: no PreNorm baseline is loaded, so every panel shows the model itself."
+    shown = difference_kind(ex, kind)
+    why = (f" {base} has no routing {'weights' if kind == 'weights' else 'logits'} (its coefficients are all one), so the "
+           "difference is in contribution shares whatever the colour choice." if shown != kind else "")
     return (f"Difference view: each AttnRes panel is that model minus {base}, cell by cell, for the selected token "
-            f"(difference in {figures.KIND_TITLES[kind]}, on the sublayer axis). Blue is negative (the model is lower "
+            f"(difference in {figures.KIND_TITLES[shown]}, on the sublayer axis).{why} Blue is negative (the model is lower "
             f"there than {base}), red positive (higher), white the same; the {base} panel shows {base} itself.")
 
 

@@ -366,6 +366,19 @@ def test_difference_view_shows_each_attnres_model_minus_the_baseline(ex):
     assert "mean over tokens" in mean["figures"][1].layout.title.text
 
 
+def test_against_prenorm_the_difference_view_subtracts_contribution_shares_whatever_the_colour(ex):
+    """PreNorm has no routing weights (its coefficients are all one, not a softmax) and no logits: a
+    weights-minus-ones panel would paint every cell negative. The view subtracts shares and says so."""
+    want = figures.difference_heatmap(ex.initial.traces["full"], ex.initial.traces["prenorm"], kind="contrib", token=3)
+    for kind in ("weights", "logits"):
+        out = callbacks.token_views(ex, token(ex, 3), kind, ["diff"])
+        full = dict(zip(ex.names, out["figures"]))["full"]
+        np.testing.assert_allclose(np.asarray(full.data[0].z, float), np.asarray(want.data[0].z, float))
+        assert "difference in contribution share" in out["caption"] and "prenorm has no routing" in out["caption"]
+    with pytest.raises(ValueError, match="PreNorm has no routing weights"):
+        figures.difference_heatmap(ex.initial.traces["full"], ex.initial.traces["prenorm"], kind="weights")
+
+
 def test_reading_views_show_logit_contributions_and_the_logit_lens_of_each_model(ex):
     out = callbacks.reading_views(ex, token(ex, 2))
     for i, name in enumerate(ex.names):
