@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 
 from attnres_probe import AttnResTransformer, ModelConfig
@@ -68,3 +71,32 @@ CHROME_FLAGS = (
     "--disable-sync",
     "--no-first-run",
 )
+
+CHROMIUM = os.environ.get("ATTNRES_CHROMIUM", "/usr/bin/chromium")
+CHROMEDRIVER = os.environ.get("ATTNRES_CHROMEDRIVER", "/usr/bin/chromedriver")
+# the bounding boxes of an element set (a CSS selector), as plain objects, for execute_script
+BOXES = """
+return Array.from(document.querySelectorAll(arguments[0]), (e) => {
+  const r = e.getBoundingClientRect();
+  return {x0: r.left, x1: r.right, y0: r.top, y1: r.bottom, text: e.textContent};
+}).filter((b) => b.x1 > b.x0);
+"""
+
+
+def headless_chromium(window: str | None = "1400,1000", browser_log: bool = False):
+    """A headless Chromium WebDriver with :data:`CHROME_FLAGS`; skips the test where Chromium or
+    ChromeDriver is missing. The caller quits it."""
+    import pytest
+
+    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
+        pytest.skip("needs Chromium and ChromeDriver")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless", *([f"--window-size={window}"] if window else []), *CHROME_FLAGS):
+        opts.add_argument(flag)
+    if browser_log:
+        opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)

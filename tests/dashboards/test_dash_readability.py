@@ -13,6 +13,7 @@ from dash.testing.wait import until
 
 from attnres_probe.dashboards import create_app
 from dash_helpers import TEXT, make_model
+from helpers import BOXES
 from test_dash_browser import figure, wait_for_title
 
 pytestmark = pytest.mark.browser
@@ -36,13 +37,6 @@ for (let i = 1; i < cs.length; i++) {
   }
 }
 return rgb(cs[cs.length - 1][1]);
-"""
-# the bounding boxes of an element set, as plain objects
-BOXES = """
-return Array.from(document.querySelectorAll(arguments[0]), (e) => {
-  const r = e.getBoundingClientRect();
-  return {x0: r.left, x1: r.right, y0: r.top, y1: r.bottom, text: e.textContent};
-}).filter((b) => b.x1 > b.x0);
 """
 
 

@@ -6,25 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 
 from attnres_probe.reports import build_report, record_text
 from attnres_probe.reports.recording import record_readings
-from helpers import CHROME_FLAGS, tiny_model
+from helpers import BOXES, headless_chromium, tiny_model
 
-CHROMIUM = os.environ.get("ATTNRES_CHROMIUM", "/usr/bin/chromium")
-CHROMEDRIVER = os.environ.get("ATTNRES_CHROMEDRIVER", "/usr/bin/chromedriver")
 TEXT96 = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 3)[:96]
 HISTORY = [{"step": s, "embed_weight": [0.5 - 0.01 * s] * 5, "recent_mass": [0.5] * 5, "entropy": [0.9] * 5,
             "rms_in": [1.0 + 0.01 * s] * 5, "act_grad_cv": 0.3} for s in (0, 10, 20)]
-BOXES = """
-return Array.from(document.querySelectorAll(arguments[0]), (e) => {
-  const r = e.getBoundingClientRect();
-  return {x0: r.left, x1: r.right, y0: r.top, y1: r.bottom, text: e.textContent};
-}).filter((b) => b.x1 > b.x0);
-"""
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +44,7 @@ def test_a_report_of_saved_traces_says_it_holds_no_activations(tmp_path):
 
 @pytest.mark.browser
 def test_report_at_96_tokens_in_chromium(report96):
-    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
-        pytest.skip("needs Chromium and ChromeDriver")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for flag in ("--headless", "--window-size=1400,1000", *CHROME_FLAGS):
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver = headless_chromium()
     try:
         driver.get(report96.as_uri())
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
@@ -108,19 +90,6 @@ def test_logit_lens_labels_of_unprintable_tokens_are_explained_once(report96):
     assert notes[0].find_next("div", class_="grid") is soup.select_one("#explorer .grid.reading")
 
 
-def _chromium():
-    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
-        pytest.skip("needs Chromium and ChromeDriver")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for flag in ("--headless", "--window-size=1400,1000", *CHROME_FLAGS):
-        opts.add_argument(flag)
-    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-
-
 TITLE_GAP = """
 return Array.from(document.querySelectorAll(arguments[0]), (div) => {
   const title = div.querySelector('.gtitle'), drag = div.querySelector('.nsewdrag');
@@ -136,7 +105,7 @@ def test_per_token_titles_end_above_the_first_heatmap_row(report96):
     """The three-line titles of the explorer's heatmaps and reading charts stand in their own margin: the last
     line ends above the plot area and the first starts inside the figure, also after another token is chosen
     (which rewrites the titles)."""
-    driver = _chromium()
+    driver = headless_chromium()
     try:
         driver.get(report96.as_uri())
         for step in ("first token", "token 5"):
@@ -169,7 +138,7 @@ def test_log_axes_label_every_tick_with_its_full_number(tmp_path, low, high):
         arr = getattr(trace, name)
         arr[...] = np.geomspace(low, high, arr.shape[-1])
     path = build_report([trace], tmp_path / "r.html")
-    driver = _chromium()
+    driver = headless_chromium()
     try:
         driver.get(path.as_uri())
         from selenium.webdriver.support.ui import WebDriverWait

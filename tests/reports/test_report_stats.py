@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 from bs4 import BeautifulSoup
@@ -11,7 +9,7 @@ from bs4 import BeautifulSoup
 from attnres_probe import Probe, metrics
 from attnres_probe.cli import main
 from attnres_probe.reports.builder import build_stats_report
-from helpers import CHROME_FLAGS
+from helpers import headless_chromium
 
 DOCS = ["The cat sat on the mat, and then the dog sat on the log.", "Depth routing, window by window.",
         "def f(x):\n    return x + 1\n", "A fourth and longer document, long enough for two windows."] * 2
@@ -76,19 +74,7 @@ def test_report_stats_from_the_command_line_and_its_refusals(tmp_path, capsys, c
 
 @pytest.mark.browser
 def test_corpus_report_from_file_url_draws_and_shows_the_same_verdicts(stats_report, corpus_stats):
-    chromium = os.environ.get("ATTNRES_CHROMIUM", "/usr/bin/chromium")
-    chromedriver = os.environ.get("ATTNRES_CHROMEDRIVER", "/usr/bin/chromedriver")
-    if not (shutil.which(chromium) and shutil.which(chromedriver)):
-        pytest.skip("needs Chromium and ChromeDriver")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chromium
-    for flag in ("--headless", *CHROME_FLAGS):
-        opts.add_argument(flag)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(chromedriver), options=opts)
+    driver = headless_chromium(window=None, browser_log=True)
     try:
         driver.get(stats_report.as_uri())
         assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
@@ -133,18 +119,7 @@ def test_corpus_profiles_use_the_single_text_report_s_names_and_say_what_the_lin
 def test_corpus_headline_cards_sit_two_a_row_and_each_interval_on_one_line(stats_report):
     """At 1400 px the four headline cards sit two a row (three a row made "95% CI [a, b]" wrap over three lines
     and left the fourth card alone); every interval holds on one line."""
-    chromium = os.environ.get("ATTNRES_CHROMIUM", "/usr/bin/chromium")
-    chromedriver = os.environ.get("ATTNRES_CHROMEDRIVER", "/usr/bin/chromedriver")
-    if not (shutil.which(chromium) and shutil.which(chromedriver)):
-        pytest.skip("needs Chromium and ChromeDriver")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chromium
-    for flag in ("--headless", "--window-size=1400,1000", *CHROME_FLAGS):
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(chromedriver), options=opts)
+    driver = headless_chromium()
     try:
         driver.get(stats_report.as_uri())
         cards = driver.execute_script(
