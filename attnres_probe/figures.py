@@ -24,7 +24,9 @@ Conventions shared by every chart:
 
 from __future__ import annotations
 
+import functools
 import html
+import json
 import math
 from typing import Callable, Sequence
 
@@ -226,6 +228,44 @@ def _note(text: str, xref: str = "x domain", yref: str = "y domain", y: float = 
     return dict(text=text, xref=xref, yref=yref, x=0.5, y=y, showarrow=False, font={"size": 13, "color": "#555"})
 
 
+# Figures here are built in one step, ``go.Figure(data=..., layout=...)``: plotly validates a layout
+# given to the constructor once, while every ``update_layout`` / ``update_yaxes`` call validates and
+# copies again, and ``make_subplots`` + ``add_trace(row=, col=)`` costs about 25 ms a figure; one
+# step is 4-7 times faster, which is most of a dashboard callback (benchmarks/dashboard.py).
+@functools.lru_cache(maxsize=64)
+def _grid_json(rows: int, cols: int, titled: bool, options: tuple) -> str:
+    titles = [f"\x00{i}" for i in range(rows * cols)] if titled else None
+    layout = make_subplots(rows=rows, cols=cols, subplot_titles=titles, **dict(options)).layout.to_plotly_json()
+    layout.pop("template", None)
+    return json.dumps(layout)
+
+
+def grid_layout(rows: int, cols: int, subplot_titles: Sequence[str] | None = None, **options) -> dict:
+    """The layout :func:`plotly.subplots.make_subplots` makes for this grid (axes' domains and anchors,
+    subplot titles as annotations), computed once per grid shape and returned as a fresh dict; put a
+    trace in cell (row, col) with :func:`cell_axes`. ``options`` go to make_subplots (lists as tuples)."""
+    key = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
+    layout = json.loads(_grid_json(rows, cols, subplot_titles is not None, key))
+    if subplot_titles is not None:
+        titles = list(subplot_titles) + [""] * (rows * cols - len(subplot_titles))
+        for ann in layout.get("annotations", []):
+            ann["text"] = titles[int(ann["text"][1:])]
+    return layout
+
+
+def cell_axes(row: int, col: int, cols: int) -> dict[str, str]:
+    """``{"xaxis": "x3", "yaxis": "y3"}``: the axes of cell (row, col) of a :func:`grid_layout` grid
+    (make_subplots numbers them row by row from the top left)."""
+    k = (row - 1) * cols + col
+    sfx = "" if k == 1 else str(k)
+    return {"xaxis": f"x{sfx}", "yaxis": f"y{sfx}"}
+
+
+def _axis_key(axis: str) -> str:
+    """"x2" -> "xaxis2" (the layout key of a trace's axis reference)."""
+    return f"{axis[0]}axis{axis[1:]}"
+
+
 def _blank_prenorm(trace, kind: str, z: np.ndarray) -> np.ndarray:
     """PreNorm's weights are all one (nothing to colour): the panel stays blank with a note."""
     if kind == "weights" and getattr(trace, "residual", None) == "prenorm":
@@ -250,22 +290,20 @@ def _cell_heatmap(
     ``parts`` = the title's lines (name, what, kind)."""
     z = _blank_prenorm(trace, kind, cells[kind])
     custom = np.stack([cells[k] for k in _KINDS], axis=-1)  # (R, S', 3)
-    fig = go.Figure(
-        go.Heatmap(
-            z=z,
-            x=labels,
-            y=trace.read_labels,
-            customdata=custom,
-            hovertemplate=HOVER_CELLS,
-            hoverongaps=False,
-            colorscale=COLORSCALES[kind],
-            colorbar={"title": {"text": kind}},
-            **_color_range(kind, z),
-        )
+    heat = go.Heatmap(
+        z=z,
+        x=labels,
+        y=trace.read_labels,
+        customdata=custom,
+        hovertemplate=HOVER_CELLS,
+        hoverongaps=False,
+        colorscale=COLORSCALES[kind],
+        colorbar={"title": {"text": kind}},
+        **_color_range(kind, z),
     )
     shapes = _read_block_lines(trace) + (_source_block_lines(trace) if expanded else [])
     notes = _empty_note(trace, kind, z)
-    fig.update_layout(
+    return go.Figure(data=[heat], layout=dict(
         title=_title_layout(parts),
         meta={"title_parts": list(parts)},
         margin=_title_margin(parts),
@@ -275,8 +313,7 @@ def _cell_heatmap(
         height=max(320, 24 * len(trace.read_labels) + 120 + 20 * len(parts)),
         xaxis={"title": {"text": "source"}, "showgrid": False, "tickangle": -45 if len(labels) > 8 else 0},
         yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
-    )
-    return fig
+    ))
 
 
 # -- heatmaps ---------------------------------------------------------------------------------
@@ -372,13 +409,12 @@ def source_heatmap(
             hovertemplate="token %{x} %{text}<br>" + HOVER_CELLS.replace("source %{x}<br>", ""),
         )
     heat.update(hoverongaps=False, colorscale=COLORSCALES[kind], colorbar={"title": {"text": kind}}, **_color_range(kind, z))
-    fig = go.Figure(heat)
     label = trace.source_labels[s]
     parts = [trace.name, f"source {label} at every token (sequence {batch})", KIND_TITLES[kind]]
     tickvals, ticktext = token_ticks(toks, plot_px)
     if categories is not None:
         tickvals = [categories[v] for v in tickvals]
-    fig.update_layout(
+    return go.Figure(data=[heat], layout=dict(
         title=_title_layout(parts),
         meta={"title_parts": parts, "tokens": [str(t) for t in toks]},
         margin=_title_margin(parts),
@@ -397,8 +433,7 @@ def source_heatmap(
             **({"type": "category"} if categories is not None else {}),
         },
         yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
-    )
-    return fig
+    ))
 
 
 def _remap_ref(ref: str | None, sfx: str) -> str | None:
@@ -538,23 +573,20 @@ def difference_heatmap(
         tok = trace.str_tokens[batch][pos] if pos < len(trace.str_tokens[batch]) else ""
         what = f"token {pos} {tok!r} (sequence {batch})"
     parts = [f"{trace.name} − {baseline.name}", what, f"difference in {KIND_TITLES[kind]}"]
-    fig = go.Figure(
-        go.Heatmap(
-            z=z, x=labels, y=trace.read_labels, customdata=np.stack(vals, axis=-1), hoverongaps=False,
-            hovertemplate=f"read %{{y}}<br>source %{{x}}<br>{html.escape(trace.name)} %{{customdata[0]:.4~g}}"
-            f"<br>{html.escape(baseline.name)} %{{customdata[1]:.4~g}}<br>difference %{{z:.4~g}}<extra></extra>",
-            colorscale=DIVERGING_COLORSCALE, colorbar={"title": {"text": "difference"}}, **_color_range("diff", z),
-        )
+    heat = go.Heatmap(
+        z=z, x=labels, y=trace.read_labels, customdata=np.stack(vals, axis=-1), hoverongaps=False,
+        hovertemplate=f"read %{{y}}<br>source %{{x}}<br>{html.escape(trace.name)} %{{customdata[0]:.4~g}}"
+        f"<br>{html.escape(baseline.name)} %{{customdata[1]:.4~g}}<br>difference %{{z:.4~g}}<extra></extra>",
+        colorscale=DIVERGING_COLORSCALE, colorbar={"title": {"text": "difference"}}, **_color_range("diff", z),
     )
-    fig.update_layout(
+    return go.Figure(data=[heat], layout=dict(
         title=_title_layout(parts), meta={"title_parts": parts}, margin=_title_margin(parts),
         shapes=_read_block_lines(trace) + _source_block_lines(trace), plot_bgcolor="white",
         annotations=[] if np.isfinite(z).any() else [_note("no cell is available to both models")],
         height=max(320, 24 * len(trace.read_labels) + 120 + 20 * len(parts)),
         xaxis={"title": {"text": "source (sublayer)"}, "showgrid": False, "tickangle": -45 if len(labels) > 8 else 0},
         yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
-    )
-    return fig
+    ))
 
 
 def difference_side_by_side(
@@ -625,21 +657,20 @@ def logit_contributions_chart(lc, k: int = 5, name: str | None = None) -> go.Fig
     pos = lc.position
     tok = lc.str_tokens[pos] if pos < len(lc.str_tokens) else ""
     parts = [name or "model", f"token {pos} {tok!r}", f"direct contributions to the top-{len(ids)} next tokens"]
-    fig = go.Figure(go.Heatmap(
+    heat = go.Heatmap(
         z=z, x=[f"{j + 1}. {_vocab_label(lc.decode([i]), i) if lc.decode else i}" for j, i in enumerate(ids)], y=ylabels,
         customdata=custom, hoverongaps=False, colorscale=DIVERGING_COLORSCALE, zmin=-max(m, 1e-6), zmax=max(m, 1e-6), zmid=0.0,
         hovertemplate="source %{y}<br>next token %{x}<br>contribution %{z:.4~g}<br>source weight %{customdata[0]:.4~g}<extra></extra>",
         colorbar={"title": {"text": "logit"}},
-    ))
-    fig.add_shape(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=len(lc.sources) - 0.5, y1=len(lc.sources) - 0.5,
-                  line=BOUNDARY_LINE)
-    fig.update_layout(
+    )
+    sum_line = dict(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=len(lc.sources) - 0.5, y1=len(lc.sources) - 0.5,
+                    line=BOUNDARY_LINE)
+    return go.Figure(data=[heat], layout=dict(
         title=_title_layout(parts), meta={"title_parts": parts}, margin=_title_margin(parts), plot_bgcolor="white",
-        height=max(300, 22 * len(ylabels) + 120 + 20 * len(parts)),
+        shapes=[sum_line], height=max(300, 22 * len(ylabels) + 120 + 20 * len(parts)),
         xaxis={"title": {"text": "predicted next token (by logit)"}, "showgrid": False, "tickangle": 0},
         yaxis={"title": {"text": "source"}, "autorange": "reversed", "showgrid": False},
-    )
-    return fig
+    ))
 
 
 def logit_lens_chart(frame: pd.DataFrame, position: int, name: str | None = None, token: str | None = None) -> go.Figure:
@@ -663,18 +694,17 @@ def logit_lens_chart(frame: pd.DataFrame, position: int, name: str | None = None
         text[r, row.rank] = _vocab_label(str(row.token), int(row.token_id)) + (" ✓" if row.is_next else "")
     what = f"token {position}" + (f" {token!r}" if token is not None else "")
     parts = [name or "model", what, "what each read predicts next (logit lens)"]
-    fig = go.Figure(go.Heatmap(
+    heat = go.Heatmap(
         z=z, x=[f"top {i + 1}" for i in range(k)], y=reads, text=text, texttemplate="%{text}", textfont={"size": 11},
         colorscale="Blues", zmin=0.0, zmax=1.0, hoverongaps=False, colorbar={"title": {"text": "prob"}},
         hovertemplate="read %{y}<br>%{x}: %{text}<br>probability %{z:.3f}<extra></extra>",
-    ))
-    fig.update_layout(
+    )
+    return go.Figure(data=[heat], layout=dict(
         title=_title_layout(parts), meta={"title_parts": parts}, margin=_title_margin(parts), plot_bgcolor="white",
         height=max(320, 22 * len(reads) + 120 + 20 * len(parts)),
         xaxis={"title": {"text": "rank (✓ = the token that follows)"}, "showgrid": False, "side": "bottom"},
         yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
-    )
-    return fig
+    ))
 
 
 # -- depth profiles ---------------------------------------------------------------------------
@@ -725,32 +755,27 @@ def magnitudes(traces: Sequence[DepthTrace]) -> go.Figure:
     """
     names = _line_names(traces)
     colors = model_colors(names)
-    fig = make_subplots(
-        rows=1, cols=2, subplot_titles=("RMS of mixed input h, by read", "RMS of written source v (embed, sublayer outputs)")
-    )
+    layout = grid_layout(1, 2, subplot_titles=("RMS of mixed input h, by read", "RMS of written source v (embed, sublayer outputs)"))
+    data, values = [], {1: [], 2: []}
     for t, name in zip(traces, names):
         reads, srcs = metrics.read_profile(t), metrics.source_profile(t)
         line = {"color": colors[name]}
-        fig.add_trace(
-            go.Scatter(
-                x=list(reads.index), y=reads["rms_in"].to_numpy(), name=name, legendgroup=name, mode="lines+markers",
-                line=line, hovertemplate=f"{name}<br>read %{{x}}<br>rms(h) %{{y:.4~g}}<extra></extra>",
-            ),
-            row=1, col=1,
-        )
-        fig.add_trace(
-            go.Scatter(
-                x=list(srcs.index), y=srcs["rms_out"].to_numpy(), name=name, legendgroup=name, showlegend=False,
-                mode="lines+markers", line=line,
-                hovertemplate=f"{name}<br>source %{{x}}<br>rms(v) %{{y:.4~g}}<extra></extra>",
-            ),
-            row=1, col=2,
-        )
+        y_in, y_out = reads["rms_in"].to_numpy(), srcs["rms_out"].to_numpy()
+        values[1].append(y_in), values[2].append(y_out)
+        data.append(go.Scatter(
+            x=list(reads.index), y=y_in, name=name, legendgroup=name, mode="lines+markers",
+            line=line, hovertemplate=f"{name}<br>read %{{x}}<br>rms(h) %{{y:.4~g}}<extra></extra>", **cell_axes(1, 1, 2),
+        ))
+        data.append(go.Scatter(
+            x=list(srcs.index), y=y_out, name=name, legendgroup=name, showlegend=False,
+            mode="lines+markers", line=line,
+            hovertemplate=f"{name}<br>source %{{x}}<br>rms(v) %{{y:.4~g}}<extra></extra>", **cell_axes(1, 2, 2),
+        ))
     for col, ylabel in ((1, "rms(h)"), (2, "rms(v)")):  # the corpus page's words (magnitude_bands)
-        values = [np.asarray(tr.y, float) for tr in fig.data if (tr.xaxis or "x") == ("x" if col == 1 else f"x{col}")]
-        fig.update_yaxes(title_text=f"{ylabel} (log)", **log_axis(np.concatenate(values) if values else []), row=1, col=col)
-    fig.update_layout(title={"text": "Magnitudes by depth"}, height=420)
-    return fig
+        axis = layout[_axis_key(cell_axes(1, col, 2)["yaxis"])]
+        axis.update(title={"text": f"{ylabel} (log)"}, **log_axis(np.concatenate(values[col]) if values[col] else []))
+    layout.update(title={"text": "Magnitudes by depth"}, height=420)
+    return go.Figure(data=data, layout=layout)
 
 
 def gradient_norms(traces: Sequence[DepthTrace]) -> go.Figure:
@@ -767,12 +792,11 @@ def gradient_norms(traces: Sequence[DepthTrace]) -> go.Figure:
     """
     names = _line_names(traces)
     colors = model_colors(names)
-    fig = make_subplots(
-        rows=1, cols=2, subplot_titles=("‖∂Loss/∂h‖ per token at mixed inputs, by read", "parameter-gradient norm per sublayer")
-    )
-    notes = list(fig.layout.annotations)
+    layout = grid_layout(1, 2, subplot_titles=("‖∂Loss/∂h‖ per token at mixed inputs, by read", "parameter-gradient norm per sublayer"))
+    notes = layout.get("annotations", [])
     missing = {1: 0, 2: 0}
     shown = set()
+    data, values = [], {1: [], 2: []}
     for t, name in zip(traces, names):
         reads = metrics.read_profile(t)
         panels = (
@@ -785,20 +809,18 @@ def gradient_norms(traces: Sequence[DepthTrace]) -> go.Figure:
                 notes.append(_note(f"{name}: no gradients recorded", f"x{sfx} domain", f"y{sfx} domain", 0.9 - 0.08 * missing[col]))
                 missing[col] += 1
                 continue
-            fig.add_trace(
-                go.Scatter(
-                    x=x, y=y, name=name, legendgroup=name, showlegend=name not in shown, mode="lines+markers",
-                    line={"color": colors[name]},
-                    hovertemplate=f"{name}<br>{what} %{{x}}<br>{sym} %{{y:.4~g}}<extra></extra>",
-                ),
-                row=1, col=col,
-            )
+            values[col].append(y)
+            data.append(go.Scatter(
+                x=x, y=y, name=name, legendgroup=name, showlegend=name not in shown, mode="lines+markers",
+                line={"color": colors[name]},
+                hovertemplate=f"{name}<br>{what} %{{x}}<br>{sym} %{{y:.4~g}}<extra></extra>", **cell_axes(1, col, 2),
+            ))
             shown.add(name)
     for col, ylabel in ((1, "‖∂L/∂h‖"), (2, "‖∂L/∂θ‖")):  # the corpus page's words (gradient_bands)
-        values = [np.asarray(tr.y, float) for tr in fig.data if (tr.xaxis or "x") == ("x" if col == 1 else f"x{col}")]
-        fig.update_yaxes(title_text=f"{ylabel} (log)", **log_axis(np.concatenate(values) if values else []), row=1, col=col)
-    fig.update_layout(title={"text": "Gradient norms by depth"}, annotations=notes, height=420)
-    return fig
+        axis = layout[_axis_key(cell_axes(1, col, 2)["yaxis"])]
+        axis.update(title={"text": f"{ylabel} (log)"}, **log_axis(np.concatenate(values[col]) if values[col] else []))
+    layout.update(title={"text": "Gradient norms by depth"}, annotations=notes, height=420)
+    return go.Figure(data=data, layout=layout)
 
 
 # -- corpus aggregates (CorpusStats) ---------------------------------------------------------
@@ -974,49 +996,44 @@ def ablation_chart(frame: pd.DataFrame, read: str | None = None) -> go.Figure:
     missing = [c for c in ABLATION_COLUMNS if c not in frame.columns]
     if missing:
         raise ValueError(f"ablation frame lacks columns {missing}; it needs {list(ABLATION_COLUMNS)}")
-    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, row_heights=[0.5, 0.25, 0.25], vertical_spacing=0.06)
+    layout = grid_layout(3, 1, shared_xaxes=True, row_heights=[0.5, 0.25, 0.25], vertical_spacing=0.06)
     if frame.empty:
-        fig.update_layout(title={"text": "Ablation"}, annotations=[_note("no ablation results", "paper", "paper")])
-        return fig
+        layout.update(title={"text": "Ablation"}, annotations=[_note("no ablation results", "paper", "paper")])
+        return go.Figure(layout=layout)
     reads = list(dict.fromkeys(frame["read"]))
     read = reads[0] if read is None else read
     if read not in reads:
         raise KeyError(f"read {read!r} is not in the ablation frame; it has {reads}")
     rows = frame[frame["read"] == read]
     modes = list(dict.fromkeys(rows["mode"])) if "mode" in rows.columns else [None]
+    data = []
     for i, mode in enumerate(modes):
         sub = rows if mode is None else rows[rows["mode"] == mode]
         label = "Δloss when ablated" if mode is None else f"Δloss when ablated ({mode})"
-        fig.add_trace(
-            go.Bar(x=[str(s) for s in sub["source"]], y=sub["delta_loss"].to_numpy(), name=label,
-                   marker_color=ABLATION_BAR_COLORS[i % len(ABLATION_BAR_COLORS)],
-                   hovertemplate=f"source %{{x}}<br>{label} %{{y:.4~g}}<extra></extra>"),
-            row=1, col=1,
-        )
+        data.append(go.Bar(x=[str(s) for s in sub["source"]], y=sub["delta_loss"].to_numpy(), name=label,
+                           marker_color=ABLATION_BAR_COLORS[i % len(ABLATION_BAR_COLORS)],
+                           hovertemplate=f"source %{{x}}<br>{label} %{{y:.4~g}}<extra></extra>", **cell_axes(1, 1, 1)))
     rows = rows.drop_duplicates("source")  # mass and contrib do not depend on the mode
     x = [str(s) for s in rows["source"]]
     for r, (col, label, color, symbol) in enumerate(
         (("mass", "routing mass α", "#1F77B4", "circle"), ("contrib", "contribution share c", "#2CA02C", "diamond")), start=2
     ):
-        fig.add_trace(
-            go.Scatter(x=x, y=rows[col].to_numpy(), name=label, mode="markers", marker={"color": color, "size": 11, "symbol": symbol},
-                       hovertemplate=f"source %{{x}}<br>{label} %{{y:.4~g}}<extra></extra>"),
-            row=r, col=1,
-        )
-    fig.update_yaxes(title_text="Δloss", zeroline=True, tickformat=".3~g", row=1, col=1)
-    fig.update_yaxes(title_text="mass α", range=[0, 1.05], tickvals=[0, 0.5, 1], row=2, col=1)
+        data.append(go.Scatter(x=x, y=rows[col].to_numpy(), name=label, mode="markers", marker={"color": color, "size": 11, "symbol": symbol},
+                               hovertemplate=f"source %{{x}}<br>{label} %{{y:.4~g}}<extra></extra>", **cell_axes(r, 1, 1)))
     c = rows["contrib"].to_numpy(dtype=float)
     lo = min(0.0, float(np.nanmin(c)) if np.isfinite(c).any() else 0.0)
     hi = max(1.0, float(np.nanmax(c)) if np.isfinite(c).any() else 1.0)
     pad = 0.05 * (hi - lo)
-    fig.update_yaxes(title_text="share c", range=[lo - pad, hi + pad], zeroline=True, zerolinecolor="#999",
-                     tickformat=".2~f", nticks=4, row=3, col=1)
-    fig.update_xaxes(title_text="source", row=3, col=1)
-    fig.update_layout(
+    layout["yaxis"].update(title={"text": "Δloss"}, zeroline=True, tickformat=".3~g")
+    layout["yaxis2"].update(title={"text": "mass α"}, range=[0, 1.05], tickvals=[0, 0.5, 1])
+    layout["yaxis3"].update(title={"text": "share c"}, range=[lo - pad, hi + pad], zeroline=True, zerolinecolor="#999",
+                            tickformat=".2~f", nticks=4)
+    layout["xaxis3"].update(title={"text": "source"})
+    layout.update(
         title={"text": f"Ablation at read {read}: Δloss per source vs routing mass and contribution share"},
         barmode="group", height=520,
     )
-    return fig
+    return go.Figure(data=data, layout=layout)
 
 
 def format_value(v) -> str:

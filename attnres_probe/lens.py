@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-__all__ = ["LogitContributions", "logit_contributions", "logit_lens"]
+__all__ = ["LogitContributions", "logit_contributions", "logit_lens", "token_readings"]
 
 
 @dataclass
@@ -77,7 +77,25 @@ def _sources(model: Any, cache: Any, read: int) -> list[torch.Tensor]:
     return [sum(outs[m] for m in members) for members in model.axis.members(read)]
 
 
-def logit_contributions(model: Any, tokens: torch.Tensor, position: int = -1, batch: int = 0, decode: Any = None) -> LogitContributions:
+def _contribution_hooks(model: Any) -> set[str]:
+    names = {"hook_embed", "hook_pos_embed", "hook_resid_final"}
+    names |= {hp.name for b in model.blocks for hp in (b.hook_attn_out, b.hook_mlp_out)}
+    if model.axis.residual != "prenorm":
+        names.add(model.out_res.hook_weights.name)
+    return names
+
+
+def _lens_hooks(model: Any) -> list[str]:
+    return [*(hp.name for b in model.blocks for hp in (b.hook_resid_pre, b.hook_resid_mid)), model.hook_resid_final.name]
+
+
+def _run(model: Any, tokens: torch.Tensor, names: set[str]) -> tuple[torch.Tensor, Any]:
+    with torch.no_grad():
+        return model.run_with_cache(tokens, names_filter=lambda n: n in names)
+
+
+def logit_contributions(model: Any, tokens: torch.Tensor, position: int = -1, batch: int = 0, decode: Any = None,
+                        run: tuple[torch.Tensor, Any] | None = None) -> LogitContributions:
     """Split the logits at one token into the direct contribution of every source of the final read.
 
     Args:
@@ -86,6 +104,8 @@ def logit_contributions(model: Any, tokens: torch.Tensor, position: int = -1, ba
         position: the token (negative counts from the end).
         batch: the sequence.
         decode: optional ``list[int] -> str`` for labels (a tokenizer's ``decode``).
+        run: ``(logits, cache)`` of a ``run_with_cache`` of these tokens that kept the hooks
+            this needs (:func:`token_reading` shares one run with the logit lens); default: run now.
 
     Returns:
         :class:`LogitContributions`; ``contributions.sum(0)`` equals the logits to float64
@@ -93,12 +113,7 @@ def logit_contributions(model: Any, tokens: torch.Tensor, position: int = -1, ba
     """
     axis = model.axis
     final = axis.n_sublayers
-    names = {"hook_embed", "hook_pos_embed", "hook_resid_final"}
-    names |= {hp.name for b in model.blocks for hp in (b.hook_attn_out, b.hook_mlp_out)}
-    if axis.residual != "prenorm":
-        names.add(model.out_res.hook_weights.name)
-    with torch.no_grad():
-        logits, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+    logits, cache = run if run is not None else _run(model, tokens, _contribution_hooks(model))
     P = tokens.shape[-1]
     if isinstance(position, bool) or not isinstance(position, int) or not -P <= position < P:
         raise IndexError(f"position {position!r} is out of range; the sequence has {P} tokens (0..{P - 1}, or negative from the end)")
@@ -126,7 +141,8 @@ def logit_contributions(model: Any, tokens: torch.Tensor, position: int = -1, ba
     )
 
 
-def logit_lens(model: Any, tokens: torch.Tensor, k: int = 5, batch: int = 0, positions: list[int] | None = None, decode: Any = None) -> pd.DataFrame:
+def logit_lens(model: Any, tokens: torch.Tensor, k: int = 5, batch: int = 0, positions: list[int] | None = None, decode: Any = None,
+               run: tuple[torch.Tensor, Any] | None = None) -> pd.DataFrame:
     """What each read predicts: its mixed input through the final norm and the unembedding.
 
     Args:
@@ -136,14 +152,16 @@ def logit_lens(model: Any, tokens: torch.Tensor, k: int = 5, batch: int = 0, pos
         batch: the sequence.
         positions: positions to report (default: all).
         decode: optional ``list[int] -> str`` for the predicted tokens' text.
+        run: ``(logits, cache)`` of a ``run_with_cache`` of these tokens that kept the reads'
+            hooks (as :func:`logit_contributions`); default: run now.
 
     Returns:
         Long DataFrame: read, position, rank (0 = top), token_id, token, prob (softmax of that
         read's projected logits), and ``is_next``: whether it is the token that follows.
     """
-    read_names = [*(hp.name for b in model.blocks for hp in (b.hook_resid_pre, b.hook_resid_mid)), model.hook_resid_final.name]
+    read_names = _lens_hooks(model)
+    _, cache = run if run is not None else _run(model, tokens, set(read_names))
     with torch.no_grad():
-        _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in set(read_names))
         P = tokens.shape[-1]
         pos = list(range(P)) if positions is None else [p % P for p in positions]
         rows = []
@@ -156,3 +174,20 @@ def logit_lens(model: Any, tokens: torch.Tensor, k: int = 5, batch: int = 0, pos
                 for rank, (tid, pr) in enumerate(zip(top.indices[j].tolist(), top.values[j].tolist())):
                     rows.append((label, p, rank, tid, decode([tid]) if decode else str(tid), pr, tid == nxt))
     return pd.DataFrame(rows, columns=["read", "position", "rank", "token_id", "token", "prob", "is_next"])
+
+
+def token_readings(model: Any, tokens: torch.Tensor, positions: list[int] | None = None, k: int = 5, batch: int = 0,
+                   decode: Any = None) -> tuple[list[LogitContributions], pd.DataFrame]:
+    """:func:`logit_contributions` at each of ``positions`` (default: every token) and
+    :func:`logit_lens` of those positions, all from one forward: the same results as the separate
+    calls (a test), with one model run instead of one per call.
+
+    Returns:
+        ([LogitContributions per position], the logit-lens frame of those positions)
+    """
+    run = _run(model, tokens, _contribution_hooks(model) | set(_lens_hooks(model)))
+    P = tokens.shape[-1]
+    positions = list(range(P)) if positions is None else list(positions)
+    contribs = [logit_contributions(model, tokens, position=p, batch=batch, decode=decode, run=run) for p in positions]
+    lens = logit_lens(model, tokens, k=k, batch=batch, positions=[lc.position for lc in contribs], decode=decode, run=run)
+    return contribs, lens

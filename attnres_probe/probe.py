@@ -438,6 +438,21 @@ class Probe:
         tokens, _ = self.tokenize(text_or_tokens, truncate=truncate)
         return logit_lens(self.model, tokens, k=k, batch=batch, positions=positions, decode=self._decode())
 
+    def token_readings(self, text_or_tokens: Any, positions: list[int] | None = None, k: int = 5, batch: int = 0,
+                       truncate: bool = False):
+        """:meth:`logit_contributions` at each of ``positions`` (default: every token) and
+        :meth:`logit_lens` of those positions from one forward, as the dashboard's per-token view
+        and the report's explorer show them (:func:`attnres_probe.lens.token_readings`).
+
+        Returns:
+            ([:class:`~attnres_probe.lens.LogitContributions` per position], the logit-lens frame)
+        """
+        from attnres_probe.lens import token_readings
+
+        self._own_model("token_readings")
+        tokens, _ = self.tokenize(text_or_tokens, truncate=truncate)
+        return token_readings(self.model, tokens, positions=positions, k=k, batch=batch, decode=self._decode())
+
 
 def _token_ids(text: Any, index: int) -> torch.Tensor:
     """Token ids [pos] or [batch, pos] of a corpus entry that is not a string.

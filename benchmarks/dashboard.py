@@ -14,7 +14,8 @@ What is measured (all in this process, no browser):
   and for the demo-sized one (8 layers, n_ctx 128, as ``make demo`` opens).
 
 Models are random (queries randomised so routing is not uniform): speed does not depend on training.
-Target: token-selection p95 <= 100 ms.
+Targets: token-selection p95 <= 100 ms; first render of the 1024-token trace (every request of the
+page once the app has recorded the text) <= 1 s and <= 1.5 MB.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from attnres_probe.dashboards import callbacks, create_app
 from attnres_probe.dashboards.wire import update_payload
 
 TARGET_P95_MS = 100.0
+TARGET_FIRST_RENDER_S, TARGET_FIRST_RENDER_MB = 1.0, 1.5  # the 1024-token trace, after the app has recorded it
 TEXT = (
     "The for statement is used to iterate over the elements of a sequence (such as a string, tuple or list) "
     "or other iterable object. The with statement is used to wrap the execution of a block with methods "
@@ -131,7 +133,8 @@ def bench_first_render(models: dict, text: str) -> list[tuple[str, float, int]]:
         r = client.post("/_dash-update-component", json=update_payload(app, out, values, changed=[]))
         assert r.status_code == 200, (out, r.data[:300])
         rows.append((f"POST {out.split('.')[0]}", time.perf_counter() - t, len(r.data)))
-    rows.append(("total", sum(r[1] for r in rows), sum(r[2] for r in rows)))
+    page = rows[1:]  # what the browser waits for once the server is up: every request of the first page
+    rows.append(("first render (every request above but create_app)", sum(r[1] for r in page), sum(r[2] for r in page)))
     return rows
 
 
@@ -179,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{step:<46}{dt * 1e3:>9.1f}{size:>10}")
     verdict = "meets" if worst <= TARGET_P95_MS else "MISSES"
     print(f"\ntoken selection over HTTP, worst p95 {worst:.1f} ms: {verdict} the {TARGET_P95_MS:.0f} ms target")
+    _, secs, size = first[-1]
+    ok = secs <= TARGET_FIRST_RENDER_S and size / 1e6 <= TARGET_FIRST_RENDER_MB
+    print(f"first render of the {args.tokens}-token trace {secs:.2f} s, {size / 1e6:.2f} MB: {'meets' if ok else 'MISSES'} "
+          f"the targets (<= {TARGET_FIRST_RENDER_S:g} s, <= {TARGET_FIRST_RENDER_MB:g} MB)")
     return 0
 
 

@@ -253,7 +253,7 @@ LENS_K = 5
 
 
 def reading_views(ex: Explorer, token: Any) -> dict:
-    """Direct logit contributions (Probe.logit_contributions) and the logit lens (Probe.logit_lens)
+    """Direct logit contributions and the logit lens (one forward: Probe.token_readings)
     of every live model at the selected token; a saved trace gets a note instead (it holds no activations).
 
     Returns:
@@ -290,8 +290,7 @@ def reading_views(ex: Explorer, token: Any) -> dict:
         tokens = torch.from_numpy(np.ascontiguousarray(trace.tokens[:1, : min(n_tok, pos + 2)])).long()
         try:
             with ex._model_lock:
-                lc = probe.logit_contributions(tokens, token=pos)
-                lens = probe.logit_lens(tokens, k=LENS_K, positions=[pos])
+                (lc,), lens = probe.token_readings(tokens, positions=[pos], k=LENS_K)
         except Exception as exc:  # a model that cannot be read this way must not break the page
             add(no_update, no_update, HIDDEN, HIDDEN, SHOWN, f"{name}: cannot read the residual stream ({exc})")
             continue

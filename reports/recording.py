@@ -167,6 +167,5 @@ def record_readings(model, trace: DepthTrace, tokenizer=None, n_tokens: int = RE
     # causal: what the model does at positions < n + 1 depends on those tokens only
     tokens = torch.from_numpy(trace.tokens[:1, : min(int(trace.mask[0].sum()), n + 1)].astype("int64"))
     positions = list(range(n))
-    contribs = [probe.logit_contributions(tokens, token=p) for p in positions]
-    lens = probe.logit_lens(tokens, k=k, positions=positions)
+    contribs, lens = probe.token_readings(tokens, positions=positions, k=k)
     return {"name": trace.name, "positions": positions, "contribs": contribs, "lens": lens, "k": k}

@@ -281,6 +281,19 @@ def test_a_text_recorded_in_windows_is_one_document():
     assert list(Windows.of_trace(make_trace("full", batch=3)).table["doc"]) == [0, 1, 2]  # a batch of texts
 
 
+@pytest.mark.parametrize("residual", ["prenorm", "full", "block"])
+def test_one_window_pools_to_its_window_as_summary_does(residual):
+    """compare() takes a one-window trace's pooled values from its window row instead of
+    summary(): the same float64 arithmetic on the same tokens (only the order of sums may differ)."""
+    traces = [make_trace(residual), Probe(tiny_model(residual)).run(sample_tokens(12))]
+    for trace in traces:
+        pooled, full = Windows.of_trace(trace).pooled, metrics.summary(trace)
+        assert set(full.index) <= set(pooled.index)
+        np.testing.assert_allclose(pooled[full.index].to_numpy(float), full.to_numpy(float), rtol=1e-12, atol=1e-15)
+    two = make_trace(residual, batch=2)  # several windows: pooled is summary's, not one window's
+    np.testing.assert_array_equal(Windows.of_trace(two).pooled.to_numpy(float), metrics.summary(two).to_numpy(float))
+
+
 def test_compare_pairs_windows_by_key_not_by_position():
     v = np.arange(1.0, 11.0)
     pre = _windows("prenorm", "prenorm", {"mean_loss": v}, digests=[f"d{i}" for i in range(10)])

@@ -115,3 +115,28 @@ def test_the_logit_lens_reports_every_read_and_ends_with_the_models_prediction(r
     assert df["prob"].between(0, 1).all()
     nxt = df[(df["position"] == 0) & df["is_next"]]
     assert (nxt["token_id"] == int(tokens[0, 1])).all()
+
+
+@pytest.mark.parametrize("residual, kw", RESIDUALS)
+def test_token_readings_from_one_forward_equal_the_separate_calls(residual, kw):
+    """The dashboard's and the report's per-token reading runs the model once for the logit
+    decomposition and the logit lens together: exactly what the two calls give apart."""
+    import numpy as np
+    import pandas as pd
+
+    model = tiny_model(residual, **kw)
+    tokens = sample_tokens(7)
+    probe = Probe(model)
+    runs = []
+    model.hook_embed.add_hook(lambda x, hook: runs.append(1) or x)
+    contribs, lens = probe.token_readings(tokens, positions=[0, 3, -1], k=3, batch=1)
+    assert len(runs) == 1  # one forward for everything
+    assert [lc.position for lc in contribs] == [0, 3, 6]
+    for lc in contribs:
+        alone = probe.logit_contributions(tokens, token=lc.position, batch=1)
+        np.testing.assert_array_equal(lc.contributions, alone.contributions)
+        np.testing.assert_array_equal(lc.weights, alone.weights)
+        np.testing.assert_array_equal(lc.logits, alone.logits)
+    pd.testing.assert_frame_equal(lens, probe.logit_lens(tokens, k=3, positions=[0, 3, 6], batch=1))
+    assert len(probe.token_readings(tokens, k=2)[0]) == tokens.shape[1]  # default: every position
+    model.reset_hooks()

@@ -86,7 +86,8 @@ class Windows:
     def of_trace(cls, trace: Any, name: str | None = None) -> Windows:
         """Each sequence of a DepthTrace is a window: of document b at offset 0, or, for one text
         recorded in context-sized windows (``meta["windows"]``, as reports record a text), all of
-        document 0 at offsets b·n_ctx."""
+        document 0 at offsets b·n_ctx. The pooled values of a one-window trace are its window's
+        (:func:`~attnres_probe.metrics.summary` of the same tokens; equal to rounding, a test)."""
         from attnres_probe.metrics import summary
 
         table = window_metrics(trace)
@@ -101,7 +102,9 @@ class Windows:
                 "digest": window_digests(trace),
             }
         )
-        return cls(name or trace.name, trace.residual, pd.concat([keys, table], axis=1), summary(trace))
+        # one window: the pooled data are that window's, and summary() would compute its row again
+        pooled = table.iloc[0].rename(trace.name) if B == 1 else summary(trace)
+        return cls(name or trace.name, trace.residual, pd.concat([keys, table], axis=1), pooled)
 
     @classmethod
     def of_stats(cls, stats: Any, name: str | None = None) -> Windows:

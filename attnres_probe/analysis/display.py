@@ -126,14 +126,20 @@ def _reason(row: pd.Series | dict) -> str:
     return next((p for p in note.split("; ") if p.startswith(("no interval", "pooled", "not available", "no windows", "PreNorm"))), "")
 
 
-def no_interval_reason(frame: pd.DataFrame) -> str:
+def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """The frame's rows as dicts (formatting reads rows one by one: dicts are much faster than Series)."""
+    return frame.to_dict("records")
+
+
+def no_interval_reason(frame: pd.DataFrame | list[dict]) -> str:
     """"no interval: 1 window" or "no interval: 1 document" when no value of the frame has an
     interval for that one reason, for every model; else "". A page says it once instead of in
     every cell (:func:`interval_text` leaves out a reason that starts with it)."""
-    vals = frame[frame["comparison"] == "value"]
-    if vals.empty or (vals["low"].notna() & vals["high"].notna()).any():
+    rows = _records(frame) if isinstance(frame, pd.DataFrame) else frame
+    vals = [r for r in rows if r["comparison"] == "value"]
+    if not vals or any(_finite(r["low"]) and _finite(r["high"]) for r in vals):
         return ""
-    reasons = [r for r in (_reason(row) for _, row in vals.iterrows()) if r.startswith("no interval")]
+    reasons = [r for r in (_reason(row) for row in vals) if r.startswith("no interval")]
     for prefix in ("no interval: 1 window", "no interval: 1 document"):
         if reasons and all(r.startswith(prefix) for r in reasons):
             return prefix
@@ -183,12 +189,19 @@ def expected_text(row: pd.Series | dict) -> str:
     return f"paper: {row['expected']} than {row['baseline']}"
 
 
-def comparison_rows(frame: pd.DataFrame, metric: str) -> list[dict[str, Any]]:
-    """Every comparison of ``metric`` (one per AttnRes model) as display strings."""
-    level = float(frame.attrs.get("level", 0.95))
-    said = no_interval_reason(frame)
+def comparison_rows(frame: pd.DataFrame | list[dict], metric: str, level: float | None = None,
+                    said: str | None = None) -> list[dict[str, Any]]:
+    """Every comparison of ``metric`` (one per AttnRes model) as display strings (``level`` and
+    ``said`` default to the frame's level and :func:`no_interval_reason`)."""
+    rows = _records(frame) if isinstance(frame, pd.DataFrame) else frame
+    if level is None:
+        level = float(frame.attrs.get("level", 0.95)) if isinstance(frame, pd.DataFrame) else 0.95
+    if said is None:
+        said = no_interval_reason(rows)
     out = []
-    for _, r in frame[(frame["metric"] == metric) & (frame["comparison"] != "value")].iterrows():
+    for r in rows:
+        if r["metric"] != metric or r["comparison"] == "value":
+            continue
         out.append({
             "model": r["model"],
             "baseline": r["baseline"],
@@ -219,16 +232,16 @@ def headline(frame: pd.DataFrame) -> list[dict[str, Any]]:
         {"comparison": its comparison or None, "is_baseline"}]}]}]
     """
     level = float(frame.attrs.get("level", 0.95))
-    said = no_interval_reason(frame)
+    records = _records(frame)
+    said = no_interval_reason(records)
     groups = []
     for title, help_text, names in HEADLINE:
         rows = []
         for m in names:
-            vals = frame[(frame["metric"] == m) & (frame["comparison"] == "value")]
             values = [{"model": r["model"], "estimate": fmt_estimate(r), "interval": interval_text(r, level, said),
                        "basis": str(r.get("basis") or "")}
-                      for _, r in vals.iterrows()]
-            comps = comparison_rows(frame, m)
+                      for r in records if r["metric"] == m and r["comparison"] == "value"]
+            comps = comparison_rows(records, m, level, said)
             by_model = {c["model"]: c for c in comps}
             baselines = {c["baseline"] for c in comps}
             rows.append({
@@ -252,26 +265,21 @@ def table_rows(frame: pd.DataFrame) -> dict[str, Any]:
         {"columns": [header strings], "rows": [{"metric", "label", "cells": [str], "verdicts": [str],
         "caveats": [str per comparison, :func:`basis_caveat`]}]}
     """
-    models = list(dict.fromkeys(frame.loc[frame["comparison"] == "value", "model"]))
-    comps = list(dict.fromkeys((r["model"], r["baseline"]) for _, r in frame[frame["comparison"] != "value"].iterrows()))
+    records = _records(frame)
+    models = list(dict.fromkeys(r["model"] for r in records if r["comparison"] == "value"))
+    comps = list(dict.fromkeys((r["model"], r["baseline"]) for r in records if r["comparison"] != "value"))
     columns = [*models, *[f"{m} vs {b}" for m, b in comps]]
+    by_metric: dict[str, dict] = {}
+    for r in records:  # the first row of each (metric, model, baseline), as the table shows it
+        key = (r["model"], None) if r["comparison"] == "value" else (r["model"], r["baseline"])
+        by_metric.setdefault(r["metric"], {}).setdefault(key, r)
     rows = []
-    for metric in dict.fromkeys(frame["metric"]):
-        sub = frame[frame["metric"] == metric]
-        cells, verdicts, caveats = [], [], []
-        for m in models:
-            r = sub[(sub["model"] == m) & (sub["comparison"] == "value")]
-            cells.append(_cell(r.iloc[0]) if len(r) else "")
-        for m, b in comps:
-            r = sub[(sub["model"] == m) & (sub["baseline"] == b)]
-            if len(r):
-                cells.append(_cell(r.iloc[0]))
-                verdicts.append(str(r.iloc[0]["verdict"]))
-                caveats.append(basis_caveat(r.iloc[0]))
-            else:
-                cells.append("")
-                verdicts.append("")
-                caveats.append("")
+    for metric, sub in by_metric.items():
+        cells = [_cell(sub[(m, None)]) if (m, None) in sub else "" for m in models]
+        found = [sub.get(c) for c in comps]
+        cells += [_cell(r) if r is not None else "" for r in found]
+        verdicts = [str(r["verdict"]) if r is not None else "" for r in found]
+        caveats = [basis_caveat(r) if r is not None else "" for r in found]
         rows.append({"metric": metric, "label": LABELS.get(metric, metric), "cells": cells, "verdicts": verdicts,
                      "caveats": caveats, "n_models": len(models)})
     return {"columns": columns, "models": models, "comparisons": [f"{m} vs {b}" for m, b in comps], "rows": rows,
@@ -296,7 +304,7 @@ def group_rows(rows: list[dict]) -> list[dict[str, Any]]:
     return [{"title": t, "rows": by[t]} for t in order if by[t]]
 
 
-def _cell(r: pd.Series) -> str:
+def _cell(r: pd.Series | dict) -> str:
     est = fmt_estimate(r)
     iv = fmt_interval(r)
     return f"{est} {iv}" if iv else est

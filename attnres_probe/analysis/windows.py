@@ -100,7 +100,7 @@ def _routing_rows(trace: DepthTrace) -> dict[str, np.ndarray]:
     a = np.asarray(trace.cube(kind), np.float64)  # [B, P, R, S]
     avail = ~np.isnan(a)
     k = avail.sum(-1)  # [B, P, R]
-    pos = np.cumsum(avail, axis=-1) - 1
+    pos = np.cumsum(avail, axis=-1, dtype=np.int32) - 1
     vals = np.where(avail, a, 0.0)
     has = k > 0
     dist = np.where(avail, k[..., None] - 1 - pos, 0)
@@ -109,7 +109,9 @@ def _routing_rows(trace: DepthTrace) -> dict[str, np.ndarray]:
     p = np.abs(vals) if kind == "contrib" else vals
     with np.errstate(divide="ignore", invalid="ignore"):
         p = p / p.sum(-1, keepdims=True)
-        h = -np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0).sum(-1)
+        logp = np.log(p)
+        logp[~(p > 0)] = 0.0  # 0 log 0 = 0 (and no NaN from cells that are not there)
+        h = -np.einsum("...s,...s->...", np.where(p > 0, p, 0.0), logp)
         h = np.where(k > 1, h / np.log(np.maximum(k, 2)), np.nan)
     mask = trace.mask
     k_read = np.where(mask[..., None], k, 0).max(axis=(0, 1)) if mask.any() else np.zeros(a.shape[2], int)
