@@ -807,7 +807,7 @@ def _ratio(times: dict[str, list[float]], a: str, b: str) -> float:
 def bench_e2e(run: Run, size: dict, warmup: int, reps: int) -> None:
     """Training-step ratios and recording overhead of the model in ``size``, on ``run.device``."""
     from attnres_probe import AttnResTransformer, ModelConfig, Probe
-    from attnres_probe.training import TrainConfig, frozen_gc, lm_loss, param_groups
+    from attnres_probe.training import TrainConfig, frozen_gc, lm_loss, make_optimizer
 
     device, dtype = run.device, run.dtype
     s = dict(size)
@@ -818,7 +818,7 @@ def bench_e2e(run: Run, size: dict, warmup: int, reps: int) -> None:
     for residual in ("prenorm", "full", "block"):
         kw = {"block_size": block_size} if residual == "block" else {}
         model = AttnResTransformer(ModelConfig(residual=residual, seed=0, **s, **kw)).to(device=device, dtype=dtype).train()
-        opt = torch.optim.AdamW(param_groups(model, TrainConfig().weight_decay), lr=1e-4)
+        opt = make_optimizer(model, TrainConfig(lr=1e-4, warmup_steps=0))  # the trainer's AdamW
 
         def step(model=model, opt=opt):
             loss = lm_loss(model, windows)

@@ -23,7 +23,7 @@ import time
 import torch
 
 from attnres_probe import AttnResTransformer, ModelConfig
-from attnres_probe.training import TrainConfig, frozen_gc, lm_loss, param_groups
+from attnres_probe.training import TrainConfig, frozen_gc, lm_loss, make_optimizer
 
 SIZES = {
     "demo": dict(d_model=64, n_layers=8, n_heads=4, n_ctx=128, batch=16),
@@ -39,7 +39,7 @@ def make_step(size: str, residual: str):
     batch = s.pop("batch")
     kw = {"block_size": 4} if residual == "block" else {}
     model = AttnResTransformer(ModelConfig(residual=residual, seed=0, **s, **kw)).train()
-    opt = torch.optim.AdamW(param_groups(model, TrainConfig().weight_decay), lr=1e-3)
+    opt = make_optimizer(model, TrainConfig(lr=1e-3, warmup_steps=0))  # the trainer's AdamW
     g = torch.Generator().manual_seed(0)
     windows = torch.randint(0, 256, (batch, s["n_ctx"] + 1), generator=g)
 

@@ -20,6 +20,8 @@ from attnres_probe.training import (
     add_train_parser,
     evaluate,
     learning_rate,
+    lm_loss,
+    make_optimizer,
     param_groups,
     read_run_configs,
     train,
@@ -141,6 +143,33 @@ def test_weight_decay_skips_norms_biases_embeddings_and_depth_mixers(residual):
     assert {"W_E", "W_pos", "ln_final.weight", "blocks.0.mlp.W_in.bias"} <= kept
     if residual != "prenorm":
         assert {"out_res.query", "out_res.norm.weight", "blocks.1.attn_res.query", "blocks.0.mlp_res.norm.weight"} <= kept
+
+
+@pytest.mark.parametrize("residual", ["prenorm", "block"])
+def test_the_trainers_multi_tensor_adamw_is_the_per_parameter_loop_bit_for_bit(residual):
+    """make_optimizer uses AdamW's foreach update (no Python loop over parameters); the weights it
+    produces equal those of torch's default per-parameter update exactly, so runs trained before
+    the switch regenerate to the same bits."""
+    cfg = TrainConfig(steps=8, warmup_steps=2, lr=3e-3)
+
+    def weights(foreach: bool) -> torch.Tensor:
+        model = AttnResTransformer(small_model(residual)).train()
+        opt = make_optimizer(model, cfg)
+        if not foreach:
+            opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=learning_rate(0, cfg), betas=(cfg.beta1, cfg.beta2))
+        assert opt.defaults["foreach"] is (True if foreach else None)
+        g = torch.Generator().manual_seed(0)
+        for step in range(cfg.steps):
+            for group in opt.param_groups:
+                group["lr"] = learning_rate(step, cfg)
+            loss = lm_loss(model, torch.randint(0, 256, (3, model.cfg.n_ctx + 1), generator=g))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    assert torch.equal(weights(True), weights(False))
 
 
 def test_evaluate_is_the_token_mean_loss_over_all_batches():

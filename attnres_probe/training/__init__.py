@@ -20,7 +20,7 @@ from __future__ import annotations
 from attnres_probe.training.cli import add_train_parser
 from attnres_probe.training.config import TrainConfig, TrainError
 from attnres_probe.training.loop import TrainResult, evaluate, frozen_gc, lm_loss, train
-from attnres_probe.training.schedule import learning_rate, param_groups
+from attnres_probe.training.schedule import learning_rate, make_optimizer, param_groups
 from attnres_probe.training.state import LOG_FILE, STATE_FILE, STATE_TENSORS_FILE, read_run_configs
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "frozen_gc",
     "learning_rate",
     "lm_loss",
+    "make_optimizer",
     "param_groups",
     "read_run_configs",
     "train",

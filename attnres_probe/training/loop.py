@@ -34,7 +34,7 @@ from attnres_probe.model import AttnResTransformer
 from attnres_probe.io import DestinationBusyError, exclusive_lock, write_error
 from attnres_probe.resources import available_memory, human_bytes
 from attnres_probe.training.config import TrainConfig, TrainError, memory_estimate, require_int
-from attnres_probe.training.schedule import learning_rate, param_groups
+from attnres_probe.training.schedule import learning_rate, make_optimizer
 from attnres_probe.training.state import (
     FORMAT_VERSION,
     LOG_FILE,
@@ -403,9 +403,7 @@ def _start(
         model = load_verified(out_dir, state, device)
         model.backend = backend
     model.train()
-    opt = torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=learning_rate(0, cfg), betas=(cfg.beta1, cfg.beta2)
-    )
+    opt = make_optimizer(model, cfg)
     history = History()
     if state is not None:
         restore_state(out_dir, opt, batch_gen)
