@@ -1096,6 +1096,7 @@ OVER_TRAINING_ROWS = (
     ("entropy", "routing entropy (1 = uniform)"),
     ("rms_in", "RMS of the mixed input"),
 )
+SHARE_ROWS = ("recent_mass", "entropy")  # read from contribution shares where a run has no weights (PreNorm)
 
 
 def over_training(histories: dict[str, Sequence[dict]], read_labels: Sequence[str] | None = None) -> go.Figure:
@@ -1110,7 +1111,8 @@ def over_training(histories: dict[str, Sequence[dict]], read_labels: Sequence[st
         Figure: rows = embedding weight, recent-source mass, entropy, mixed-input RMS (one line
         per read, early reads light, late reads dark), and the gradient spread (the CV of the
         per-read gradient norms, one line); columns = runs. PreNorm has no routing weights: its
-        weight rows say so instead of drawing a constant.
+        weight row says so instead of drawing a constant, and its recent-mass and entropy rows,
+        read from its contribution shares (as the metrics read PreNorm), say that.
     """
     names = list(histories)
     if not names:
@@ -1132,6 +1134,7 @@ def over_training(histories: dict[str, Sequence[dict]], read_labels: Sequence[st
         labels = list(read_labels) if read_labels is not None and len(read_labels) == n_reads else [
             *(f"L{i // 2}.{'attn' if i % 2 == 0 else 'mlp'}" for i in range(n_reads - 1)), "final"]
         shades = pc.sample_colorscale("Viridis", [0.9 - 0.8 * r / max(1, n_reads - 1) for r in range(n_reads)])
+        no_weights = not any(v is not None and np.isfinite(v) for h in hist for v in h.get("embed_weight") or [])
         for rw, (key, title) in enumerate(rows, start=1):
             if key == "act_grad_cv":
                 fig.add_trace(go.Scatter(x=steps, y=[h.get(key) for h in hist], mode="lines+markers", name=f"{name} · grad CV",
@@ -1139,11 +1142,14 @@ def over_training(histories: dict[str, Sequence[dict]], read_labels: Sequence[st
                                          hovertemplate="step %{x}<br>CV %{y:.3f}<extra>" + html.escape(name) + "</extra>"), row=rw, col=c)
             else:
                 values = np.array([[np.nan if v is None else v for v in h[key]] for h in hist], dtype=float)  # (steps, R)
+                k = (rw - 1) * len(names) + c
+                ref = {"xref": f"x{'' if k == 1 else k} domain", "yref": f"y{'' if k == 1 else k} domain"}
                 if not np.isfinite(values).any():
                     fig.add_annotation(text="no routing weights (PreNorm)" if key != "rms_in" else "not recorded",
-                                       xref="x domain" if rw == 1 and c == 1 else f"x{(rw - 1) * len(names) + c} domain",
-                                       yref="y domain" if rw == 1 and c == 1 else f"y{(rw - 1) * len(names) + c} domain",
-                                       x=0.5, y=0.5, showarrow=False, font={"color": "#777"})
+                                       x=0.5, y=0.5, showarrow=False, font={"color": "#777"}, **ref)
+                elif key in SHARE_ROWS and no_weights:  # PreNorm: these rows read its contribution shares
+                    fig.add_annotation(text="of contribution shares (no weights)", x=0.5, y=1.0, yanchor="bottom",
+                                       showarrow=False, font={"color": "#777", "size": 10}, **ref)
                 for r in range(n_reads):
                     fig.add_trace(go.Scatter(
                         x=steps, y=values[:, r], mode="lines", line={"color": shades[r], "width": 1.5},

@@ -448,7 +448,7 @@ def _write_figures(figs: dict[str, Any], out: Path, images: str) -> dict[str, st
     written = {}
     for name, fig in figs.items():
         if use_png:
-            fig.write_image(out / f"{name}.png", width=1100, height=520, scale=1)
+            fig.write_image(out / f"{name}.png", width=1100, height=int(fig.layout.height or 520), scale=1)  # a tall figure keeps its rows
             written[name] = f"{name}.png"
         else:
             fig.write_html(out / f"{name}.html", include_plotlyjs=True, full_html=True)

@@ -392,3 +392,41 @@ def test_a_per_token_difference_names_the_token_as_the_other_panels_do():
     diff = figures.difference_heatmap(full, base, token=1)
     assert f"token 1 {tok!r} (sequence 0)" in diff.layout.title.text
     assert f"token 1 {tok!r} (sequence 0)" in figures.token_heatmap(full, token=1).layout.title.text
+
+
+def _history(n_reads: int, weights: bool) -> list[dict]:
+    """A synthetic probe history (training.probes.summarize's keys) over three steps."""
+    rng = np.random.default_rng(0)
+    out = []
+    for step in (0, 250, 500):
+        out.append({
+            "step": step,
+            "embed_weight": list(rng.random(n_reads)) if weights else [None] * n_reads,
+            "recent_mass": list(rng.random(n_reads)),
+            "entropy": list(rng.random(n_reads)),
+            "rms_in": list(1 + rng.random(n_reads)),
+            "act_grad_cv": float(rng.random()),
+        })
+    return out
+
+
+def test_over_training_says_what_prenorm_rows_read_and_keeps_its_height():
+    fig = figures.over_training({"prenorm": _history(5, weights=False), "block": _history(5, weights=True)})
+    notes = [(a.text, a.xref) for a in fig.layout.annotations]
+    # PreNorm (column 1): no weight row; its recent-mass and entropy rows (2 and 3) are shares
+    assert ("no routing weights (PreNorm)", "x domain") in notes
+    shares = sorted(x for t, x in notes if t == "of contribution shares (no weights)")
+    assert shares == ["x3 domain", "x5 domain"]  # rows 2 and 3 of column 1 in a 2-column grid
+    assert fig.layout.height == 190 * 5 + 120  # five rows: a saved image must keep this height
+
+
+def test_the_study_writes_each_image_at_its_figures_height(tmp_path, monkeypatch):
+    from attnres_probe import study
+
+    sizes = {}
+    monkeypatch.setattr("plotly.graph_objects.Figure.write_image",
+                        lambda self, path, **kw: sizes.__setitem__(path.name, (kw["width"], kw["height"])))
+    tall = figures.over_training({"block": _history(5, weights=True)})
+    plain = figures.go.Figure()
+    study._write_figures({"over_training": tall, "plain": plain}, tmp_path, "png")
+    assert sizes == {"over_training.png": (1100, 1070), "plain.png": (1100, 520)}
