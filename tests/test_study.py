@@ -29,7 +29,9 @@ def test_the_study_page_marks_weights_against_shares_and_warns_of_few_documents(
     frame = compare_windows(items, n_resamples=200)  # twelve windows from three documents
     page = _page(results, frame, {})
     every = page[page.index("## Every metric"):]
-    assert "PreNorm has no weights" in every and "Only 3 documents: intervals are rough" in every
+    assert "PreNorm has no weights" in every
+    top = page[: page.index("## Findings")]  # said once, above every table
+    assert "Only 3 documents: intervals are rough" in top and page.count("Only 3 documents") == 1
     loc = next(line for line in every.splitlines() if "`locality_distance`" in line)
     assert loc.count("weights vs shares: different quantities") == 2
     loss = next(line for line in every.splitlines() if "`mean_loss`" in line)
@@ -67,7 +69,7 @@ def test_a_study_of_another_seeds_models_says_which_models_and_recipe(seed_studi
 def test_the_study_across_seeds_draws_seeds_and_windows_and_lists_each_seeds_verdict(seed_studies, tmp_path):
     _, folders = seed_studies
     summary = run_seed_study(tmp_path / "across", folders, n_resamples=200)
-    assert summary["seeds"] == [1, 2] and summary["bootstrap"]["unit"] == "seed x window (crossed)"
+    assert summary["seeds"] == [1, 2] and summary["bootstrap"]["unit"] == "seed x document (crossed)"
     assert [f["key"] for f in summary["findings"]] == [f.key for f in FINDINGS]
     for f in summary["findings"]:
         assert set(f["per_seed"]) == {"1", "2"}
@@ -75,7 +77,41 @@ def test_the_study_across_seeds_draws_seeds_and_windows_and_lists_each_seeds_ver
         if f["low"] is not None:
             assert f["low"] <= f["high"]
     page = (tmp_path / "across" / "seeds.md").read_text()
-    assert "1: " in page and "2: " in page and "seeds *and* windows" in page
+    assert "1: " in page and "2: " in page and "seeds *and* documents" in page
+
+
+def test_a_study_resamples_the_documents_its_windows_come_from(seed_studies):
+    """Each window carries the play it was cut from (windows.csv, results.json), and the bootstrap
+    draws plays: windows of one play are alike, so they must not count as independent."""
+    from attnres_probe.demo import demo_validation_documents
+
+    root, (one, _) = seed_studies
+    results = json.loads((one / "results.json").read_text())
+    table = pd.read_csv(one / "windows.csv")
+    log = json.loads((root / "models1" / "block" / "train_log.json").read_text())
+    docs = demo_validation_documents(log, 3)
+    assert results["bootstrap"]["unit"] == "document" and sum(results["documents"].values()) == 3
+    for _, t in table.groupby("model"):
+        assert t.sort_values("window")["document"].tolist() == docs
+
+
+def test_findings_resample_whole_documents():
+    """Twelve windows, three documents whose windows are identical: resampling windows gives a
+    narrow interval that the data do not support; resampling documents (what evaluate_findings
+    draws with) gives the honest, wider one."""
+    from attnres_probe.analysis import bootstrap
+    from attnres_probe.study import _counts
+
+    a = 2.0 + np.repeat([0.0, -0.2, 0.1], 4)  # model, per window
+    b = np.full(12, 2.0)  # baseline
+    docs = [f"play{i}" for i in np.repeat([0, 1, 2], 4)]
+    by_window = bootstrap.paired_interval(a, b, _counts(12, None, 400, 0), "difference")
+    by_doc = bootstrap.paired_interval(a, b, _counts(12, docs, 400, 0), "difference")
+    assert (by_doc[2] - by_doc[1]) > 1.5 * (by_window[2] - by_window[1])
+    counts = _counts(12, docs, 400, 0)
+    assert (counts.reshape(400, 3, 4) == counts.reshape(400, 3, 4)[..., :1]).all()  # a document's windows go together
+    with pytest.raises(ValueError, match="11 document labels for 12 windows"):
+        _counts(12, docs[:11], 400, 0)
 
 
 def test_the_study_across_seeds_refuses_mixed_recipes_and_single_seeds(seed_studies, tmp_path):
