@@ -11,6 +11,7 @@ modules; only the depth-attention op differs by backend.
 
     python benchmarks/train.py                  # demo size, and d=256 / 12 layers / 256 tokens
     python benchmarks/train.py --quick
+    python benchmarks/train.py --sizes demo --threads 1 --backend torch   # as the demo models are trained
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ RESIDUALS = ("prenorm", "full", "block")
 TARGETS = {"demo": 1.20, "large": 1.10, "quick": 1.20}  # Block / PreNorm step time
 
 
-def make_step(size: str, residual: str):
+def make_step(size: str, residual: str, backend: str = "auto"):
     s = dict(SIZES[size])
     batch = s.pop("batch")
     kw = {"block_size": 4} if residual == "block" else {}
-    model = AttnResTransformer(ModelConfig(residual=residual, seed=0, **s, **kw)).train()
+    model = AttnResTransformer(ModelConfig(residual=residual, seed=0, **s, **kw), backend=backend).train()
     opt = make_optimizer(model, TrainConfig(lr=1e-3, warmup_steps=0))  # the trainer's AdamW
     g = torch.Generator().manual_seed(0)
     windows = torch.randint(0, 256, (batch, s["n_ctx"] + 1), generator=g)
@@ -58,14 +59,19 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", nargs="+", default=["demo", "large"], choices=list(SIZES))
     ap.add_argument("--reps", type=int, default=24)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's, here the machine's cores)")
+    ap.add_argument("--backend", default="auto", choices=["auto", "torch", "numba"],
+                    help="depth-attention backend (the demo models are trained on 'torch' with --threads 1)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.sizes, args.reps = ["quick"], 5
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.reps} interleaved steps\n")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, backend {args.backend}; median of {args.reps} interleaved steps\n")
     print(f"{'size':6s} {'model':8s} {'step ms':>8s} {'tokens/s':>9s} {'x prenorm':>9s}")
     met = True
     for size in args.sizes:
-        steps = {r: make_step(size, r) for r in RESIDUALS}
+        steps = {r: make_step(size, r, args.backend) for r in RESIDUALS}
         for fn, _ in steps.values():  # warm-up
             fn()
             fn()
