@@ -2,8 +2,9 @@
 
 Loads the three shipped demo models, records the fixed validation windows their logged loss was
 measured on (one forward and one backward pass per window: :meth:`Probe.run_corpus`), and
-judges every finding with windows as the unit: the estimate (mean over windows), its 95%
-bootstrap interval, the paper's direction and the verdict of
+judges every finding over the windows: the estimate (mean over windows), its 95% bootstrap
+interval (resampling the documents the windows come from, the corpus's plays or topics, since
+windows of one text are alike), the paper's direction and the verdict of
 :func:`attnres_probe.analysis.verdicts.verdict` (consistent / contrary / inconclusive), how many
 windows go the paper's way, and the pooled value (all windows recorded together as one batch,
 gradients from one backward pass of their mean loss, as a single-batch analysis would). A finding
@@ -11,13 +12,15 @@ gradients from one backward pass of their mean loss, as a single-batch analysis 
 number points the paper's way but the windows do not bear it out. It writes into ``--out``:
 
 - ``results.json``: every number below, per model and finding;
-- ``windows.csv``: every window's value of every metric, per model (the findings can be
-  recomputed from it and results.json's pooled numbers and references);
+- ``windows.csv``: every window's document and value of every metric, per model (the findings
+  can be recomputed from it and results.json's pooled numbers and references);
 - ``study.md``: the findings with intervals and verdicts, and the table of every metric;
 - figures (PNG when kaleido is installed, else self-contained HTML): magnitudes and gradients by
   depth with bands over windows, mean routing heatmaps, the embedding's weight per token.
 
     attnres-probe study --out docs/study
+    attnres-probe study --models study_models/seed1 --out docs/study/seed1     # another seed's models
+    attnres-probe study --seeds docs/study/seed0 docs/study/seed1 docs/study/seed2 --out docs/study/seeds
 """
 
 from __future__ import annotations
