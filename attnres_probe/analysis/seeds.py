@@ -34,15 +34,12 @@ def crossed_counts(
     """
     if isinstance(n_seeds, bool) or not isinstance(n_seeds, (int, np.integer)) or n_seeds < 1:
         raise ValueError(f"n_seeds must be a positive integer; got {n_seeds!r}")
-    rng = np.random.default_rng(seed)
-    cs = rng.multinomial(n_seeds, np.full(n_seeds, 1.0 / n_seeds), size=n_resamples)
     groups = np.asarray(window_groups)
-    _, inverse = np.unique(groups, return_inverse=True)
-    n_groups = int(inverse.max()) + 1 if inverse.size else 0
-    if n_groups == 0:
+    if groups.size == 0:
         raise ValueError("no windows to resample")
-    cg = rng.multinomial(n_groups, np.full(n_groups, 1.0 / n_groups), size=n_resamples)  # per document
-    return cs, cg[:, inverse]
+    rng = np.random.default_rng(seed)  # one generator: seeds drawn first, then documents
+    cs = bootstrap.resample_counts(int(n_seeds), n_resamples, rng)
+    return cs, bootstrap.cluster_counts(groups, n_resamples, rng)
 
 
 def crossed_means(values: np.ndarray, cs: np.ndarray, cw: np.ndarray) -> np.ndarray:
