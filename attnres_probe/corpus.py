@@ -440,11 +440,8 @@ def _save_rank_progress(entry: dict, stats, stats_dir: Path, key) -> None:
 
 def _save_progress(out: Path, manifest: dict, entry: dict, stats, stats_dir: Path, key) -> None:
     """Save the model's stats, then the manifest that points at them (the stats first: a crash between leaves older progress)."""
-    stats.meta["weights_sha256"] = entry["weights_sha256"]
-    stats.meta["source"] = entry["source"]
-    entry["progress"] = list(key) if key is not None else None
-    stats.meta["progress"] = entry["progress"]
-    stats.save(stats_dir)
+    _save_rank_progress(entry, stats, stats_dir, key)
+    entry["progress"] = stats.meta["progress"]
     entry["windows"], entry["tokens"], entry["skipped"] = stats.n_windows, stats.n_tokens, stats.n_skipped
     _write_manifest(out, manifest)
 
