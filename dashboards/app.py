@@ -63,14 +63,19 @@ def allowed_hosts_for(host: str) -> tuple[str, ...] | None:
 
 
 def demo_entries() -> dict[str, Any]:
-    """The three bundled demo models, name -> model ("prenorm", "full", "block").
+    """The three bundled demo models, name -> model ("prenorm", "full", "block"), each with the
+    routing recorded over its training (``train_history``, the "over training" view).
 
     Raises:
         FileNotFoundError: the demo models are not in this installation.
     """
-    from attnres_probe.demo import DEMO_NAMES, load_demo
+    from attnres_probe.demo import DEMO_NAMES, demo_dir, load_demo
+    from attnres_probe.training.probes import load_history
 
-    return {name: load_demo(name)[0] for name in DEMO_NAMES}
+    models = {name: load_demo(name)[0] for name in DEMO_NAMES}
+    for name, model in models.items():
+        model.train_history = load_history(demo_dir(name))
+    return models
 
 
 def create_app(

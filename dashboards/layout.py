@@ -214,9 +214,9 @@ def _controls() -> html.Div:
 def _token_help(ex: Explorer) -> str:
     text = "Reads (rows) × sources (columns) for the selected token"
     if ex.baseline is not None and len(ex.names) > 1:
-        return (text + ", AttnRes beside the baseline. Blue is negative, red positive; contribution shares can be "
-                "below zero or above one.")
-    return text + ". Blue is negative, red positive; contribution shares can be below zero or above one."
+        text += ", AttnRes beside the baseline"
+    return (text + ". Depth weights (0 to 1) run from dark purple to yellow; contribution shares and logits, which can "
+            "be below zero (and shares above one), from blue (negative) through white (zero) to red (positive).")
 
 
 def _token_views(ex: Explorer) -> html.Section:

@@ -199,7 +199,7 @@ def render_report(
         "mode": "trace",
         "metrics": _metrics_context(metrics.compare(*traces, names=names)),
         "heatmaps": [
-            plots.add(figures.side_by_side(traces, "mean_heatmap", names=names, kind="weights")),
+            plots.add(_point_below(figures.side_by_side(traces, "mean_heatmap", names=names, kind="weights"))),
             plots.add(figures.side_by_side(traces, "mean_heatmap", names=names, kind="contrib")),
         ],
         "difference": _difference_context(_renamed(traces, names), plots),
@@ -450,6 +450,19 @@ class _Plots:
 def _renamed(traces: list[DepthTrace], names: list[str]) -> list[DepthTrace]:
     """Traces whose ``name`` is the report's unique label (shallow copies; arrays shared)."""
     return [t if t.name == n else dataclasses.replace(t, meta={**t.meta, "name": n}) for t, n in zip(traces, names)]
+
+
+# the report draws the mean routing twice, weights then contribution shares: there is no control to
+# switch, so PreNorm's blank weights panel points to the figure below instead
+PRENORM_WEIGHTS_BELOW = ("PreNorm adds every source with weight 1:<br>no routing to colour here.<br>"
+                         "Its contribution shares are in the<br>next figure, beside AttnRes's.")
+
+
+def _point_below(fig):
+    for ann in fig.layout.annotations:
+        if ann.text == figures.PRENORM_NOTES["weights"]:
+            ann.text = PRENORM_WEIGHTS_BELOW
+    return fig
 
 
 def _difference_context(traces: list[DepthTrace], plots: _Plots) -> dict[str, Any] | None:

@@ -170,12 +170,15 @@ def _readings_and_histories(args: argparse.Namespace, traces: list) -> tuple[dic
 
     readings, histories = {}, {}
     if args.demo is not None:
-        from attnres_probe.demo import load_demo
+        from attnres_probe.demo import demo_dir, load_demo
 
         for t in traces:
             model, tok = load_demo(t.name)
             readings[t.name] = record_readings(model, t, tokenizer=tok)
-        return readings, None
+            history = load_history(demo_dir(t.name))  # the demo models record routing over training
+            if history:
+                histories[t.name] = history
+        return readings, histories or None
     from attnres_probe.pretrained import load_model_folder
 
     for d, t in zip(args.models, traces):

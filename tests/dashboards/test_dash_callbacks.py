@@ -439,6 +439,24 @@ def test_over_training_section_appears_for_a_run_with_routing_probes(models, tmp
     assert not [n for n in _walk(plain) if getattr(n, "id", None) == "over-training"]
 
 
+def test_the_demo_dashboard_shows_the_demo_models_routing_over_training():
+    from attnres_probe.dashboards.app import demo_entries
+
+    models = demo_entries()
+    for name, model in models.items():
+        steps = [h["step"] for h in model.train_history]
+        assert steps[0] == 0 and steps[-1] == 8000 and len(steps) == 33, name  # a probe every 250 steps
+    page = build_layout(create_app(models, text=TEXT).explorer)
+    assert [n for n in _walk(page) if getattr(n, "id", None) == "over-training"]
+
+
+def test_the_token_caption_names_the_colours_each_kind_is_drawn_in(models):
+    """The default view colours depth weights on viridis: the caption must not say blue and red only."""
+    words = " ".join(texts(build_layout(create_app(models, text=TEXT).explorer)))
+    assert "Depth weights (0 to 1) run from dark purple to yellow" in words
+    assert "from blue (negative) through white (zero) to red (positive)" in words
+
+
 def _walk(node):
     yield node
     kids = getattr(node, "children", None)

@@ -72,6 +72,7 @@ def test_demo_takes_names_like_the_other_commands(tmp_path, capsys):
     html = out.read_text()
     assert "attnres-probe report --demo block prenorm" in html  # the reproducing command keeps the choice
     assert "attnres-probe report: prenorm, block" in html  # two models, in the canonical order
+    assert 'id="over-training"' in html  # the demo models recorded their routing over training
     assert "wrote" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
         main(["report", "--demo", "nope", "--out", str(out)])

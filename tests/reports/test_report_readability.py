@@ -34,6 +34,8 @@ def test_report_holds_the_reading_views_and_routing_over_training(report96):
     assert "Stored for the first 8 tokens" in html
     assert 'id="over-training"' in html
     assert "colour by: contribution share" in html and "kind=&#39;contrib&#39;" not in html and "kind='contrib'" not in html
+    # the mean-routing figures have no colour control: PreNorm's blank weights panel points to the shares below
+    assert "Its contribution shares are in the" in html and "next figure, beside AttnRes" in html
 
 
 def test_a_report_of_saved_traces_says_it_holds_no_activations(tmp_path):
