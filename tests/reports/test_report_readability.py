@@ -54,7 +54,7 @@ def test_report_at_96_tokens_in_chromium(report96):
         # item 3: the PreNorm note on the mean heatmaps overlaps no subplot title or axis title
         heat = driver.execute_script("return document.querySelector('#heatmaps div.plot').id")
         texts = driver.execute_script(BOXES, f"#{heat} .annotation text, #{heat} .xtitle, #{heat} .ytitle, #{heat} .gtitle")
-        notes = [b for b in texts if "contribution share" in b["text"] and "colour by" in b["text"] or "Choose" in b["text"]]
+        notes = [b for b in texts if "no routing to colour here" in b["text"] and "next figure" in b["text"]]
         assert notes
         for n in notes:
             for o in texts:
