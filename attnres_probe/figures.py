@@ -736,6 +736,14 @@ def log_axis(values) -> dict:
     return out
 
 
+def _log_panels(layout: dict, ylabels: dict[int, str], values: dict[int, list]) -> None:
+    """Give each panel (column) of a one-row :func:`grid_layout` its "<label> (log)" y axis over
+    the values drawn there (:func:`log_axis`)."""
+    for col, ylabel in ylabels.items():
+        axis = layout[_axis_key(cell_axes(1, col, len(ylabels))["yaxis"])]
+        axis.update(title={"text": f"{ylabel} (log)"}, **log_axis(np.concatenate(values[col]) if values[col] else []))
+
+
 def _line_names(traces: Sequence[DepthTrace]) -> list[str]:
     if not traces:
         raise ValueError("pass at least one DepthTrace")
@@ -771,9 +779,7 @@ def magnitudes(traces: Sequence[DepthTrace]) -> go.Figure:
             mode="lines+markers", line=line,
             hovertemplate=f"{name}<br>source %{{x}}<br>rms(v) %{{y:.4~g}}<extra></extra>", **cell_axes(1, 2, 2),
         ))
-    for col, ylabel in ((1, "rms(h)"), (2, "rms(v)")):  # the corpus page's words (magnitude_bands)
-        axis = layout[_axis_key(cell_axes(1, col, 2)["yaxis"])]
-        axis.update(title={"text": f"{ylabel} (log)"}, **log_axis(np.concatenate(values[col]) if values[col] else []))
+    _log_panels(layout, {1: "rms(h)", 2: "rms(v)"}, values)  # the corpus page's words (magnitude_bands)
     layout.update(title={"text": "Magnitudes by depth"}, height=420)
     return go.Figure(data=data, layout=layout)
 
@@ -816,9 +822,7 @@ def gradient_norms(traces: Sequence[DepthTrace]) -> go.Figure:
                 hovertemplate=f"{name}<br>{what} %{{x}}<br>{sym} %{{y:.4~g}}<extra></extra>", **cell_axes(1, col, 2),
             ))
             shown.add(name)
-    for col, ylabel in ((1, "‖∂L/∂h‖"), (2, "‖∂L/∂θ‖")):  # the corpus page's words (gradient_bands)
-        axis = layout[_axis_key(cell_axes(1, col, 2)["yaxis"])]
-        axis.update(title={"text": f"{ylabel} (log)"}, **log_axis(np.concatenate(values[col]) if values[col] else []))
+    _log_panels(layout, {1: "‖∂L/∂h‖", 2: "‖∂L/∂θ‖"}, values)  # the corpus page's words (gradient_bands)
     layout.update(title={"text": "Gradient norms by depth"}, annotations=notes, height=420)
     return go.Figure(data=data, layout=layout)
 
