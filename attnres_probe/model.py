@@ -197,16 +197,16 @@ class DepthMixer(nn.Module):
             trusted=backend is not None,  # the model resolved the backend; its sources match
             return_logits=True,
             return_contrib=want_contrib,
+            width=self.n_src,  # rows of the common source axis, as the hooks show them
         )
-        return self.observe(sources, mix, lse, logits, weights, contrib[0] if contrib else None)
+        return self.observe(sources, mix, logits, weights, contrib[0] if contrib else None)
 
     def observe(
         self,
         sources: Sequence[torch.Tensor],
         mix: torch.Tensor,
-        lse: torch.Tensor,
         logits: torch.Tensor,
-        weights: torch.Tensor | None = None,
+        weights: torch.Tensor,
         contrib: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Show the op's logits and weights to the hooks; recompute the mixture if they changed them.
@@ -214,38 +214,34 @@ class DepthMixer(nn.Module):
         Args:
             sources: the k sources the op mixed.
             mix: [batch, pos, d] the op's mixture.
-            lse: [batch, pos] the op's log-sum-exp.
-            logits: [batch, pos, k] the op's logits.
-            weights: [batch, pos, k] the op's weights (None: ``exp(logits - lse)``).
-            contrib: [batch, pos, k] the op's contribution shares, if it computed them
+            logits: [batch, pos, n_src] the op's logits on the common source axis (-inf past k).
+            weights: [batch, pos, n_src] the op's weights (NaN past k).
+            contrib: [batch, pos, n_src] the op's contribution shares, if it computed them
                 (else they are computed here when ``hook_contrib`` has a hook).
 
         Returns:
             The mixture the read uses, [batch, pos, d].
         """
         k = len(sources)
-        pad = self.n_src - k
-        logits_p = F.pad(logits, (0, pad), value=float("-inf"))  # (B, P, n_src)
-        version = logits_p._version
-        logits_h = self.hook_logits(logits_p)
-        changed = logits_h is not logits_p or logits_p._version != version
+        version = logits._version
+        logits_h = self.hook_logits(logits)
+        changed = logits_h is not logits or logits._version != version
         if changed:
-            weights = torch.softmax(logits_h[..., :k].float(), dim=-1).to(logits.dtype)
-        elif weights is None:
-            weights = torch.exp(logits - lse.unsqueeze(-1))  # (B, P, k)
-        weights_p = F.pad(weights, (0, pad), value=float("nan"))
-        version = weights_p._version
-        weights_h = self.hook_weights(weights_p)
-        if weights_h is not weights_p or weights_p._version != version:
-            weights, changed = weights_h[..., :k], True
+            w = torch.softmax(logits_h[..., :k].float(), dim=-1).to(weights.dtype)
+            weights = F.pad(w, (0, self.n_src - k), value=float("nan"))
+        version = weights._version
+        weights_h = self.hook_weights(weights)
+        changed = changed or weights_h is not weights or weights._version != version
         if changed:
-            w = weights.to(kernels.reference.compute_dtype(sources[0], weights))
+            w = weights_h[..., :k]
+            w = w.to(kernels.reference.compute_dtype(sources[0], w))
             mix = kernels.reference.weighted_sum(w, list(sources), w.dtype).to(mix.dtype)
             contrib = None  # the op's shares describe the mixture before the intervention
         if self.hook_contrib._forward_hooks:
             if contrib is None:
-                contrib = kernels.contribution_shares(sources, mix, weights)
-            self.hook_contrib(F.pad(contrib, (0, pad), value=float("nan")))
+                shares = kernels.contribution_shares(sources, mix, weights_h[..., :k])
+                contrib = F.pad(shares, (0, self.n_src - k), value=float("nan"))
+            self.hook_contrib(contrib)
         return mix
 
 
@@ -579,10 +575,13 @@ class AttnResTransformer(HookedRootModule):
         """Phase 2 of one read: merge its phase-1 result with the partial block, then show the
         merged read's own logits to the mixer's hooks."""
         o_bar, lse, z = ph  # (B, P, d), (B, P), (B, P, n_completed)
-        if partial is None:  # first read of a block: nothing to merge
-            return mixer.observe(blocks, o_bar, lse, z)
-        h, lse_total, z_p = kernels.phase2(o_bar, lse, partial, mixer.query, mixer.norm.weight, self.cfg.norm_eps, backend=backend)
-        return mixer.observe([*blocks, partial], h, lse_total, torch.cat([z, z_p.unsqueeze(-1)], dim=-1))
+        sources = blocks
+        if partial is not None:  # after the block's first read: merge the partial block in
+            o_bar, lse, z_p = kernels.phase2(o_bar, lse, partial, mixer.query, mixer.norm.weight, self.cfg.norm_eps, backend=backend)
+            sources, z = [*blocks, partial], torch.cat([z, z_p.unsqueeze(-1)], dim=-1)
+        weights = torch.exp(z - lse.unsqueeze(-1))  # (B, P, k)
+        pad = (0, mixer.n_src - len(sources))
+        return mixer.observe(sources, o_bar, F.pad(z, pad, value=float("-inf")), F.pad(weights, pad, value=float("nan")))
 
     # -- conveniences --------------------------------------------------------------------
     def loss(self, tokens: Any, per_token: bool = False) -> torch.Tensor:

@@ -25,9 +25,11 @@ import warnings
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from .reference import (
     Sources,
+    check_width,
     contribution_shares,
     depth_attn_reference,
     inv_rms,
@@ -187,6 +189,7 @@ def depth_attn(
     trusted: bool = False,
     return_logits: bool = False,
     return_contrib: bool = False,
+    width: int | None = None,
 ):
     """Depth attention: a softmax over depth sources scored by one pseudo-query.
 
@@ -215,10 +218,14 @@ def depth_attn(
             ``w_i <v_i, h> / |h|^2`` [*batch, S] (no gradient; see
             :func:`~attnres_probe.kernels.reference.contribution_shares`). The Numba backend
             computes them in the forward pass itself, the others afterwards.
+        width: give the weights, logits and shares this many columns (at least S; None:
+            S), the columns past S padded with NaN (-inf for the logits): a read's row of the
+            model's common source axis, as its hooks show it. The Numba kernels write the
+            padded rows themselves; the padding has no gradient.
 
     Returns:
         (mixture [*batch, d] in the sources' dtype, lse [*batch] float32), then, each on
-        request and in this order, the weights, the logits and the shares [*batch, S].
+        request and in this order, the weights, the logits and the shares [*batch, width].
         On the reference backend float64 inputs compute and return in float64; the Triton
         backend rejects float64 (``auto`` sends it to the reference).
 
@@ -235,8 +242,12 @@ def depth_attn(
         from .numba_depth_attn import depth_attn_numba
 
         return depth_attn_numba(
-            sources, query, gain, eps, return_weights, validate=False, return_contrib=return_contrib, return_logits=return_logits
+            sources, query, gain, eps, return_weights, validate=False, return_contrib=return_contrib,
+            return_logits=return_logits, width=width,
         )
+    n_src = len(sources)
+    if width is not None:
+        check_width(width, n_src)
     want_w = return_weights or return_contrib
     if chosen == "triton":
         from .triton_depth_attn import depth_attn_triton
@@ -247,11 +258,15 @@ def depth_attn(
         outs = depth_attn_reference(
             sources, query, gain, eps, want_w, inv_rms_cache=inv_rms_cache, validate=False, return_logits=return_logits
         )
-    if not return_contrib:
+    if return_contrib:
+        mix, lse, w, *logits = outs
+        outs = (mix, lse, *((w,) if return_weights else ()), *logits, contribution_shares(sources, mix, w))
+    if width is None or width == n_src:
         return outs
-    mix, lse, w, *logits = outs
-    shares = contribution_shares(sources, mix, w)
-    return (mix, lse, *((w,) if return_weights else ()), *logits, shares)
+    pad = (0, width - n_src)
+    mix, lse, *rest = outs
+    fills = [float("nan")] * return_weights + [float("-inf")] * return_logits + [float("nan")] * return_contrib
+    return (mix, lse, *(F.pad(t, pad, value=v) for t, v in zip(rest, fills)))
 
 
 def phase1(

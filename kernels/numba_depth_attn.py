@@ -20,8 +20,10 @@ divisions, and exp through ``_exp_f32``, a Cephes-style float32 exp, since libm'
 is a scalar call; float64 uses libm's). Pass 2 reads the tile's source rows again, from
 cache, for the mixture (two sources at a time) and, on request, the contribution shares.
 The weights, logits and inverse RMS ([3, M, S], small) are kept for the backward; the
-logits the op returns are these, its own. The kernels use NumPy's error model: a division
-by zero gives inf/NaN, as in PyTorch, instead of raising.
+weights and logits the op returns are written from the same tile, already padded to the
+caller's width (a read's row of the model's common source axis: NaN, -inf for the logits),
+so the model shows them to its hooks without a copy or a pad. The kernels use NumPy's error
+model: a division by zero gives inf/NaN, as in PyTorch, instead of raising.
 
 Backward (``_backward_rows``), with upstream gradients ``dh`` (mixture), ``dlse``, ``dw``
 (weights) and ``dz`` (logits), each present only when that output reached the loss:
@@ -40,7 +42,10 @@ How the kernels see the sources: a read mixes S separate tensors, and stacking t
 copy every source at every read. A :class:`SourceTable` holds their addresses instead; it is
 built only from tensors it has checked (CPU, one dtype, contiguous, one shape), so every
 address points at ``n_rows * d`` elements of the kernels' dtype. Every other array reaches
-the kernels as a NumPy array with its own shape.
+the kernels as a NumPy array with its own shape. The op's outputs and the sources'
+gradients are allocated as NumPy arrays and handed to torch without a copy
+(``torch.from_numpy``); each source's gradient gets a storage of its own, so that autograd
+adds a source's gradients from later reads into it in place.
 
 Conventions and limits:
 
@@ -77,7 +82,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from .reference import depth_attn_reference, graph_grads, validate_depth_attn_args
+from .reference import check_width, depth_attn_reference, graph_grads, validate_depth_attn_args
 
 __all__ = ["SUPPORTED_DTYPES", "SourceTable", "depth_attn_numba"]
 
@@ -132,17 +137,6 @@ class SourceTable:
 
     def __len__(self) -> int:
         return len(self.tensors)
-
-    @classmethod
-    def empty_like(cls, like: torch.Tensor, n: int) -> SourceTable:
-        """A table of ``n`` new uninitialised tensors shaped like the contiguous CPU tensor
-        ``like`` (the backward's one gradient buffer per source): nothing to check."""
-        table = cls.__new__(cls)
-        table.tensors = tuple(torch.empty_like(like, memory_format=torch.contiguous_format) for _ in range(n))
-        table.d = int(like.shape[-1])
-        table.n_rows = like.numel() // table.d
-        table.addresses = np.array([t.data_ptr() for t in table.tensors], dtype=np.int64)
-        return table
 
 
 def _explain_bad_sources(tensors: tuple, dtype: torch.dtype) -> None:
@@ -252,7 +246,7 @@ _TILE = 32
 
 
 @nb.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=_CACHE)
-def _forward_rows(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, c, want_contrib, lo, hi):  # pragma: no cover
+def _forward_rows(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, w_out, z_out, c, want, lo, hi):  # pragma: no cover
     """Token rows lo..hi-1 of the forward.
 
     Args:
@@ -261,13 +255,17 @@ def _forward_rows(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, 
         eps, one: the RMS epsilon and 1, in the compute dtype (so nothing is promoted to float64).
         h: [n_rows, d] the mixture (written).
         lse: [n_rows] (written).
-        wzi: [3, n_rows, S] weights, logits and inverse RMS (written).
-        c: [n_rows, S] contribution shares ``w_i <v_i, h> / |h|^2``, written with ``want_contrib``.
+        wzi: [3, n_rows, S] weights, logits and inverse RMS (written; the backward's).
+        w_out, z_out, c: [n_rows, W] (W >= S) the weights, logits and contribution shares
+            ``w_i <v_i, h> / |h|^2`` the op returns, each written when its bit of ``want`` is
+            set (1, 2, 4); columns S..W-1 are padding: -inf for the logits, NaN for the others.
     """
     S = src.shape[0]
     q = _fold(query, gain, has_gain)
     zero = one - one
     inv_d = one / d
+    want_w, want_z, want_c = want & 1, want & 2, want & 4
+    nan, minus_inf = one * np.nan, one * -np.inf
     r_t = np.empty((S, _TILE), q.dtype)  # sum of squares, then 1/rms
     z_t = np.empty((S, _TILE), q.dtype)  # dot products, then logits
     e_t = np.empty((S, _TILE), q.dtype)  # exp(z - max), then weights
@@ -316,6 +314,18 @@ def _forward_rows(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, 
                 wzi[0, m0 + t, i] = e_t[i, t]
                 wzi[1, m0 + t, i] = z_t[i, t]
                 wzi[2, m0 + t, i] = r_t[i, t]
+        if want_w:
+            for t in range(T):
+                for i in range(S):
+                    w_out[m0 + t, i] = e_t[i, t]
+                for i in range(S, w_out.shape[1]):
+                    w_out[m0 + t, i] = nan
+        if want_z:
+            for t in range(T):
+                for i in range(S):
+                    z_out[m0 + t, i] = z_t[i, t]
+                for i in range(S, z_out.shape[1]):
+                    z_out[m0 + t, i] = minus_inf
         # pass 2, two sources at a time (half the stores into h); an odd source 0 goes alone
         first = 2 - S % 2
         va = _source(src, 0, n_rows, d, one)
@@ -339,7 +349,7 @@ def _forward_rows(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, 
                 wb = e_t[i + 1, t]
                 for k in range(d):
                     h[m, k] += wa * va[m, k] + wb * vb[m, k]
-        if want_contrib:
+        if want_c:
             for t in range(T):
                 m = m0 + t
                 hh = zero
@@ -351,6 +361,8 @@ def _forward_rows(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, 
                     for k in range(d):
                         dot += v[m, k] * h[m, k]
                     c[m, i] = e_t[i, t] * dot / hh
+                for i in range(S, c.shape[1]):
+                    c[m, i] = nan
 
 
 @nb.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=_CACHE)
@@ -359,8 +371,8 @@ def _backward_rows(
 ):  # pragma: no cover - compiled
     """Gradients of :func:`_forward_rows` for token rows lo..hi-1.
 
-    ``src`` and ``dv`` are :class:`SourceTable` addresses: the sources, and one [n_rows, d]
-    gradient buffer per source (written). ``wzi`` is the forward's; ``dh`` [n_rows, d],
+    ``src`` is a :class:`SourceTable`'s addresses (the sources), ``dv`` [S, n_rows, d] their
+    gradients (written). ``wzi`` is the forward's; ``dh`` [n_rows, d],
     ``dlse`` [n_rows], ``dw`` and ``dz_up`` [n_rows, S] are the upstream gradients, read only
     with their flag. The gradient of q = query * gain for these rows is summed in the compute
     dtype over blocks of 256 rows into the float64 [d] array ``dq`` (zeroed here).
@@ -394,7 +406,7 @@ def _backward_rows(
             a = dzi * inv[m, i]  # dz_i * r_i
             cc = -a * z[m, i] * inv[m, i] * inv_d
             v = _source(src, i, n_rows, d, one)
-            out = _source(dv, i, n_rows, d, one)
+            out = dv[i]
             if has_dh:
                 for k in range(d):
                     x = v[m, k]
@@ -429,18 +441,18 @@ def _chunk(ci, n_chunks, n_rows):  # pragma: no cover - compiled
 
 
 @nb.njit(nogil=True, error_model="numpy", cache=_CACHE)
-def _forward(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, c, want_contrib):  # pragma: no cover - compiled
+def _forward(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, w_out, z_out, c, want):  # pragma: no cover - compiled
     """:func:`_forward_rows` over every row, on the caller's thread."""
-    _forward_rows(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, c, want_contrib, 0, n_rows)
+    _forward_rows(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, w_out, z_out, c, want, 0, n_rows)
 
 
 @nb.njit(nogil=True, parallel=True, cache=_CACHE)
-def _forward_parallel(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, c, want_contrib, n_chunks):  # pragma: no cover
+def _forward_parallel(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, w_out, z_out, c, want, n_chunks):  # pragma: no cover
     """:func:`_forward_rows` over every row, split into ``n_chunks`` row ranges run by Numba's threads."""
     for ci in nb.prange(n_chunks):
         lo, hi = _chunk(ci, n_chunks, n_rows)
         if lo < hi:
-            _forward_rows(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, c, want_contrib, lo, hi)
+            _forward_rows(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, w_out, z_out, c, want, lo, hi)
 
 
 @nb.njit(nogil=True, error_model="numpy", cache=_CACHE)
@@ -520,44 +532,42 @@ def _view(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) ->
 class DepthAttnNumbaFunction(torch.autograd.Function):
     """Autograd join of the Numba forward and backward.
 
-    Inputs are (query, gain, eps, return_weights, return_logits, return_contrib, *sources):
-    ``query`` and ``gain`` [d] (gain may be None), every source [*batch, d], all contiguous
-    CPU tensors of one dtype (float32 or float64). Outputs are h and lse, then the weights
-    with ``return_weights``, the logits with ``return_logits`` and the contribution shares
-    with ``return_contrib`` (an observation: no gradient flows through them). Gradients flow
-    to every source, the query and the gain, from every output but the shares. The kernels
-    fold the gain into the query themselves (``q = query * gain``) and write the query and
-    gain gradients, so a read is one autograd node.
+    Inputs are (table, query, gain, eps, width, return_weights, return_logits,
+    return_contrib, *sources): ``table`` the :class:`SourceTable` of ``sources`` (which
+    checked them), ``query`` and ``gain`` [d] (gain may be None), contiguous CPU tensors of
+    the table's dtype, every source [*batch, d]. Outputs are h and lse, then, each on
+    request, the weights, the logits and the contribution shares [*batch, width] (columns
+    S..width-1 padding: NaN, -inf for the logits; the shares are an observation: no gradient
+    flows through them). Gradients flow to every source, the query and the gain, from every
+    output but the shares. The kernels fold the gain into the query themselves
+    (``q = query * gain``) and write the query and gain gradients, so a read is one autograd
+    node; the weights, logits and inverse RMS the backward needs stay private to it (a
+    caller may edit the returned ones).
     """
 
     @staticmethod
-    def forward(ctx, query, gain, eps, return_weights, return_logits, return_contrib, *sources):
-        dt = query.dtype
-        src = SourceTable(sources, dt)
-        batch, n_src, d = sources[0].shape[:-1], len(sources), src.d
-        h = torch.empty_like(sources[0])
-        lse = torch.empty(batch, dtype=dt)
-        wzi = torch.empty((3, *batch, n_src), dtype=dt)  # weights, logits, inverse RMS
-        c = torch.empty((*batch, n_src), dtype=dt) if return_contrib else None
-        one, M = _NP_DTYPE[dt](1), src.n_rows
+    def forward(ctx, table, query, gain, eps, width, return_weights, return_logits, return_contrib, *sources):
+        dt, npdt = query.dtype, _NP_DTYPE[query.dtype]
+        batch, S, d, M = tuple(sources[0].shape[:-1]), len(sources), table.d, table.n_rows
+        # outputs are allocated as NumPy arrays (the kernels' view of them) and shared with torch
+        h, lse = np.empty((*batch, d), npdt), np.empty(batch, npdt)
+        wzi = np.empty((3, M, S), npdt)  # weights, logits, inverse RMS: the backward's
+        shown = [np.empty((*batch, width), npdt) if on else None for on in (return_weights, return_logits, return_contrib)]
+        one = npdt(1)
         args = (
-            src.addresses, M, d, _view(query, (d,), dt), _view(gain, (d,), dt), gain is not None, one * eps, one,
-            _view(h, (M, d), dt), _view(lse, (M,), dt), _view(wzi, (3, M, n_src), dt),
-            _view(c, (M, n_src), dt), c is not None,
+            table.addresses, M, d, query.detach().numpy(), _view(gain, (d,), dt), gain is not None, one * eps, one,
+            h.reshape(M, d), lse.reshape(M), wzi,
+            *(_ABSENT[dt, 2] if t is None else t.reshape(M, width) for t in shown),
+            return_weights | 2 * return_logits | 4 * return_contrib,
         )
-        _launch(_forward, _forward_parallel, args, _n_chunks(M, M * n_src * d))
-        ctx.save_for_backward(query, gain, wzi, *sources)
-        ctx.addresses = src.addresses  # valid while the saved sources are (the backward reads them first)
+        _launch(_forward, _forward_parallel, args, _n_chunks(M, M * S * d))
+        ctx.save_for_backward(query, gain, *sources)
+        ctx.table, ctx.wzi = table, wzi  # the table's addresses stay valid while the saved sources are
         ctx.set_materialize_grads(False)
-        ctx.flags, ctx.eps = (return_weights, return_logits), eps
-        outs = [h, lse]
-        if return_weights:
-            outs.append(wzi[0].clone())  # the saved weights stay private: a caller may edit the returned ones
-        if return_logits:
-            outs.append(wzi[1].clone())
+        ctx.flags, ctx.eps, ctx.width = (return_weights, return_logits), eps, width
+        outs = [torch.from_numpy(t) for t in (h, lse, *shown) if t is not None]
         if return_contrib:
-            ctx.mark_non_differentiable(c)
-            outs.append(c)
+            ctx.mark_non_differentiable(outs[-1])
         return tuple(outs)
 
     @staticmethod
@@ -565,33 +575,35 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         return_weights, return_logits = ctx.flags
         dw = rest[0] if return_weights else None
         dz = rest[int(return_weights)] if return_logits else None
-        query, gain, wzi, *sources = ctx.saved_tensors
-        no_grads = (None,) * 6
+        query, gain, *sources = ctx.saved_tensors
+        no_grads = (None,) * 8
         if dh is None and dlse is None and dw is None and dz is None:
             return (*no_grads, *(None for _ in sources))
         if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, from the reference
+            S = len(sources)
+
             def ref(query, gain, *sources):
                 return depth_attn_reference(list(sources), query, gain, ctx.eps, return_weights=True, validate=False, return_logits=True)
 
+            dw, dz = (None if t is None else t[..., :S] for t in (dw, dz))  # the padding has no gradient
             dq, dg, *dv = graph_grads(ref, [query, gain, *sources], [dh, dlse, dw, dz])
-            return (dq, dg, None, None, None, None, *dv)
-        dt = query.dtype
-        d, n_src = query.shape[0], len(sources)
-        M = sources[0].numel() // d
-        # one buffer per source: autograd can then accumulate into it in place (views of one
-        # shared buffer would force an out-of-place add for every later read of the source)
-        dv = SourceTable.empty_like(sources[0], n_src)
-        dqg = torch.empty((2, d), dtype=dt)  # written by the kernel
+            return (None, dq, dg, *no_grads[3:], *dv)
+        dt, npdt, table = query.dtype, _NP_DTYPE[query.dtype], ctx.table
+        d, M, S = table.d, table.n_rows, len(sources)
+        dv = np.empty((S, *sources[0].shape), npdt)  # the sources' gradients, written by the kernel
+        dqg = np.empty((2, d), npdt)  # the query's and the gain's
         dh, dlse, dw, dz = (None if t is None else t.contiguous() for t in (dh, dlse, dw, dz))
         args = (
-            ctx.addresses, dv.addresses, M, d,
-            _view(query, (d,), dt), _view(gain, (d,), dt), gain is not None, _NP_DTYPE[dt](1), _view(wzi, (3, M, n_src), dt),
+            table.addresses, dv.reshape(S, M, d), M, d,
+            query.detach().numpy(), _view(gain, (d,), dt), gain is not None, npdt(1), ctx.wzi,
             _view(dh, (M, d), dt), dh is not None, _view(dlse, (M,), dt), dlse is not None,
-            _view(dw, (M, n_src), dt), dw is not None, _view(dz, (M, n_src), dt), dz is not None,
-            _view(dqg, (2, d), dt),
+            _view(dw, (M, ctx.width), dt), dw is not None, _view(dz, (M, ctx.width), dt), dz is not None, dqg,
         )
-        _launch(_backward, _backward_parallel, args, _n_chunks(M, M * n_src * d))
-        return (dqg[0], None if gain is None else dqg[1], None, None, None, None, *dv.tensors)
+        _launch(_backward, _backward_parallel, args, _n_chunks(M, M * S * d))
+        # each gradient a tensor with its own storage (over its slice of dv), so that autograd
+        # adds a source's later gradients into it in place
+        dq, dg, *dv = (torch.from_numpy(t) for t in (*dqg, *dv))
+        return (None, dq, None if gain is None else dg, *no_grads[3:], *dv)
 
 
 def depth_attn_numba(
@@ -603,6 +615,7 @@ def depth_attn_numba(
     validate: bool = True,
     return_contrib: bool = False,
     return_logits: bool = False,
+    width: int | None = None,
 ):
     """Depth attention with the fused Numba CPU kernels (forward and backward).
 
@@ -615,14 +628,16 @@ def depth_attn_numba(
         return_weights: also return the softmax weights the kernel used.
         validate: check the arguments (callers that already did may skip it).
         return_contrib: also return each source's contribution share
-            ``w_i <v_i, h> / |h|^2`` [*batch, S], computed in the same pass (no gradient).
-        return_logits: also return the logits z [*batch, S] the kernel computed.
+            ``w_i <v_i, h> / |h|^2``, computed in the same pass (no gradient).
+        return_logits: also return the logits z the kernel computed.
+        width: the weights, logits and shares have this many columns (>= S; None: S), the
+            columns past S padding (NaN; -inf for the logits), written by the kernel.
 
     Returns:
         As :func:`~attnres_probe.kernels.depth_attn`: (mixture [*batch, d] in the sources'
-        dtype, lse [*batch]), then the weights, the logits and the shares [*batch, S], each
-        on request; lse, weights, logits and shares in the compute dtype (float64 if any
-        input is float64, else float32).
+        dtype, lse [*batch]), then the weights, the logits and the shares [*batch, width],
+        each on request; lse, weights, logits and shares in the compute dtype (float64 if
+        any input is float64, else float32).
 
     Raises:
         ValueError: non-CPU tensors, or a dtype other than float32/float64 (named).
@@ -630,6 +645,19 @@ def depth_attn_numba(
     if validate:
         validate_depth_attn_args(sources, query, gain, eps)
     src = list(sources.unbind(0)) if isinstance(sources, torch.Tensor) else list(sources)
+    width = len(src) if width is None else check_width(width, len(src))
+    flags = (float(eps), width, bool(return_weights), bool(return_logits), bool(return_contrib))
+    dt = query.dtype
+    if (
+        dt in SUPPORTED_DTYPES and query.is_cpu and query.is_contiguous()
+        and (gain is None or (gain.dtype is dt and gain.is_cpu and gain.is_contiguous()))
+    ):
+        try:  # the common case, one check of every source: all CPU, contiguous, of the query's dtype
+            table = SourceTable(src, dt)
+        except ValueError:
+            table = None  # mixed dtypes, non-contiguous sources, or an unusable tensor: sorted out (or named) below
+        if table is not None:
+            return DepthAttnNumbaFunction.apply(table, query, gain, *flags, *src)
     first = src[0]
     _check_supported(*src, query, gain)
     dtypes = {s.dtype for s in src} | {query.dtype, None if gain is None else gain.dtype}
@@ -638,9 +666,7 @@ def depth_attn_numba(
     gain = None if gain is None else gain.to(dt).contiguous()
     if any(s.dtype != dt or not s.is_contiguous() for s in src):
         src = [s.to(dt).contiguous() for s in src]  # no reshape: a view would add an autograd node per source
-    outs = DepthAttnNumbaFunction.apply(
-        query, gain, float(eps), bool(return_weights), bool(return_logits), bool(return_contrib), *src
-    )
+    outs = DepthAttnNumbaFunction.apply(SourceTable(src, dt), query, gain, *flags, *src)
     h = outs[0] if first.dtype == dt else outs[0].to(first.dtype)  # the mixture in the sources' dtype
     return (h, *outs[1:])
 

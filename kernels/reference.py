@@ -27,6 +27,7 @@ Sources = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 __all__ = [
     "Sources",
+    "check_width",
     "compute_dtype",
     "contribution_shares",
     "depth_attn_reference",
@@ -43,6 +44,14 @@ __all__ = [
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """float64 if any given tensor is float64, else float32."""
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def check_width(width: int, n_sources: int) -> int:
+    """``width`` for an op's padded outputs (see :func:`attnres_probe.kernels.depth_attn`):
+    an int no smaller than the number of sources, else a ValueError saying so."""
+    if isinstance(width, bool) or not isinstance(width, int) or width < n_sources:
+        raise ValueError(f"width is {width!r}; it must be an int >= the number of sources ({n_sources})")
+    return width
 
 
 def inv_rms(v: torch.Tensor, eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -251,3 +251,48 @@ def test_a_source_table_is_built_only_from_tensors_it_can_read():
             SourceTable(tensors, torch.float32)
     with pytest.raises(ValueError, match="float32 or float64"):
         SourceTable(good, torch.float16)
+
+
+@pytest.mark.parametrize("width", [5, 8], ids=["W=S", "W>S"])
+def test_padded_outputs_match_the_reference_padding_and_gradients(width):
+    """``width=`` gives the weights, logits and shares the model's common source axis: the
+    kernel writes the padding itself (NaN, -inf for the logits), the other backends pad after;
+    upstream gradients arrive padded too, and the padding's part is ignored (also under
+    ``create_graph=True``, second-order gradients included). float64 on both
+    sides, so the values agree to a few ulps of the sums (1e-10 relative is far above that)."""
+    sources, query, gain = _inputs(5, 16, batch=(3, 7), dtype=torch.float64)
+    ups = None
+    got = {}
+    for backend in ("numba", "torch"):
+        x, q, g = (t.clone().requires_grad_() for t in (sources, query, gain))
+        outs = depth_attn(list(x.unbind(0)), q, g, return_weights=True, return_logits=True, return_contrib=True,
+                          backend=backend, width=width)
+        mix, lse, w, z, c = outs
+        assert w.shape == z.shape == c.shape == (3, 7, width)
+        assert torch.isnan(w[..., 5:]).all() and torch.isnan(c[..., 5:]).all() and (z[..., 5:] == float("-inf")).all()
+        if ups is None:
+            ups = [torch.randn_like(t) for t in (mix, lse, w, z)]
+        grads = torch.autograd.grad([mix, lse, w, z], [x, q, g], ups, create_graph=True)
+        second = torch.autograd.grad(sum(t.pow(2).sum() for t in grads), [x, q, g])  # the padding has no part here either
+        got[backend] = [t[..., :5] if t.shape[-1] == width else t for t in outs] + list(grads) + list(second)
+    for a, b in zip(got["numba"], got["torch"]):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+
+
+def test_a_bad_width_is_refused():
+    sources, query, _ = _inputs(4, 8)
+    for backend in ("numba", "torch"):
+        for bad in (3, 2.5, True):
+            with pytest.raises(ValueError, match="width"):
+                depth_attn(sources, query, return_weights=True, backend=backend, width=bad)
+
+
+def test_each_source_gradient_has_a_storage_of_its_own():
+    """Autograd adds a source's gradients from later reads into the first one in place only
+    when that tensor owns its storage; views of one shared buffer would cost a copy per read."""
+    sources, query, gain = _inputs(4, 16)
+    x = [s.clone().requires_grad_() for s in sources]
+    mix = depth_attn(x, query, gain, backend="numba")[0]
+    grads = torch.autograd.grad(mix, x, torch.randn_like(mix))
+    for grad in grads:
+        assert grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
