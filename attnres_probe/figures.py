@@ -641,7 +641,8 @@ def logit_contributions_chart(lc, k: int = 5, name: str | None = None) -> go.Fig
     """Each source's direct contribution to the logits of the model's top-``k`` next tokens at one
     token (:meth:`attnres_probe.Probe.logit_contributions`): sources (y) x predicted tokens (x),
     on the diverging scale (red raises a token's logit, blue lowers it). A last row holds the
-    sum over sources, which is the model's logit.
+    sum over sources, which is the model's logit, printed in its cells (the colour scale is
+    sized to the contributions, which the sum usually exceeds).
 
     Returns:
         Figure with one Heatmap: ``z`` [S + 1, k] (contributions, then their sum = the logits),
@@ -657,8 +658,12 @@ def logit_contributions_chart(lc, k: int = 5, name: str | None = None) -> go.Fig
     pos = lc.position
     tok = lc.str_tokens[pos] if pos < len(lc.str_tokens) else ""
     parts = [name or "model", f"token {pos} {tok!r}", f"direct contributions to the top-{len(ids)} next tokens"]
+    # the colour scale fits the sources' contributions, so the sum row (the logits, usually larger)
+    # saturates it: that row prints its values
+    text = [[""] * z.shape[1] for _ in contrib] + [[f"{v:.3g}" for v in z[-1]]]
     heat = go.Heatmap(
         z=z, x=[f"{j + 1}. {_vocab_label(lc.decode([i]), i) if lc.decode else i}" for j, i in enumerate(ids)], y=ylabels,
+        text=text, texttemplate="%{text}", textfont={"size": 11},
         customdata=custom, hoverongaps=False, colorscale=DIVERGING_COLORSCALE, zmin=-max(m, 1e-6), zmax=max(m, 1e-6), zmid=0.0,
         hovertemplate="source %{y}<br>next token %{x}<br>contribution %{z:.4~g}<br>source weight %{customdata[0]:.4~g}<extra></extra>",
         colorbar={"title": {"text": "logit"}},

@@ -361,6 +361,8 @@ def test_logit_contributions_and_logit_lens_charts_from_a_probe():
     assert z.shape == (len(lc.sources) + 1, 3)
     np.testing.assert_allclose(z[-1], np.sort(lc.logits)[::-1][:3], rtol=1e-5, atol=1e-5)  # the sum row is the logit
     assert fig.data[0].zmin == -fig.data[0].zmax and "token 4" in fig.layout.title.text
+    text = np.asarray(fig.data[0].text)
+    assert (text[:-1] == "").all() and [float(t) for t in text[-1]] == pytest.approx(z[-1], rel=5e-3)  # the sum row prints the logits (3 significant digits)
     lens = probe.logit_lens("hello there", k=3, positions=[4])
     lf = figures.logit_lens_chart(lens, 4, name="block")
     assert np.asarray(lf.data[0].z, dtype=float).shape == (len(set(lens["read"])), 3)
