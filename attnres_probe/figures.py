@@ -1068,7 +1068,7 @@ def trace_summary_html(trace: DepthTrace, n_tokens: int = 40) -> str:
     """Compact HTML card of a trace (``DepthTrace._repr_html_``).
 
     Shows name, residual, sequences, tokens, reads × sources, mean loss, whether gradients were
-    recorded, the flags (in a warning colour, only when there are any) and the first ``n_tokens``
+    recorded, the depth-mixing backend and schedule (when the trace records them), the flags (in a warning colour, only when there are any) and the first ``n_tokens``
     tokens of the first sequence. Every string taken from the trace is escaped with :func:`html.escape`.
     """
     s = trace.summary()
@@ -1082,6 +1082,10 @@ def trace_summary_html(trace: DepthTrace, n_tokens: int = 40) -> str:
         ("mean loss", loss),
         ("gradients", "recorded" if s["gradients"] else "not recorded"),
     ]
+    backend = trace.meta.get("backend")
+    if backend:  # what computed the depth mixing (older traces do not say)
+        schedule = trace.meta.get("schedule")
+        rows.append(("depth mixing", f"{backend} kernels" + (f", {schedule.replace('_', '-')} schedule" if schedule else "")))
     body = "".join(f"<tr><th style='text-align:left;padding-right:12px'>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in rows)
     toks = trace.str_tokens[0] if trace.str_tokens else []
     text = e("".join(toks[:n_tokens])) + ("…" if len(toks) > n_tokens else "")

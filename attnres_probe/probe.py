@@ -175,6 +175,7 @@ class Probe:
                 mixer_grad[:] = [_group_norm(ps, sq) for ps in spec.mixer_params]
         meta = {
             **spec.meta,
+            **self.kernels(),
             "str_tokens": [row[: int(m.sum())] for row, m in zip(str_tokens, mask.cpu())],
             "backward": bool(backward),
             "mean_loss": float(loss.detach()),
@@ -190,6 +191,18 @@ class Probe:
             meta=meta,
             **arrays,
         )
+
+    def kernels(self) -> dict[str, str | None]:
+        """What computed the depth mixing of a recording, as every trace's metadata records it:
+        ``{"backend": "numba" | "triton" | "torch", "schedule": "sequential" | "two_phase"}``
+        for an :class:`~attnres_probe.AttnResTransformer` (the schedule for Block AttnRes only),
+        resolved for the model's device and dtype as its forward resolves them; None for models
+        without depth attention (PreNorm, other models)."""
+        model = self.model
+        if getattr(model, "residual", "prenorm") == "prenorm" or not hasattr(model, "resolve"):
+            return {"backend": None, "schedule": None}
+        backend, schedule = model.resolve(model.W_E)
+        return {"backend": backend, "schedule": schedule if model.residual == "block" else None}
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The model's logits [batch, pos, vocab] for tokens [batch, pos] (one plain forward).

@@ -520,6 +520,7 @@ def _model_row(trace: DepthTrace, name: str) -> dict[str, Any]:
             "weights_sha256": meta.get("weights_sha256"),
             "windows": meta.get("windows"),
             "backward": meta.get("backward"),
+            "depth_mixing": {"backend": meta.get("backend"), "schedule": meta.get("schedule")},
             "sequences": s["sequences"],
             "tokens": s["tokens"],
         },

@@ -410,3 +410,26 @@ def test_saving_never_replaces_a_trace_or_writes_into_a_foreign_folder(tmp_path)
     with pytest.raises(FileExistsError, match="not empty and does not hold a saved DepthTrace"):
         first.save(tmp_path / "mine", overwrite=True)
     assert (tmp_path / "mine" / "cube.parquet").read_text() == "not a trace"
+
+
+def test_every_trace_records_the_kernels_and_schedule_that_computed_it(tmp_path, monkeypatch):
+    """What you record is what the forward used: the backend and the Block schedule, resolved as
+    the model's forward resolves them, in the trace's metadata (and through save/load)."""
+    from attnres_probe import AttnResTransformer
+
+    monkeypatch.delenv("ATTNRES_BACKEND", raising=False)  # auto: Numba for float32 CPU tensors
+
+    block = tiny_model("block", block_size=2)
+    cases = {
+        "auto": (block, {"backend": "numba", "schedule": "sequential"}),
+        "forced": (AttnResTransformer(block.cfg, backend="torch", schedule="two_phase"), {"backend": "torch", "schedule": "two_phase"}),
+        "full": (tiny_model("full"), {"backend": "numba", "schedule": None}),
+        "prenorm": (tiny_model("prenorm"), {"backend": None, "schedule": None}),
+    }
+    for label, (model, want) in cases.items():
+        trace = Probe(model).run(TEXT, backward=False)
+        assert {k: trace.meta[k] for k in want} == want, label
+        assert ("depth mixing" in trace._repr_html_()) == (want["backend"] is not None), label
+    assert "numba kernels, sequential schedule" in Probe(block).run(TEXT, backward=False)._repr_html_()
+    trace.save(tmp_path / "t")
+    assert DepthTrace.load(tmp_path / "t").meta["backend"] is None

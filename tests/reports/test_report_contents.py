@@ -79,7 +79,8 @@ def test_models_table_names_architecture_parameters_and_hash(soup, traces):
     assert "PreNorm baseline" in text and "Full AttnRes" in text and "Block AttnRes" in text
 
 
-def test_checkpoint_hash_is_the_sha256_of_the_safetensors_file(tmp_path):
+def test_checkpoint_hash_is_the_sha256_of_the_safetensors_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("ATTNRES_BACKEND", raising=False)  # auto: the Numba kernels on the CPU
     d = tmp_path / "full-run"
     tiny_model("full").save(d)
     (trace,) = record_checkpoints([d], "hello world", backward=False)
@@ -87,6 +88,8 @@ def test_checkpoint_hash_is_the_sha256_of_the_safetensors_file(tmp_path):
     assert trace.name == "full-run"
     html = build_report([trace], tmp_path / "r.html").read_text()
     assert trace.meta["checkpoint_sha256"] in html
+    provenance = html.replace("&#34;", '"')  # the provenance names what computed the depth mixing
+    assert '"depth_mixing": {\n    "backend": "numba",\n    "schedule": null' in provenance
 
 
 def test_hash_from_saved_trace_meta_survives_save_and_load(tmp_path):
