@@ -12,11 +12,19 @@ modules; only the depth-attention op differs by backend.
     python benchmarks/train.py                  # demo size, and d=256 / 12 layers / 256 tokens
     python benchmarks/train.py --quick
     python benchmarks/train.py --sizes demo --threads 1 --backend torch   # as the demo models are trained
+    python benchmarks/train.py --sizes demo --stand-in   # also Block with a stand-in for the Numba op
+
+``--stand-in`` adds a fourth row, ``block-s``: the Block model with the Numba op's forward and
+backward swapped, for its steps only, for a stand-in that moves almost nothing (the last source
+as the mixture, uniform weights, a gradient for the last source only) while every other part of
+a read runs as usual (the wrappers, the autograd node, the hook points). Its ratio is what a read
+costs besides the kernels and their memory traffic.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -54,6 +62,34 @@ def make_step(size: str, residual: str, backend: str = "auto"):
     return step, batch * s["n_ctx"]
 
 
+def _stand_in_forward(ctx, table, query, gain, eps, width, return_weights, return_logits, return_contrib, *sources):
+    S, batch = len(sources), sources[0].shape[:-1]
+    w = torch.full((*batch, width), float("nan"))
+    w[..., :S] = 1.0 / S
+    z = torch.full((*batch, width), float("-inf"))
+    z[..., :S] = 0.0
+    ctx.n_sources = S
+    outs = [sources[-1].clone(), torch.zeros(batch)]
+    return tuple(outs + [w] * return_weights + [z] * return_logits + [w.clone()] * return_contrib)
+
+
+def _stand_in_backward(ctx, dh, *rest):
+    return (None,) * (8 + ctx.n_sources - 1) + (dh,)
+
+
+@contextlib.contextmanager
+def stand_in_op():
+    """The Numba op's forward and backward replaced by the stand-in while the block runs."""
+    from attnres_probe.kernels.numba_depth_attn import DepthAttnNumbaFunction as F
+
+    saved = F.__dict__["forward"], F.__dict__["backward"]
+    F.forward, F.backward = staticmethod(_stand_in_forward), staticmethod(_stand_in_backward)
+    try:
+        yield
+    finally:
+        F.forward, F.backward = saved
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=["demo", "large"], choices=list(SIZES))
@@ -62,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's, here the machine's cores)")
     ap.add_argument("--backend", default="auto", choices=["auto", "torch", "numba"],
                     help="depth-attention backend (the demo models are trained on 'torch' with --threads 1)")
+    ap.add_argument("--stand-in", action="store_true",
+                    help="also time Block with a stand-in for the Numba op (what a read costs besides the kernels)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -72,19 +110,29 @@ def main(argv=None) -> int:
     met = True
     for size in args.sizes:
         steps = {r: make_step(size, r, args.backend) for r in RESIDUALS}
+        if args.stand_in:
+            block_step, tokens = make_step(size, "block", args.backend)
+
+            def stand_in_step(step=block_step):
+                with stand_in_op():
+                    step()
+
+            steps["block-s"] = (stand_in_step, tokens)
+        models = list(steps)
         for fn, _ in steps.values():  # warm-up
             fn()
             fn()
-        times: dict[str, list[float]] = {r: [] for r in RESIDUALS}
+        times: dict[str, list[float]] = {r: [] for r in models}
         with frozen_gc():  # as the trainer's loop runs
             for rep in range(args.reps):
-                for r in RESIDUALS[rep % 3 :] + RESIDUALS[: rep % 3]:  # each model first, second, third in turn
+                k = rep % len(models)
+                for r in models[k:] + models[:k]:  # each model first, second, ... in turn
                     fn = steps[r][0]
                     t = time.perf_counter()
                     fn()
                     times[r].append(time.perf_counter() - t)
         med = {r: statistics.median(v) for r, v in times.items()}
-        for r in RESIDUALS:
+        for r in models:
             ratio = statistics.median(a / b for a, b in zip(times[r], times["prenorm"]))
             tokens = steps[r][1]
             note = ""
