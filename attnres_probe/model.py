@@ -227,7 +227,8 @@ class DepthMixer(nn.Module):
         logits_h = self.hook_logits(logits)
         changed = logits_h is not logits or logits._version != version
         if changed:
-            w = torch.softmax(logits_h[..., :k].float(), dim=-1).to(weights.dtype)
+            z = logits_h[..., :k]
+            w = torch.softmax(z.to(kernels.reference.compute_dtype(z)), dim=-1).to(weights.dtype)
             weights = F.pad(w, (0, self.n_src - k), value=float("nan"))
         version = weights._version
         weights_h = self.hook_weights(weights)

@@ -221,7 +221,8 @@ def depth_attn(
         width: give the weights, logits and shares this many columns (at least S; None:
             S), the columns past S padded with NaN (-inf for the logits): a read's row of the
             model's common source axis, as its hooks show it. The Numba kernels write the
-            padded rows themselves; the padding has no gradient.
+            padded rows themselves; the padding has no gradient. With a width, these outputs
+            are the caller's own (fresh tensors, safe to edit in place).
 
     Returns:
         (mixture [*batch, d] in the sources' dtype, lse [*batch] float32), then, each on
@@ -261,12 +262,14 @@ def depth_attn(
     if return_contrib:
         mix, lse, w, *logits = outs
         outs = (mix, lse, *((w,) if return_weights else ()), *logits, contribution_shares(sources, mix, w))
-    if width is None or width == n_src:
+    if width is None:
         return outs
+    # padded copies, also at width == S: the caller (a model's hooks) may edit them in place, and
+    # the reference's own weights and logits are saved for its backward
     pad = (0, width - n_src)
     mix, lse, *rest = outs
     fills = [float("nan")] * return_weights + [float("-inf")] * return_logits + [float("nan")] * return_contrib
-    return (mix, lse, *(F.pad(t, pad, value=v) for t, v in zip(rest, fills)))
+    return (mix, lse, *(F.pad(t, pad, value=v) if pad[1] else t.clone() for t, v in zip(rest, fills)))
 
 
 def phase1(

@@ -562,7 +562,9 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         )
         _launch(_forward, _forward_parallel, args, _n_chunks(M, M * S * d))
         ctx.save_for_backward(query, gain, *sources)
-        ctx.table, ctx.wzi = table, wzi  # the table's addresses stay valid while the saved sources are
+        # the sources' addresses stay valid while the saved sources do (the backward unpacks them
+        # first); the table itself is not kept, so that the sources are freed with the saved tensors
+        ctx.addresses, ctx.rows, ctx.wzi = table.addresses, (table.n_rows, table.d), wzi
         ctx.set_materialize_grads(False)
         ctx.flags, ctx.eps, ctx.width = (return_weights, return_logits), eps, width
         outs = [torch.from_numpy(t) for t in (h, lse, *shown) if t is not None]
@@ -588,13 +590,13 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
             dw, dz = (None if t is None else t[..., :S] for t in (dw, dz))  # the padding has no gradient
             dq, dg, *dv = graph_grads(ref, [query, gain, *sources], [dh, dlse, dw, dz])
             return (None, dq, dg, *no_grads[3:], *dv)
-        dt, npdt, table = query.dtype, _NP_DTYPE[query.dtype], ctx.table
-        d, M, S = table.d, table.n_rows, len(sources)
+        dt, npdt = query.dtype, _NP_DTYPE[query.dtype]
+        (M, d), S = ctx.rows, len(sources)
         dv = np.empty((S, *sources[0].shape), npdt)  # the sources' gradients, written by the kernel
         dqg = np.empty((2, d), npdt)  # the query's and the gain's
         dh, dlse, dw, dz = (None if t is None else t.contiguous() for t in (dh, dlse, dw, dz))
         args = (
-            table.addresses, dv.reshape(S, M, d), M, d,
+            ctx.addresses, dv.reshape(S, M, d), M, d,
             query.detach().numpy(), _view(gain, (d,), dt), gain is not None, npdt(1), ctx.wzi,
             _view(dh, (M, d), dt), dh is not None, _view(dlse, (M,), dt), dlse is not None,
             _view(dw, (M, ctx.width), dt), dw is not None, _view(dz, (M, ctx.width), dt), dz is not None, dqg,

@@ -182,26 +182,29 @@ def test_hooks_that_replace_activations_give_the_references_gradients(residual, 
         assert relative_rms(got["numba"][name], t) <= bound, name
 
 
-ROUTING_HOOKS = {
-    "halve weights in place": ("attn_res.hook_weights", lambda w, hook: w.mul_(0.5)),
-    "sharpen logits": ("mlp_res.hook_logits", lambda z, hook: z * 3.0),  # softmaxed again by the read
-    "embedding only": ("attn_res.hook_weights", lambda w, hook: torch.where(torch.isnan(w), w, torch.zeros_like(w)).index_fill(-1, torch.tensor([0]), 1.0)),
+ROUTING_HOOKS = {  # the final read (out_res) sees every source: its rows have no padding
+    "halve weights in place": ("blocks.1.attn_res.hook_weights", lambda w, hook: w.mul_(0.5)),
+    "halve the final weights in place": ("out_res.hook_weights", lambda w, hook: w.mul_(0.5)),
+    "sharpen logits": ("blocks.1.mlp_res.hook_logits", lambda z, hook: z * 3.0),  # softmaxed again by the read
+    "sharpen the final logits in place": ("out_res.hook_logits", lambda z, hook: z.mul_(3.0)),
+    "embedding only": ("blocks.1.attn_res.hook_weights", lambda w, hook: torch.where(torch.isnan(w), w, torch.zeros_like(w)).index_fill(-1, torch.tensor([0]), 1.0)),
 }
 
 
 @pytest.mark.parametrize("hook", sorted(ROUTING_HOOKS))
 @pytest.mark.parametrize("residual, kw", [("full", {}), ("block", {"block_size": 3})])
 def test_hooks_that_edit_routing_give_the_references_gradients(residual, kw, hook):
-    """Interventions on a read's weights or logits (the op returns them padded to the common
-    source axis, and the gradients reach them through that padding): every parameter's
-    gradient within the bound of the float64 model edited the same way."""
+    """Interventions on a read's weights or logits, in place or not (the op returns them padded
+    to the common source axis, as the caller's own tensors, and the gradients reach them
+    through that padding): on the reference and the Numba backend, every parameter's gradient
+    within the bound of the float64 model edited the same way."""
     model = tiny_model(residual, n_layers=3, **kw)
     tokens = sample_tokens(6, batch=2)
     where, fn = ROUTING_HOOKS[hook]
     got = {}
     for label, dtype, backend in (("f64", torch.float64, "torch"), ("torch", torch.float32, "torch"), ("numba", torch.float32, "numba")):
         m = _twin(model, dtype, backend=backend)
-        dict(m.named_modules())[f"blocks.1.{where}"].add_hook(fn)
+        dict(m.named_modules())[where].add_hook(fn)
         got[label] = _results(m, tokens)
     unedited = _results(_twin(model, torch.float64, backend="torch"), tokens)["logits"]
     assert (got["f64"]["logits"] - unedited).abs().max() > 1e-8  # the edit changed the model (float64: rounding is ~1e-15)

@@ -296,3 +296,20 @@ def test_each_source_gradient_has_a_storage_of_its_own():
     grads = torch.autograd.grad(mix, x, torch.randn_like(mix))
     for grad in grads:
         assert grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+
+
+def test_a_read_does_not_keep_its_sources_alive_after_the_backward():
+    """The op keeps its sources only as saved tensors, which autograd frees after the backward,
+    even while the loss (and so the op's node) is still held, as in a notebook."""
+    import gc
+    import weakref
+
+    x = torch.randn(4, 16, requires_grad=True)
+    sources = [x * (i + 1) for i in range(3)]  # intermediates: only the graph could keep them
+    refs = [weakref.ref(s) for s in sources]
+    loss = depth_attn(sources, torch.randn(16), backend="numba")[0].sum()
+    del sources
+    loss.backward()
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert loss.grad_fn is not None  # the graph itself is still there
