@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,3 +37,15 @@ def test_the_stand_in_replaces_the_op_only_inside_its_context():
     again = depth_attn(sources, query, return_weights=True, return_logits=True, backend="numba", width=6)
     for a, b in zip(real, again):
         torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
+
+
+def test_the_ratio_comes_with_an_interval_and_an_honest_verdict():
+    rng = np.random.default_rng(0)
+    noisy = 1.20 + 0.03 * rng.standard_normal(40)
+    med, lo, hi = bench.ratio_interval(noisy)
+    assert lo < med < hi and med == pytest.approx(np.median(noisy))
+    assert bench.ratio_interval(noisy) == (med, lo, hi)  # seeded
+    assert bench.verdict(lo, hi, 1.20) == "within noise"  # a run on the target cannot say met or missed
+    assert bench.verdict(*bench.ratio_interval(noisy - 0.1)[1:], 1.20) == "met"
+    assert bench.verdict(*bench.ratio_interval(noisy + 0.1)[1:], 1.20) == "missed"
+    assert bench.ratio_interval([1.1] * 5) == (1.1, 1.1, 1.1)
