@@ -179,6 +179,8 @@ def build_demo_models(
         result = train(replace(demo_config(name), seed=seed), tcfg, run_dir, resume=(run_dir / STATE_FILE).is_file(),
                        progress=progress, backend=backend)
         log = json.loads((run_dir / "train_log.json").read_text())
+        # the package ships this log: it names the corpus's package or file, not this machine's folders
+        log["corpus"]["source"] = Path(log["corpus"]["source"]).name
         dest = out / name
         staging = out / f".{name}.staging"
         shutil.rmtree(staging, ignore_errors=True)
