@@ -238,6 +238,18 @@ def _fold(query, gain, has_gain):  # pragma: no cover - compiled
     return q
 
 
+@nb.njit(nogil=True, cache=_CACHE)
+def _store_padded(out, m0, T, tile, fill):  # pragma: no cover - compiled
+    """Rows m0..m0+T-1 of ``out`` [n_rows, W] from a source-major tile [S, _TILE]: columns 0..S-1
+    the tile's, the rest ``fill`` (the padding of the common source axis)."""
+    S = tile.shape[0]
+    for t in range(T):
+        for i in range(S):
+            out[m0 + t, i] = tile[i, t]
+        for i in range(S, out.shape[1]):
+            out[m0 + t, i] = fill
+
+
 # Token rows per forward tile: the tile's scalars (norms, logits, softmax) are kept
 # source-major in small [S, TILE] scratch arrays, so each scalar step is a loop over the
 # tile's rows that LLVM vectorises (sqrt, divide, exp), instead of a chain of dependent
@@ -315,17 +327,9 @@ def _forward_rows(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, 
                 wzi[1, m0 + t, i] = z_t[i, t]
                 wzi[2, m0 + t, i] = r_t[i, t]
         if want_w:
-            for t in range(T):
-                for i in range(S):
-                    w_out[m0 + t, i] = e_t[i, t]
-                for i in range(S, w_out.shape[1]):
-                    w_out[m0 + t, i] = nan
+            _store_padded(w_out, m0, T, e_t, nan)
         if want_z:
-            for t in range(T):
-                for i in range(S):
-                    z_out[m0 + t, i] = z_t[i, t]
-                for i in range(S, z_out.shape[1]):
-                    z_out[m0 + t, i] = minus_inf
+            _store_padded(z_out, m0, T, z_t, minus_inf)
         # pass 2, two sources at a time (half the stores into h); an odd source 0 goes alone
         first = 2 - S % 2
         va = _source(src, 0, n_rows, d, one)
