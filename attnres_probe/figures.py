@@ -1068,8 +1068,9 @@ def trace_summary_html(trace: DepthTrace, n_tokens: int = 40) -> str:
     """Compact HTML card of a trace (``DepthTrace._repr_html_``).
 
     Shows name, residual, sequences, tokens, reads × sources, mean loss, whether gradients were
-    recorded, the depth-mixing backend and schedule (when the trace records them), the flags (in a warning colour, only when there are any) and the first ``n_tokens``
-    tokens of the first sequence. Every string taken from the trace is escaped with :func:`html.escape`.
+    recorded, the depth-mixing backend and schedule (when the trace records them), the flags (in
+    a warning colour, only when there are any) and the first ``n_tokens`` tokens of the first
+    sequence. Every string taken from the trace is escaped with :func:`html.escape`.
     """
     s = trace.summary()
     e = lambda v: html.escape(str(v), quote=True)  # noqa: E731
