@@ -70,19 +70,19 @@ def make_step(size: str, residual: str, backend: str = "auto"):
     return step, batch * s["n_ctx"]
 
 
-def _stand_in_forward(ctx, table, query, gain, eps, width, return_weights, return_logits, return_contrib, *sources):
-    S, batch = len(sources), sources[0].shape[:-1]
+def _stand_in_forward(ctx, table, query, gain, options, *sources):
+    S, batch, width = len(sources), sources[0].shape[:-1], options.width
     w = torch.full((*batch, width), float("nan"))
     w[..., :S] = 1.0 / S
     z = torch.full((*batch, width), float("-inf"))
     z[..., :S] = 0.0
     ctx.n_sources = S
     outs = [sources[-1].clone(), torch.zeros(batch)]
-    return tuple(outs + [w] * return_weights + [z] * return_logits + [w.clone()] * return_contrib)
+    return tuple(outs + [t for k, t in enumerate((w, z, w.clone())) if options.want >> k & 1])
 
 
 def _stand_in_backward(ctx, dh, *rest):
-    return (None,) * (8 + ctx.n_sources - 1) + (dh,)
+    return (None,) * (4 + ctx.n_sources - 1) + (dh,)
 
 
 @contextlib.contextmanager

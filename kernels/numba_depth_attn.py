@@ -19,7 +19,7 @@ norms, logits, softmax and lse are then computed on small source-major scratch a
 divisions, and exp through ``_exp_f32``, a Cephes-style float32 exp, since libm's ``expf``
 is a scalar call; float64 uses libm's). Pass 2 reads the tile's source rows again, from
 cache, for the mixture (two sources at a time) and, on request, the contribution shares.
-The weights, logits and inverse RMS ([3, M, S], small) are kept for the backward; the
+The weights, logits and inverse RMS ([3, S, M], small) are kept for the backward; the
 weights and logits the op returns are written from the same tile, already padded to the
 caller's width (a read's row of the model's common source axis: NaN, -inf for the logits),
 so the model shows them to its hooks without a copy or a pad. The kernels use NumPy's error
@@ -74,6 +74,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numba as nb
 import numpy as np
@@ -267,7 +268,8 @@ def _forward_rows(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, 
         eps, one: the RMS epsilon and 1, in the compute dtype (so nothing is promoted to float64).
         h: [n_rows, d] the mixture (written).
         lse: [n_rows] (written).
-        wzi: [3, n_rows, S] weights, logits and inverse RMS (written; the backward's).
+        wzi: [3, S, n_rows] weights, logits and inverse RMS, source-major like the tile, so that
+            each is stored as contiguous runs of rows (written; the backward's).
         w_out, z_out, c: [n_rows, W] (W >= S) the weights, logits and contribution shares
             ``w_i <v_i, h> / |h|^2`` the op returns, each written when its bit of ``want`` is
             set (1, 2, 4); columns S..W-1 are padding: -inf for the logits, NaN for the others.
@@ -321,11 +323,11 @@ def _forward_rows(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, 
         for i in range(S):
             for t in range(T):
                 e_t[i, t] *= total[t]
-        for t in range(T):
-            for i in range(S):
-                wzi[0, m0 + t, i] = e_t[i, t]
-                wzi[1, m0 + t, i] = z_t[i, t]
-                wzi[2, m0 + t, i] = r_t[i, t]
+        for i in range(S):
+            for t in range(T):
+                wzi[0, i, m0 + t] = e_t[i, t]
+                wzi[1, i, m0 + t] = z_t[i, t]
+                wzi[2, i, m0 + t] = r_t[i, t]
         if want_w:
             _store_padded(w_out, m0, T, e_t, nan)
         if want_z:
@@ -385,7 +387,7 @@ def _backward_rows(
     q = _fold(query, gain, has_gain)
     zero = one - one
     inv_d = one / d
-    w, z, inv = wzi[0], wzi[1], wzi[2]
+    w, z, inv = wzi[0], wzi[1], wzi[2]  # [S, n_rows] each
     dq[:] = 0.0
     da = np.empty(S, q.dtype)
     dq_part = np.zeros(d, q.dtype)
@@ -400,15 +402,15 @@ def _backward_rows(
             if has_dw:
                 acc += dw[m, i]
             da[i] = acc
-            big_d += w[m, i] * acc
+            big_d += w[i, m] * acc
         extra = dlse[m] if has_dlse else zero
         for i in range(S):
-            wi = w[m, i]
+            wi = w[i, m]
             dzi = wi * (da[i] - big_d + extra)
             if has_dz:
                 dzi += dz_up[m, i]
-            a = dzi * inv[m, i]  # dz_i * r_i
-            cc = -a * z[m, i] * inv[m, i] * inv_d
+            a = dzi * inv[i, m]  # dz_i * r_i
+            cc = -a * z[i, m] * inv[i, m] * inv_d
             v = _source(src, i, n_rows, d, one)
             out = dv[i]
             if has_dh:
@@ -509,12 +511,18 @@ def _n_chunks(n_rows: int, work: int) -> int:
     return threads
 
 
+# The Numba thread count this thread last set (Numba keeps one per calling thread); asking
+# Numba for it on every call costs about as much as a small kernel's hand-off.
+_thread_setting = threading.local()
+
+
 def _launch(serial, parallel, args: tuple, n_chunks: int) -> None:
     """Run a kernel over every row: ``parallel(*args, n_chunks)`` on Numba's threads, or ``serial(*args)``."""
     if n_chunks > 1 and _parallel_lock.acquire(blocking=False):
         try:
-            if nb.get_num_threads() != n_chunks:
+            if getattr(_thread_setting, "n", None) != n_chunks:
                 nb.set_num_threads(n_chunks)
+                _thread_setting.n = n_chunks
             parallel(*args, n_chunks)
         finally:
             _parallel_lock.release()
@@ -522,94 +530,101 @@ def _launch(serial, parallel, args: tuple, n_chunks: int) -> None:
     serial(*args)
 
 
-_ABSENT = {(dt, n): np.empty((0,) * n, npdt) for dt, npdt in _NP_DTYPE.items() for n in (1, 2, 3)}
+_ABSENT = {(dt, n): np.empty((0,) * n, npdt) for dt, npdt in _NP_DTYPE.items() for n in (1, 2)}
 
 
-def _view(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
-    """A contiguous tensor as the kernels' NumPy array of ``shape`` (no copy); for None, an
-    empty array of as many dims, which the kernels never read (its flag is off)."""
+def _grad_view(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[np.ndarray, bool]:
+    """An upstream gradient as the kernels see it: (its NumPy array of ``shape``, True), or for
+    None (no gradient reached that output) (an empty array the kernels never read, False)."""
     if t is None:
-        return _ABSENT[dtype, len(shape)]
-    return t.detach().numpy().reshape(shape)
+        return _ABSENT[dtype, len(shape)], False
+    return t.detach().contiguous().numpy().reshape(shape), True
+
+
+class Options(NamedTuple):
+    """What a call of :class:`DepthAttnNumbaFunction` asks for besides its tensors."""
+
+    eps: float  # the RMS epsilon
+    width: int  # columns of the weights, logits and shares (>= the number of sources)
+    want: int  # bit 1: the weights, 2: the logits, 4: the contribution shares
 
 
 class DepthAttnNumbaFunction(torch.autograd.Function):
     """Autograd join of the Numba forward and backward.
 
-    Inputs are (table, query, gain, eps, width, return_weights, return_logits,
-    return_contrib, *sources): ``table`` the :class:`SourceTable` of ``sources`` (which
-    checked them), ``query`` and ``gain`` [d] (gain may be None), contiguous CPU tensors of
-    the table's dtype, every source [*batch, d]. Outputs are h and lse, then, each on
-    request, the weights, the logits and the contribution shares [*batch, width] (columns
-    S..width-1 padding: NaN, -inf for the logits; the shares are an observation: no gradient
-    flows through them). Gradients flow to every source, the query and the gain, from every
-    output but the shares. The kernels fold the gain into the query themselves
-    (``q = query * gain``) and write the query and gain gradients, so a read is one autograd
-    node; the weights, logits and inverse RMS the backward needs stay private to it (a
-    caller may edit the returned ones).
+    Inputs are (table, query, gain, options, *sources): ``table`` the :class:`SourceTable` of
+    ``sources`` (which checked them), ``query`` and ``gain`` [d] (gain may be None),
+    contiguous CPU tensors of the table's dtype, ``options`` an :class:`Options`, every source
+    [*batch, d]. Outputs are h and lse, then, each on request, the weights, the logits and
+    the contribution shares [*batch, width] (columns S..width-1 padding: NaN, -inf for the
+    logits; the shares are an observation: no gradient flows through them). Gradients flow
+    to every source, the query and the gain, from every output but the shares. The kernels
+    fold the gain into the query themselves (``q = query * gain``) and write the query and
+    gain gradients, so a read is one autograd node; the weights, logits and inverse RMS the
+    backward needs stay private to it (a caller may edit the returned ones).
     """
 
     @staticmethod
-    def forward(ctx, table, query, gain, eps, width, return_weights, return_logits, return_contrib, *sources):
-        dt, npdt = query.dtype, _NP_DTYPE[query.dtype]
-        batch, S, d, M = tuple(sources[0].shape[:-1]), len(sources), table.d, table.n_rows
+    def forward(ctx, table, query, gain, options, *sources):
+        npdt = _NP_DTYPE[query.dtype]
+        S, M, d, width, want = len(sources), table.n_rows, table.d, options.width, options.want
+        batch = sources[0].shape[:-1]
         # outputs are allocated as NumPy arrays (the kernels' view of them) and shared with torch
         h, lse = np.empty((*batch, d), npdt), np.empty(batch, npdt)
-        wzi = np.empty((3, M, S), npdt)  # weights, logits, inverse RMS: the backward's
-        shown = [np.empty((*batch, width), npdt) if on else None for on in (return_weights, return_logits, return_contrib)]
-        one = npdt(1)
+        wzi = np.empty((3, S, M), npdt)  # weights, logits, inverse RMS: the backward's
+        shown = np.empty((3, *batch, width), npdt)  # weights, logits, shares: written as asked
+        q = query.detach().numpy()
+        g = q if gain is None else gain.detach().numpy()  # (unread without a gain)
+        rows = shown.reshape(3, M, width)
         args = (
-            table.addresses, M, d, query.detach().numpy(), _view(gain, (d,), dt), gain is not None, one * eps, one,
-            h.reshape(M, d), lse.reshape(M), wzi,
-            *(_ABSENT[dt, 2] if t is None else t.reshape(M, width) for t in shown),
-            return_weights | 2 * return_logits | 4 * return_contrib,
+            table.addresses, M, d, q, g, gain is not None, npdt(options.eps), npdt(1),
+            h.reshape(M, d), lse.reshape(M), wzi, rows[0], rows[1], rows[2], want,
         )
         _launch(_forward, _forward_parallel, args, _n_chunks(M, M * S * d))
         ctx.save_for_backward(query, gain, *sources)
         # the sources' addresses stay valid while the saved sources do (the backward unpacks them
         # first); the table itself is not kept, so that the sources are freed with the saved tensors
-        ctx.addresses, ctx.rows, ctx.wzi = table.addresses, (table.n_rows, table.d), wzi
+        ctx.addresses, ctx.wzi, ctx.options = table.addresses, wzi, options
         ctx.set_materialize_grads(False)
-        ctx.flags, ctx.eps, ctx.width = (return_weights, return_logits), eps, width
-        outs = [torch.from_numpy(t) for t in (h, lse, *shown) if t is not None]
-        if return_contrib:
+        outs = [torch.from_numpy(h), torch.from_numpy(lse)]
+        outs += [torch.from_numpy(shown[k]) for k in range(3) if want >> k & 1]
+        if want & 4:
             ctx.mark_non_differentiable(outs[-1])
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, dh, dlse, *rest):
-        return_weights, return_logits = ctx.flags
-        dw = rest[0] if return_weights else None
-        dz = rest[int(return_weights)] if return_logits else None
+        eps, width, want = ctx.options
+        dw = rest[0] if want & 1 else None
+        dz = rest[want & 1] if want & 2 else None
         query, gain, *sources = ctx.saved_tensors
-        no_grads = (None,) * 8
+        no_grads = (None,) * 4
         if dh is None and dlse is None and dw is None and dz is None:
             return (*no_grads, *(None for _ in sources))
+        S = len(sources)
         if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, from the reference
-            S = len(sources)
-
             def ref(query, gain, *sources):
-                return depth_attn_reference(list(sources), query, gain, ctx.eps, return_weights=True, validate=False, return_logits=True)
+                return depth_attn_reference(list(sources), query, gain, eps, return_weights=True, validate=False, return_logits=True)
 
             dw, dz = (None if t is None else t[..., :S] for t in (dw, dz))  # the padding has no gradient
             dq, dg, *dv = graph_grads(ref, [query, gain, *sources], [dh, dlse, dw, dz])
-            return (None, dq, dg, *no_grads[3:], *dv)
+            return (None, dq, dg, None, *dv)
         dt, npdt = query.dtype, _NP_DTYPE[query.dtype]
-        (M, d), S = ctx.rows, len(sources)
+        M, d = ctx.wzi.shape[2], query.shape[0]
         dv = np.empty((S, *sources[0].shape), npdt)  # the sources' gradients, written by the kernel
         dqg = np.empty((2, d), npdt)  # the query's and the gain's
-        dh, dlse, dw, dz = (None if t is None else t.contiguous() for t in (dh, dlse, dw, dz))
+        q = query.detach().numpy()
+        g = q if gain is None else gain.detach().numpy()
         args = (
-            ctx.addresses, dv.reshape(S, M, d), M, d,
-            query.detach().numpy(), _view(gain, (d,), dt), gain is not None, npdt(1), ctx.wzi,
-            _view(dh, (M, d), dt), dh is not None, _view(dlse, (M,), dt), dlse is not None,
-            _view(dw, (M, ctx.width), dt), dw is not None, _view(dz, (M, ctx.width), dt), dz is not None, dqg,
+            ctx.addresses, dv.reshape(S, M, d), M, d, q, g, gain is not None, npdt(1), ctx.wzi,
+            *_grad_view(dh, (M, d), dt), *_grad_view(dlse, (M,), dt),
+            *_grad_view(dw, (M, width), dt), *_grad_view(dz, (M, width), dt), dqg,
         )
         _launch(_backward, _backward_parallel, args, _n_chunks(M, M * S * d))
         # each gradient a tensor with its own storage (over its slice of dv), so that autograd
         # adds a source's later gradients into it in place
-        dq, dg, *dv = (torch.from_numpy(t) for t in (*dqg, *dv))
-        return (None, dq, None if gain is None else dg, *no_grads[3:], *dv)
+        dg = None if gain is None else torch.from_numpy(dqg[1])
+        return (None, torch.from_numpy(dqg[0]), dg, None, *map(torch.from_numpy, dv))
 
 
 def depth_attn_numba(
@@ -652,7 +667,7 @@ def depth_attn_numba(
         validate_depth_attn_args(sources, query, gain, eps)
     src = list(sources.unbind(0)) if isinstance(sources, torch.Tensor) else list(sources)
     width = len(src) if width is None else check_width(width, len(src))
-    flags = (float(eps), width, bool(return_weights), bool(return_logits), bool(return_contrib))
+    options = Options(float(eps), width, bool(return_weights) | 2 * bool(return_logits) | 4 * bool(return_contrib))
     dt = query.dtype
     if (
         dt in SUPPORTED_DTYPES and query.is_cpu and query.is_contiguous()
@@ -663,7 +678,7 @@ def depth_attn_numba(
         except ValueError:
             table = None  # mixed dtypes, non-contiguous sources, or an unusable tensor: sorted out (or named) below
         if table is not None:
-            return DepthAttnNumbaFunction.apply(table, query, gain, *flags, *src)
+            return DepthAttnNumbaFunction.apply(table, query, gain, options, *src)
     first = src[0]
     _check_supported(*src, query, gain)
     dtypes = {s.dtype for s in src} | {query.dtype, None if gain is None else gain.dtype}
@@ -672,7 +687,7 @@ def depth_attn_numba(
     gain = None if gain is None else gain.to(dt).contiguous()
     if any(s.dtype != dt or not s.is_contiguous() for s in src):
         src = [s.to(dt).contiguous() for s in src]  # no reshape: a view would add an autograd node per source
-    outs = DepthAttnNumbaFunction.apply(SourceTable(src, dt), query, gain, *flags, *src)
+    outs = DepthAttnNumbaFunction.apply(SourceTable(src, dt), query, gain, options, *src)
     h = outs[0] if first.dtype == dt else outs[0].to(first.dtype)  # the mixture in the sources' dtype
     return (h, *outs[1:])
 
