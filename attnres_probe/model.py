@@ -174,6 +174,11 @@ class DepthMixer(nn.Module):
         """query * gain, [d_model]."""
         return self.query * self.norm.weight
 
+    def on_axis(self, t: torch.Tensor, fill: float) -> torch.Tensor:
+        """A read's [..., k] weights, logits or shares on the common source axis [..., n_src]:
+        the columns past k hold ``fill`` (NaN; -inf for logits)."""
+        return F.pad(t, (0, self.n_src - t.shape[-1]), value=fill)
+
     def forward(
         self,
         sources: Sequence[torch.Tensor],
@@ -229,7 +234,7 @@ class DepthMixer(nn.Module):
         if changed:
             z = logits_h[..., :k]
             w = torch.softmax(z.to(kernels.reference.compute_dtype(z)), dim=-1).to(weights.dtype)
-            weights = F.pad(w, (0, self.n_src - k), value=float("nan"))
+            weights = self.on_axis(w, float("nan"))
         version = weights._version
         weights_h = self.hook_weights(weights)
         changed = changed or weights_h is not weights or weights._version != version
@@ -240,8 +245,7 @@ class DepthMixer(nn.Module):
             contrib = None  # the op's shares describe the mixture before the intervention
         if self.hook_contrib._forward_hooks:
             if contrib is None:
-                shares = kernels.contribution_shares(sources, mix, weights_h[..., :k])
-                contrib = F.pad(shares, (0, self.n_src - k), value=float("nan"))
+                contrib = self.on_axis(kernels.contribution_shares(sources, mix, weights_h[..., :k]), float("nan"))
             self.hook_contrib(contrib)
         return mix
 
@@ -581,8 +585,7 @@ class AttnResTransformer(HookedRootModule):
             o_bar, lse, z_p = kernels.phase2(o_bar, lse, partial, mixer.query, mixer.norm.weight, self.cfg.norm_eps, backend=backend)
             sources, z = [*blocks, partial], torch.cat([z, z_p.unsqueeze(-1)], dim=-1)
         weights = torch.exp(z - lse.unsqueeze(-1))  # (B, P, k)
-        pad = (0, mixer.n_src - len(sources))
-        return mixer.observe(sources, o_bar, F.pad(z, pad, value=float("-inf")), F.pad(weights, pad, value=float("nan")))
+        return mixer.observe(sources, o_bar, mixer.on_axis(z, float("-inf")), mixer.on_axis(weights, float("nan")))
 
     # -- conveniences --------------------------------------------------------------------
     def loss(self, tokens: Any, per_token: bool = False) -> torch.Tensor:
