@@ -1,6 +1,6 @@
 """attnres-probe: see how Attention Residuals transformers route information across depth.
 
-Public surface (DESIGN.md): ModelConfig, AttnResTransformer, ByteTokenizer, kernels.depth_attn,
+Public surface: ModelConfig, AttnResTransformer, ByteTokenizer, kernels.depth_attn,
 Probe, DepthTrace, metrics, load_demo, load_pretrained and watch (models from elsewhere),
 dashboards.create_app, reports.build_report.
 """

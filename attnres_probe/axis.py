@@ -1,4 +1,4 @@
-"""SourceAxis: the one owner of the common source axis (DESIGN.md, "Common source axis").
+"""SourceAxis: the one owner of the common source axis (docs/design.md, "The common source axis").
 
 Every trace, chart and hook speaks of reads (rows) and sources (columns). Which sources a read
 sees, which column holds a partial block, the labels, the expanded sublayer view and what a
@@ -9,7 +9,7 @@ model, the recorder, the ablation, the trace and the figures ask this object.
   columns 0..r.
 - Block: N+1 columns ``[embed, block1, ..., blockN]``; the read at sublayer l in block n at
   offset i sees the embedding, the n-1 completed blocks and, when i > 0, the partial block
-  b_n^i in column n. The final read sees every block, the last one possibly partial.
+  b_n^i in column n. The final read sees every block, all of them complete.
 - Rows are the L+1 reads ``[L0.attn, L0.mlp, ..., final]``.
 """
 
@@ -144,7 +144,7 @@ class SourceAxis:
 
     def partial_column(self, read: int) -> int | None:
         """The column holding the current partial block that ``read`` sees (block mode,
-        a read inside a block or a final read after an unfinished block), else None."""
+        a read inside a block after its first sublayer), else None."""
         self._check_read(read)
         if self.residual != "block":
             return None

@@ -1,7 +1,7 @@
 """Reading the residual stream under AttnRes: direct logit contributions and a logit lens.
 
 In a PreNorm model the final residual stream is a sum, so its logits split into one piece per
-source. Under AttnRes the final read is a weighted mixture ``h = sum_i alpha_i v_i`` (DESIGN.md,
+source. Under AttnRes the final read is a weighted mixture ``h = sum_i alpha_i v_i`` (docs/design.md,
 "Reading the residual stream under AttnRes"); with the final norm's scale taken from the run
 (``s = 1 / rms(h)``, as TransformerLens's ``apply_ln_to_stack`` takes it from the cache), the
 logits are linear in the mixture, so

@@ -1,9 +1,9 @@
 """AttnResTransformer: the PreNorm baseline, Full AttnRes and Block AttnRes as one hooked model.
 
-Modules appear in the order data meets them: norm, attention, MLP, depth mixer, block, model.
+Modules are defined bottom-up: norm, attention, MLP, depth mixer, block, model.
 Every component except the residual rule is identical across the three modes, and the depth
 mixers' parameters are deterministic (zeros and ones), so the same seed gives the same other
-weights in all three (DESIGN.md, "The math").
+weights in all three (docs/design.md, "The math").
 
 There is one forward per residual rule (PreNorm, Full, Block sequential, Block two-phase),
 and it always runs through the hook points and the norm modules: the forward a trace records
@@ -301,7 +301,7 @@ SCHEDULES = ("sequential", "two_phase")
 class AttnResTransformer(HookedRootModule):
     """A byte-level transformer whose residual rule is PreNorm, Full AttnRes or Block AttnRes.
 
-    ``forward(tokens) -> logits [batch, pos, d_vocab]``. Hook points follow DESIGN.md; read
+    ``forward(tokens) -> logits [batch, pos, d_vocab]``. Hook points follow docs/design.md; read
     and source labels are :attr:`read_labels` and :attr:`source_labels`, and :attr:`axis`
     answers every other question about the common source axis.
 
@@ -310,8 +310,9 @@ class AttnResTransformer(HookedRootModule):
         backend: depth-attention backend, ``"auto"`` | ``"torch"`` | ``"triton"`` |
             ``"numba"``; None defers to ``ATTNRES_BACKEND`` (see :mod:`attnres_probe.kernels`).
             PreNorm has no depth attention and ignores it.
-        schedule: Block AttnRes only: ``"sequential"`` or ``"two_phase"``; None picks
-            two-phase when the Triton backend is in use, sequential otherwise. Both are exact.
+        schedule: Block AttnRes only (refused on the others): ``"sequential"`` or
+            ``"two_phase"``; None picks two-phase when the Triton backend is in use, sequential
+            otherwise. Both are exact.
     """
 
     def __init__(self, cfg: ModelConfig, backend: str | None = None, schedule: str | None = None):
@@ -323,6 +324,8 @@ class AttnResTransformer(HookedRootModule):
             kernels.requested_backend(backend)  # an unknown name is refused here, not at the first forward
         if schedule is not None and schedule not in SCHEDULES:
             raise ValueError(f"schedule is {schedule!r}; accepted values are {', '.join(SCHEDULES)} (or None)")
+        if schedule is not None and cfg.residual != "block":
+            raise ValueError(f"schedule={schedule!r} applies to Block AttnRes only; this model's residual is {cfg.residual!r} (pass None)")
         self.cfg = cfg
         self.axis = SourceAxis.from_config(cfg)
         self.backend = backend
@@ -523,7 +526,7 @@ class AttnResTransformer(HookedRootModule):
         """Full AttnRes: read l mixes [v0, ..., v_l]; the final read mixes all L+1."""
         sources = [v0]  # S x (B, P, d)
         inv = [self._inv_rms(v0, backend)]
-        cache = inv if backend == "torch" else None
+        cache = inv if backend == "torch" else None  # the same list, growing with the sources (reference only)
         for _, block, which in self._sublayers():
             h = block.mixer(which)(sources, cache, backend)  # (B, P, d)
             out = block.sublayer(which, h)
@@ -554,12 +557,13 @@ class AttnResTransformer(HookedRootModule):
         return self.out_res(blocks, inv if backend == "torch" else None, backend)
 
     def _forward_block_two_phase(self, v0: torch.Tensor, backend: str) -> torch.Tensor:
-        """Block AttnRes, two-phase (DESIGN.md): at each block start, phase 1 scores all the
+        """Block AttnRes, two-phase (docs/design.md): at each block start, phase 1 scores all the
         block's reads against the completed blocks at once; each read then merges the
         partial block into its phase-1 result (phase 2). Exact: equals the sequential form."""
         axis, eps = self.axis, self.cfg.norm_eps
         blocks = [v0]
         partial: torch.Tensor | None = None
+        mixers = self.mixers
         phase: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # read -> (o_bar, lse, logits)
         for l, block, which in self._sublayers():
             if axis.starts_block(l):
@@ -567,7 +571,7 @@ class AttnResTransformer(HookedRootModule):
                 partial = None
             if l in axis.block_starts:  # phase 1 for every read of this block
                 reads = axis.block_reads(l)
-                queries = torch.stack([self.mixers[r].folded_query for r in reads])  # (Q, d)
+                queries = torch.stack([mixers[r].folded_query for r in reads])  # (Q, d)
                 o_bar, lse, z = kernels.phase1(blocks, queries, eps, return_logits=True, backend=backend)
                 phase = {r: (o_bar[j], lse[j], z[j]) for j, r in enumerate(reads)}
             h = self._merge(block.mixer(which), phase[l], blocks, partial, backend)
@@ -651,7 +655,7 @@ class AttnResCache(ActivationCache):
     up residual-stream pieces (``accumulated_resid``, ``decompose_resid``,
     ``get_full_resid_decomposition``, ``logit_lens``) would describe a stream that does not
     exist: they raise, and name the routing-aware ones (:meth:`Probe.logit_lens`,
-    :meth:`Probe.logit_contributions`; DESIGN.md, "Reading the residual stream under AttnRes").
+    :meth:`Probe.logit_contributions`; docs/design.md, "Reading the residual stream under AttnRes").
     """
 
     def _refuse(self, helper: str) -> None:

@@ -1,6 +1,6 @@
 """Models from elsewhere: flash-linear-attention (fla) AttnRes checkpoints as our model.
 
-fla 0.6 adds Attention Residuals to its model families through ``attnres_block_size`` (DESIGN.md,
+fla 0.6 adds Attention Residuals to its model families through ``attnres_block_size`` (docs/design.md,
 "Models from elsewhere"). :func:`load_pretrained` reads an fla ``transformer`` checkpoint
 folder (``config.json`` with ``model_type: "transformer"``, safetensors weights, tokenizer
 files; everything local, nothing fetched) into an :class:`~attnres_probe.AttnResTransformer`
@@ -239,7 +239,7 @@ def _read_weights(files: list[Path], expected: dict[str, tuple[int, ...]], dtype
 
 
 def _state_dict(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """fla names -> ours (DESIGN.md, "Models from elsewhere")."""
+    """fla names -> ours (docs/design.md, "Models from elsewhere")."""
     sd = {"W_E": w["model.embeddings.weight"], "ln_final.weight": w["model.norm.weight"]}
     for i in range(cfg.n_layers):
         p, b = f"model.layers.{i}.", f"blocks.{i}."

@@ -1,6 +1,6 @@
 """watch(model): record a live flash-linear-attention (fla) AttnRes model of any family.
 
-fla 0.6 models call ``fla.ops.attnres.fused_attnres`` at every AttnRes read (DESIGN.md, "Models
+fla 0.6 models call ``fla.ops.attnres.fused_attnres`` at every AttnRes read (docs/design.md, "Models
 from elsewhere"); their modules import it by name. Inside ``with watch(model) as session:``
 every fla model module's ``fused_attnres`` is replaced by a recorder that calls the op itself
 with ``return_weights=True`` and keeps what a :class:`~attnres_probe.DepthTrace` holds:

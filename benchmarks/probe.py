@@ -173,7 +173,7 @@ def main(argv=None) -> int:
         for size in args.sizes:
             for residual in args.residuals:
                 plain = _peak_rss(size, residual, "plain")
-                for mode in ("record", "record-lean"):
+                for mode in ("record", "record-no-contrib"):
                     rec = _peak_rss(size, residual, mode)
                     extra = max(rec["peak"] - plain["peak"], 0.0)
                     ratio = extra / rec["arrays"] if rec["arrays"] else float("nan")

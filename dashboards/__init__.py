@@ -1,4 +1,4 @@
-"""attnres_probe.dashboards: the Dash depth-routing explorer (see DESIGN.md).
+"""attnres_probe.dashboards: the Dash depth-routing explorer (see docs/design.md).
 
     from attnres_probe.dashboards import create_app, create_server
     app = create_app({"prenorm": base, "block": model})   # or saved DepthTraces

@@ -1,4 +1,4 @@
-"""Hook-point names of TransformerLens-style models from elsewhere (DESIGN.md, "Hook points").
+"""Hook-point names of TransformerLens-style models from elsewhere (docs/design.md, "Hook points").
 
 Our own models' hook names are read from their module tree (``HookPoint.name``, set by
 ``setup()``); these functions name the hook points a foreign PreNorm model must expose.

@@ -225,10 +225,11 @@ def depth_attn(
             are the caller's own (fresh tensors, safe to edit in place).
 
     Returns:
-        (mixture [*batch, d] in the sources' dtype, lse [*batch] float32), then, each on
-        request and in this order, the weights, the logits and the shares [*batch, width].
-        On the reference backend float64 inputs compute and return in float64; the Triton
-        backend rejects float64 (``auto`` sends it to the reference).
+        (mixture [*batch, d] in the sources' dtype, lse [*batch]), then, each on request and
+        in this order, the weights, the logits and the shares [*batch, width]. lse and these
+        are float32, or float64 when the inputs are float64 (the reference and Numba compute
+        in float64 then; the Triton backend rejects float64 and ``auto`` sends it to the
+        reference).
 
     Raises:
         ValueError: for a bad argument (named in the message) or an unusable backend.

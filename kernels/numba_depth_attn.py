@@ -1,6 +1,6 @@
 """Fused CPU kernels for depth attention, compiled with Numba (the ``"numba"`` backend).
 
-The math is the reference's (``reference.py``; DESIGN.md, "The math"). With the gain folded
+The math is the reference's (``reference.py``; docs/design.md, "The math"). With the gain folded
 into the query, ``q = query * gain``, every token row and source ``v_i`` gives
 
     r_i = rsqrt(mean(v_i^2) + eps),   z_i = r_i (q . v_i),
@@ -53,8 +53,9 @@ Conventions and limits:
   CPU tensors to the reference, and forcing this backend on them raises a ValueError.
 - CPU tensors only. Contiguous sources are used in place; others are copied once.
 - The kernels release the GIL. A call that touches at least ``PARALLEL_MIN_ELEMENTS`` source
-  elements is split by token rows over Numba's threads (``prange``; up to
-  ``torch.get_num_threads()`` ranges, each writing its own rows and its own float64 partial
+  elements is split by token rows over Numba's threads (``prange``; one range per thread,
+  ``min(torch.get_num_threads(), NUMBA_NUM_THREADS)`` of them when there are at least two rows
+  per range, each writing its own rows and its own float64 partial
   query gradient, added in a fixed order). One such call runs at a time; a concurrent
   caller that finds it busy runs on its own thread, as do smaller calls. Concurrent callers
   (the dashboard's server threads) share no state.
@@ -379,8 +380,8 @@ def _backward_rows(
 
     ``src`` is a :class:`SourceTable`'s addresses (the sources), ``dv`` [S, n_rows, d] their
     gradients (written). ``wzi`` is the forward's; ``dh`` [n_rows, d],
-    ``dlse`` [n_rows], ``dw`` and ``dz_up`` [n_rows, S] are the upstream gradients, read only
-    with their flag. The gradient of q = query * gain for these rows is summed in the compute
+    ``dlse`` [n_rows], ``dw`` and ``dz_up`` [n_rows, W] (W >= S; columns past S are padding, never
+    read) are the upstream gradients, read only with their flag. The gradient of q = query * gain for these rows is summed in the compute
     dtype over blocks of 256 rows into the float64 [d] array ``dq`` (zeroed here).
     """
     S = src.shape[0]

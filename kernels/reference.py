@@ -1,7 +1,7 @@
 """Plain-PyTorch depth attention: the oracle for the Triton kernels and the CPU path.
 
 Depth attention mixes S depth sources of width d at every token with one learned query
-(DESIGN.md, "The math"):
+(docs/design.md, "The math"):
 
     k_i = gain * v_i / rms(v_i),   rms(v) = sqrt(mean(v^2) + eps)
     z_i = query . k_i = (query * gain) . v_i / rms(v_i)
@@ -300,7 +300,7 @@ def phase2_reference(
     ``h = (1 - s) o_bar + s partial`` with ``s = sigmoid(z_p - lse)`` and ``1 - s =
     sigmoid(lse - z_p)``, ``z_p = (query*gain) . partial / rms(partial)``. Both weights are
     computed directly: the form ``o_bar + s (partial - o_bar)`` cancels in float32 when s is
-    close to one and the partial is small (DESIGN.md, "The math").
+    close to one and the partial is small (docs/design.md, "The math").
 
     Args:
         o_bar: [*batch, d] phase-1 mixture of this read.

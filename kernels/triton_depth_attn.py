@@ -1,6 +1,6 @@
 """Fused Triton kernels for depth attention and the two-phase Block AttnRes merge.
 
-The math is the reference's (``reference.py``; DESIGN.md, "The math"). With the gain folded
+The math is the reference's (``reference.py``; docs/design.md, "The math"). With the gain folded
 into the query, ``q = query * gain``, every source ``v_i`` of a token row gives
 
     r_i = rsqrt(mean(v_i^2) + eps),   z_i = r_i (q . v_i),
@@ -392,7 +392,7 @@ def phase2_fwd_kernel(
     b_r = tl.rsqrt(tl.sum(b_p * b_p, 1) / D + eps)
     b_zp = tl.sum(b_p * b_q[None, :], 1) * b_r
     b_s = _sigmoid(b_zp - b_lse)
-    b_t = _sigmoid(b_lse - b_zp)  # 1 - s without cancellation (DESIGN.md, two-phase)
+    b_t = _sigmoid(b_lse - b_zp)  # 1 - s without cancellation (docs/design.md, "The math")
     b_h = b_t[:, None] * b_o + b_s[:, None] * b_p
     b_mx = tl.maximum(b_lse, b_zp)
     b_lt = b_mx + tl.log(tl.exp(b_lse - b_mx) + tl.exp(b_zp - b_mx))

@@ -1,4 +1,4 @@
-"""attnres_probe.reports: self-contained HTML reports (see DESIGN.md).
+"""attnres_probe.reports: self-contained HTML reports (see docs/design.md).
 
     from attnres_probe.reports import build_report, record_text
     traces = [record_text(model, text, name=n) for n, model in models.items()]

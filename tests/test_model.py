@@ -1,4 +1,4 @@
-"""AttnResTransformer: the math of DESIGN.md, hooks, causality, bookkeeping, input errors."""
+"""AttnResTransformer: the math of docs/design.md, hooks, causality, bookkeeping, input errors."""
 
 from __future__ import annotations
 

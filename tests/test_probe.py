@@ -367,10 +367,10 @@ def test_recording_without_contributions_keeps_everything_else(residual):
     model = tiny_model(residual, n_layers=2)
     tokens = sample_tokens(8)
     full = Probe(model).run(tokens, backward=True)
-    lean = Probe(model).run(tokens, backward=True, contributions=False)
-    assert np.isnan(lean.contrib).all()
+    no_contrib = Probe(model).run(tokens, backward=True, contributions=False)
+    assert np.isnan(no_contrib.contrib).all()
     for name in ("depth_weights", "logits", "rms_in", "rms_out", "grad_in", "param_grad", "loss"):
-        np.testing.assert_array_equal(getattr(lean, name), getattr(full, name))
+        np.testing.assert_array_equal(getattr(no_contrib, name), getattr(full, name))
 
 
 def test_run_corpus_takes_a_single_string_as_one_text():

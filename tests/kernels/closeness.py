@@ -1,4 +1,4 @@
-"""Tolerances from the arithmetic, shared by the kernel tests (DESIGN.md, "Kernels and backends").
+"""Tolerances from the arithmetic, shared by the kernel tests (docs/design.md, "Kernels and backends").
 
 Every kernel test compares a backend's result with the float64 reference on the same inputs
 (the truth; a float32 reference rounds too) and accepts a normwise relative error

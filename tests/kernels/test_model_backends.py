@@ -108,6 +108,9 @@ def test_default_schedule_is_sequential_on_cpu_and_two_phase_with_triton():
         _twin(model, schedule="parallel")
     with pytest.raises(ValueError, match="accepted values are auto, torch, triton, numba"):
         _twin(model, backend="bogus")
+    for residual in ("prenorm", "full"):  # only Block has schedules: refused, not ignored
+        with pytest.raises(ValueError, match=f"applies to Block AttnRes only; this model's residual is '{residual}'"):
+            AttnResTransformer(tiny_model(residual).cfg, schedule="sequential")
 
 
 @pytest.mark.parametrize("backend", ["numba", "torch"])
