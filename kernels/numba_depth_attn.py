@@ -10,7 +10,8 @@ Why a CPU kernel: on the CPU the reference is a chain of small PyTorch ops per s
 read (a dot product, a scale, an accumulate), and autograd doubles that chain in the
 backward. At the demo models' width (d = 64) those ops, not the arithmetic, are the cost.
 These kernels do each read in two passes over its sources (one for norms and logits, one for
-the mixture) and the backward in two more, with no intermediate tensor of the sources' size.
+the mixture; a third, over rows still in cache, for the contribution shares when asked) and
+the backward in two more, with no intermediate tensor of the sources' size.
 
 Forward (``_forward_rows``), by tiles of 32 token rows: pass 1 walks each source row once and
 computes its sum of squares and its dot product with q (they share the load). The tile's
@@ -18,7 +19,8 @@ norms, logits, softmax and lse are then computed on small source-major scratch a
 ([S, 32]), so that each step is a loop over rows that LLVM vectorises (square roots,
 divisions, and exp through ``_exp_f32``, a Cephes-style float32 exp, since libm's ``expf``
 is a scalar call; float64 uses libm's). Pass 2 reads the tile's source rows again, from
-cache, for the mixture (two sources at a time) and, on request, the contribution shares.
+cache, for the mixture (two sources at a time); on request a third reads them once more, still
+from cache, for the contribution shares.
 The weights, logits and inverse RMS ([3, S, M], small) are kept for the backward; the
 weights and logits the op returns are written from the same tile, already padded to the
 caller's width (a read's row of the model's common source axis: NaN, -inf for the logits),
@@ -380,9 +382,10 @@ def _backward_rows(
 
     ``src`` is a :class:`SourceTable`'s addresses (the sources), ``dv`` [S, n_rows, d] their
     gradients (written). ``wzi`` is the forward's; ``dh`` [n_rows, d],
-    ``dlse`` [n_rows], ``dw`` and ``dz_up`` [n_rows, W] (W >= S; columns past S are padding, never
-    read) are the upstream gradients, read only with their flag. The gradient of q = query * gain for these rows is summed in the compute
-    dtype over blocks of 256 rows into the float64 [d] array ``dq`` (zeroed here).
+    ``dlse`` [n_rows], ``dw`` and ``dz_up`` [n_rows, W] (W >= S; the padding columns past S
+    are never read) are the upstream gradients, read only with their flag. The gradient of
+    q = query * gain for these rows is summed in the compute dtype over blocks of 256 rows
+    into the float64 [d] array ``dq`` (zeroed here).
     """
     S = src.shape[0]
     q = _fold(query, gain, has_gain)
@@ -495,7 +498,7 @@ def _backward_parallel(
 
 
 # Calls that touch at least this many source elements run on Numba's threads (row ranges
-# in a prange, one per thread, up to torch.get_num_threads()); smaller ones on the
+# in a prange, one per thread: min(torch.get_num_threads(), NUMBA_NUM_THREADS)); smaller ones on the
 # caller's thread, where a thread hand-off would cost about what it saves.
 PARALLEL_MIN_ELEMENTS = 1 << 16
 # One threaded call at a time (Numba's "workqueue" threading layer, its fallback when neither
@@ -650,7 +653,7 @@ def depth_attn_numba(
         return_weights: also return the softmax weights the kernel used.
         validate: check the arguments (callers that already did may skip it).
         return_contrib: also return each source's contribution share
-            ``w_i <v_i, h> / |h|^2``, computed in the same pass (no gradient).
+            ``w_i <v_i, h> / |h|^2``, computed in the same kernel call (no gradient).
         return_logits: also return the logits z the kernel computed.
         width: the weights, logits and shares have this many columns (>= S; None: S), the
             columns past S padding (NaN; -inf for the logits), written by the kernel.
