@@ -110,9 +110,15 @@ def test_per_token_titles_end_above_the_first_heatmap_row(report96):
     driver = headless_chromium()
     try:
         driver.get(report96.as_uri())
+        from selenium.common.exceptions import TimeoutException
+        from selenium.webdriver.support.ui import WebDriverWait
+
         for step in ("first token", "token 5"):
-            boxes = driver.execute_script(TITLE_GAP, "#explorer div.plot")
-            assert len(boxes) == 9  # three heatmaps, three logit decompositions, three logit lenses
+            try:  # plotly draws the figures after the page's load event: wait for all nine titles
+                boxes = WebDriverWait(driver, 20).until(lambda d: (b := d.execute_script(TITLE_GAP, "#explorer div.plot")) and len(b) == 9 and b)
+            except TimeoutException:
+                boxes = driver.execute_script(TITLE_GAP, "#explorer div.plot")
+            assert len(boxes) == 9, (step, boxes)  # three heatmaps, three logit decompositions, three logit lenses
             for pid, bottom, top, text, below_edge in boxes:
                 assert bottom + 4 <= top, (step, pid, text, bottom, top)  # above the plot
                 assert below_edge >= 0, (step, pid, text, below_edge)  # and not cut by the figure's top edge
