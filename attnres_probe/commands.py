@@ -30,6 +30,11 @@ def _load(args: argparse.Namespace):
 
     tokenizer = None
     if args.model:
+        if not Path(args.model).is_dir():
+            raise NotADirectoryError(
+                f"--model {args.model}: not a folder (pass a folder written by `attnres-probe train` or "
+                "AttnResTransformer.save, or a flash-linear-attention checkpoint; or --demo NAME)"
+            )
         model, tokenizer = load_model_folder(args.model)
         name = Path(args.model).name or model.cfg.residual
     else:
@@ -148,7 +153,7 @@ def add_summary_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
 def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("demo", help="open the dashboard on the bundled demo models")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=8050)
+    p.add_argument("--port", type=int, default=8050, help="port to serve on (default: %(default)s)")
     p.add_argument("--open", action="store_true", help="also open the page in a browser")
     p.add_argument("--summary", action="store_true", help="print per-layer summaries and metrics instead")
     p.set_defaults(func=_run_demo)

@@ -49,7 +49,8 @@ def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed with --stats (default: %(default)s)")
     text = p.add_mutually_exclusive_group()
     text.add_argument("--text", help="the text to record (with --models / --demo; --demo defaults to a 256-token sample); \\n and \\t stand for a newline and a tab")
-    text.add_argument("--text-file", metavar="FILE", help="read the text from FILE (UTF-8)")
+    text.add_argument("--text-file", "--file", dest="text_file", metavar="FILE",
+                      help="read the text from FILE (UTF-8); --file is the same flag, as record and summary spell it")
     p.add_argument("--out", required=True, metavar="FILE", help="a new .html file to write (its directory must exist)")
     p.add_argument("--force", action="store_true", help="replace the file already at --out")
     p.add_argument("--title", default=None, help="report title (default: 'attnres-probe report: <model names>')")

@@ -39,7 +39,8 @@ def test_summary_prints_one_row_per_read(tmp_path, capsys):
 def test_user_errors_are_one_line_with_status_2(tmp_path, capsys):
     assert main(["record", "--model", str(tmp_path / "missing"), "--text", "x", "--out", str(tmp_path / "t")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("attnres-probe record: error:") and "does not exist" in err and "Traceback" not in err
+    assert err.startswith("attnres-probe record: error:") and "Traceback" not in err
+    assert f"--model {tmp_path / 'missing'}: not a folder" in err  # the flag named, as every other path error does
     tiny_model("full").save(tmp_path / "m")
     assert main(["record", "--model", str(tmp_path / "m"), "--text", "x" * 100, "--out", str(tmp_path / "t")]) == 2
     assert "text has 100 tokens; this model's context is 24" in capsys.readouterr().err
@@ -204,3 +205,18 @@ def test_readme_command_table_lists_every_command():
     table = readme[readme.index("## Command line"): readme.index("## Layout")]
     for name, *_ in SUBCOMMANDS:
         assert f"`attnres-probe {name}" in table, name
+
+
+def test_readme_notebook_quick_start_runs_as_written(tmp_path, monkeypatch):
+    """The README's first code block, pasted as it stands into a fresh namespace, runs (it once used
+    names it never defined); its last line compares the corpus runs."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("```python", readme.index("## Notebook quick-start")) + len("```python")
+    code = readme[start: readme.index("```", start)]
+    monkeypatch.chdir(tmp_path)  # it saves traces/block and t.png
+    namespace: dict = {}
+    exec(compile(code, "README.md quick-start", "exec"), namespace)
+    assert (tmp_path / "traces" / "block").is_dir() and (tmp_path / "t.png").stat().st_size > 0
+    assert len(namespace["metrics"].compare(namespace["base"], namespace["stats"])) > 0

@@ -88,3 +88,13 @@ def test_report_carries_no_absolute_local_path(checkpoints, tmp_path):
     assert str(tmp_path) not in html
     for d in checkpoints:
         assert d not in html
+
+
+@pytest.mark.parametrize("flag", ["--text-file", "--file"])
+def test_the_text_file_flag_is_spelled_as_record_spells_it_too(checkpoints, tmp_path, flag):
+    """``report`` reads a text file under --text-file and under --file (record's and summary's spelling)."""
+    text = tmp_path / "t.txt"
+    text.write_text("The dog sat on the log.", encoding="utf-8")
+    out = tmp_path / "r.html"
+    assert main(["report", "--models", *checkpoints, flag, str(text), "--no-backward", "--out", str(out)]) == 0
+    assert "The dog sat on the log." in out.read_text()
