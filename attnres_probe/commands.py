@@ -26,15 +26,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _load(args: argparse.Namespace):
     from attnres_probe import Probe
     from attnres_probe.demo import load_demo
-    from attnres_probe.pretrained import load_model_folder
+    from attnres_probe.pretrained import load_model_folder, not_a_model_folder
 
     tokenizer = None
     if args.model:
         if not Path(args.model).is_dir():
-            raise NotADirectoryError(
-                f"--model {args.model}: not a folder (pass a folder written by `attnres-probe train` or "
-                "AttnResTransformer.save, or a flash-linear-attention checkpoint; or --demo NAME)"
-            )
+            raise NotADirectoryError(not_a_model_folder("--model", args.model))
         model, tokenizer = load_model_folder(args.model)
         name = Path(args.model).name or model.cfg.residual
     else:

@@ -168,10 +168,12 @@ def _model_specs(models: Sequence[str] | None, demo: Sequence[str] | None, names
         specs = [{"name": n, "source": DEMO_SOURCE + n} for n in DEMO_NAMES if n in asked]
     else:
         specs = []
+        from attnres_probe.pretrained import not_a_model_folder
+
         for d in models or []:
             path = Path(d)
             if not path.is_dir():
-                raise CorpusRunError(f"--models {d}: not a folder (pass checkpoint folders written by `attnres-probe train`)")
+                raise CorpusRunError(not_a_model_folder("--models", d))
             specs.append({"name": path.resolve().name, "source": str(path.resolve())})
     if not specs:
         raise CorpusRunError("no models: pass --models DIR … or --demo")

@@ -42,7 +42,7 @@ import torch
 
 from attnres_probe.config import ConfigError, ModelConfig
 
-__all__ = ["PretrainedError", "PretrainedTokenizer", "is_fla_folder", "load_model_folder", "load_pretrained"]
+__all__ = ["PretrainedError", "PretrainedTokenizer", "is_fla_folder", "load_model_folder", "load_pretrained", "not_a_model_folder"]
 
 CONFIG_LIMIT = 1 << 20  # bytes: a config.json larger than this is not a model config
 # keys of fla's TransformerConfig that this loader reads
@@ -342,6 +342,15 @@ def load_pretrained(
     model = AttnResTransformer(cfg, backend=backend)
     model.load_state_dict(_state_dict(cfg, weights), strict=True)
     return model.to(device=device, dtype=dtype).eval(), tok
+
+
+def not_a_model_folder(flag: str, directory: str | Path) -> str:
+    """The one message of every command whose model-folder flag (``--model``, ``--models``) was
+    given something that is not a folder."""
+    return (
+        f"{flag} {directory}: not a folder (pass a folder written by `attnres-probe train` or "
+        "AttnResTransformer.save, or a flash-linear-attention checkpoint)"
+    )
 
 
 def load_model_folder(directory: str | Path, device: str | torch.device = "cpu"):

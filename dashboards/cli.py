@@ -51,7 +51,7 @@ def load_entries(
         ValueError: a folder is not a checkpoint / saved trace.
     """
     from attnres_probe import DepthTrace, Probe
-    from attnres_probe.pretrained import load_model_folder
+    from attnres_probe.pretrained import load_model_folder, not_a_model_folder
 
     if not models and not traces:
         return demo_entries()
@@ -65,7 +65,7 @@ def load_entries(
     for d in models or []:
         path = Path(d)
         if not path.is_dir():
-            raise NotADirectoryError(f"--models {d}: not a folder (pass checkpoint folders written by `attnres-probe train`)")
+            raise NotADirectoryError(not_a_model_folder("--models", d))
         model, tokenizer = load_model_folder(path)
         from attnres_probe.training.probes import load_history
 
