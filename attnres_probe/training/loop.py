@@ -358,7 +358,7 @@ def _run_configs(
     cfg = train_cfg.resolved(model_cfg)
     if state is not None:
         check_same("model config", state["model_config"], model_cfg.to_dict(), out_dir)
-        saved = dict(state["train_config"], steps=cfg.steps)
+        saved = dict(TrainConfig.from_dict(state["train_config"]).to_dict(), steps=cfg.steps)  # fields added since: defaults
         check_same("train config (all but steps)", saved, cfg.to_dict(), out_dir)
         if state["step"] > cfg.steps:
             raise TrainError(
@@ -376,7 +376,7 @@ def _load_data(cfg: TrainConfig, state: dict[str, Any] | None, out_dir: Path) ->
             f"corpus {cfg.corpus!r} changed since the run in {out_dir} started "
             f"(sha256 then {state['data_sha256'][:12]}…, now {corpus.sha256[:12]}…); resume needs the same data"
         )
-    train_tokens, val_tokens = corpus.split(cfg.val_fraction, cfg.seq_len)
+    train_tokens, val_tokens = corpus.split(cfg.val_fraction, cfg.seq_len, cfg.split)
     val_batches = validation_batches(val_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
     return _Data(corpus, train_tokens, val_tokens, val_batches)
 
