@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import hashlib
 import json
 import os
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from attnres_probe._version import __version__
-from attnres_probe.io import atomic_write
+from attnres_probe.io import atomic_write, clear_leftovers, exclusive_lock, set_aside
 
 __all__ = [
     "CORPUS_FILE",
@@ -188,6 +189,15 @@ def _model_specs(models: Sequence[str] | None, demo: Sequence[str] | None, names
         seen[base] = seen.get(base, 0) + 1
         if seen[base] > 1:
             s["name"] = f"{base} ({seen[base]})"
+    folders: dict[str, str] = {}  # each model's stats folder, case folded (one folder per name on any file system)
+    for s in specs:
+        folder = _safe(s["name"])
+        other = folders.setdefault(folder.casefold(), s["name"])
+        if other != s["name"]:
+            raise CorpusRunError(
+                f"model names {other!r} and {s['name']!r} would both be saved as models/{folder}: names may differ "
+                "only in letters, digits, '.', '_' and '-' (and not in case alone); pass other --names"
+            )
     return specs
 
 
@@ -273,48 +283,32 @@ def record_corpus(
         CorpusDataError: unreadable, empty or non-UTF-8 data.
         CorpusRunError: ``out`` holds a run over other data, models or settings.
     """
-    from attnres_probe import metrics
-    from attnres_probe.probe import Probe
-    from attnres_probe.stats import CorpusStats
-
     from attnres_probe.distributed import current_ranks
 
     ranks = current_ranks()
     main = ranks is None or ranks.is_main
     together = ranks.agree if ranks is not None else (lambda fn: fn())  # a step that fails on one rank fails on all
 
-    def setup() -> tuple[list[Document], dict[str, Any]]:
-        if out.exists() and not out.is_dir():
-            raise CorpusRunError(f"--out {out} is a file; the corpus run is written into a folder")
-        docs = list_documents(data)
-        if sum(d.size for d in docs) == 0:
-            raise CorpusDataError(f"--data {data}: every document is empty; the corpus has no tokens")
-        specs = _model_specs(models, demo, names)
-        for s in specs:  # load each model once to fingerprint it; runs below reload one at a time
-            model, _ = load_model(s["source"])
-            s["weights_sha256"] = model_digest(model)
-            s["dir"] = f"models/{_safe(s['name'])}"
-            del model
-        settings = {"batch_size": batch_size, "backward": bool(backward), "window_grads": True, "min_tokens": 2}
-        manifest = {
-            "schema_version": CORPUS_SCHEMA_VERSION,
-            "attnres_probe": __version__,
-            "data": _data_manifest(data, docs),
-            "settings": settings,
-            "models": [{**s, "complete": False, "progress": None, "windows": 0, "tokens": 0} for s in specs],
-            "complete": False,
-        }
-        old = _read_manifest(out) if out.is_dir() else None
-        if out.is_dir() and old is None and any(p for p in out.iterdir() if not p.name.startswith(".")):
-            raise CorpusRunError(f"--out {out} is not empty and holds no corpus run; choose a new or empty folder")
-        if resume and old is None:
-            raise CorpusRunError(f"--resume: {out} holds no corpus run to continue; leave out --resume to start one")
-        if old is not None:
-            _check_resume(old, manifest, out)
-            manifest["models"] = old["models"]
-        return docs, manifest
-
     out = Path(out)
+    with contextlib.ExitStack() as held:
+        if main:  # one writer per --out for the whole run (under torchrun rank 0 holds it for all)
+            together(lambda: held.enter_context(exclusive_lock(out, "--out")))
+        else:
+            together(lambda: None)
+        return _record_locked(out, data, models, demo, names, batch_size, backward, save_every, progress,
+                              n_resamples, seed, resume, ranks, main, together)
+
+
+def _record_locked(out, data, models, demo, names, batch_size, backward, save_every, progress, n_resamples, seed,
+                   resume, ranks, main, together) -> dict[str, Any]:
+    """The body of :func:`record_corpus`, with ``out`` locked by the main process."""
+    from attnres_probe import metrics
+    from attnres_probe.probe import Probe
+    from attnres_probe.stats import CorpusStats
+
+    def setup() -> tuple[list[Document], dict[str, Any]]:
+        return _setup(out, data, models, demo, names, batch_size, backward, resume, main)
+
     docs, manifest = together(setup)
 
     def start() -> None:
@@ -398,6 +392,42 @@ def record_corpus(
     return manifest
 
 
+def _setup(out: Path, data, models, demo, names, batch_size, backward, resume, main: bool = True) -> tuple[list[Document], dict[str, Any]]:
+    """The documents and the manifest of a run (a resumed run's models and progress); what
+    killed saves left beside the models' stats folders is cleared (the caller holds the lock)."""
+    if out.exists() and not out.is_dir():
+        raise CorpusRunError(f"--out {out} is a file; the corpus run is written into a folder")
+    docs = list_documents(data)
+    if sum(d.size for d in docs) == 0:
+        raise CorpusDataError(f"--data {data}: every document is empty; the corpus has no tokens")
+    specs = _model_specs(models, demo, names)
+    for s in specs:  # load each model once to fingerprint it; runs below reload one at a time
+        model, _ = load_model(s["source"])
+        s["weights_sha256"] = model_digest(model)
+        s["dir"] = f"models/{_safe(s['name'])}"
+        del model
+    settings = {"batch_size": batch_size, "backward": bool(backward), "window_grads": True, "min_tokens": 2}
+    manifest = {
+        "schema_version": CORPUS_SCHEMA_VERSION,
+        "attnres_probe": __version__,
+        "data": _data_manifest(data, docs),
+        "settings": settings,
+        "models": [{**s, "complete": False, "progress": None, "windows": 0, "tokens": 0} for s in specs],
+        "complete": False,
+    }
+    old = _read_manifest(out) if out.is_dir() else None
+    if out.is_dir() and old is None and any(p for p in out.iterdir() if not p.name.startswith(".")):
+        raise CorpusRunError(f"--out {out} is not empty and holds no corpus run; choose a new or empty folder")
+    if resume and old is None:
+        raise CorpusRunError(f"--resume: {out} holds no corpus run to continue; leave out --resume to start one")
+    if old is not None:
+        _check_resume(old, manifest, out)
+        manifest["models"] = old["models"]
+        for entry in manifest["models"] if main else ():  # staging folders of saves a kill interrupted
+            clear_leftovers(out / entry["dir"], lambda p: (p / "stats.json").is_file())
+    return docs, manifest
+
+
 def _say_where_it_resumes(out: Path, entry: dict[str, Any], stats, ranks) -> None:
     """One line (from rank 0) on what a resumed model continues from, and on saved progress this run cannot use."""
     if ranks is None:
@@ -424,7 +454,7 @@ def _partial_stats(stats_dir: Path, probe, entry: dict[str, Any]):
     from attnres_probe.stats import CorpusStats
 
     # the stats folder is saved as a whole, so its own progress (not the manifest's) says what it holds
-    if not ((stats_dir / "stats.json").is_file() or stats_dir.with_name(f".{stats_dir.name}.old").is_dir()):
+    if not ((stats_dir / "stats.json").is_file() or set_aside(stats_dir) or stats_dir.with_name(f".{stats_dir.name}.old").is_dir()):
         return None, None
     stats = CorpusStats.load(stats_dir)
     stats.check_same_model({**probe.spec.meta, "weights_sha256": entry["weights_sha256"]}, what=f"resume {entry['name']!r}")

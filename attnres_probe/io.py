@@ -4,6 +4,8 @@ Only the standard library: a module that writes a file does not pay for torch to
 
 - :func:`atomic_write`: one file, replaced by a rename (readers see the old or the new file).
 - :func:`exclusive_lock`: one writer per destination; a second one is refused at once.
+- :func:`write_directory`: a folder written beside its destination and swapped in (with
+  :func:`clear_leftovers` for what a killed save left).
 - :func:`replace_directory`: a folder replaced by one rename (``renameat2(RENAME_EXCHANGE)``
   where the kernel has it, otherwise two renames that the next save undoes if interrupted).
 - :func:`read_json`: a JSON file read with a size cap, never a traceback for a hostile file.
@@ -31,6 +33,7 @@ __all__ = [
     "FAULT_ENV",
     "DestinationBusyError",
     "atomic_write",
+    "clear_leftovers",
     "exclusive_lock",
     "fault_point",
     "lock_path",
@@ -41,6 +44,7 @@ __all__ = [
     "set_aside",
     "sha256_file",
     "staging_dirs",
+    "write_directory",
     "write_error",
 ]
 
@@ -178,9 +182,10 @@ def exclusive_lock(target: str | Path, flag: str = "--out") -> Iterator[Path]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            holder = _lock_holder(fd)
             os.close(fd)
             raise DestinationBusyError(
-                f"{Path(target)} is being written by another process (it holds {path}); wait for it to "
+                f"{Path(target)} is being written by another process ({holder}it holds {path}); wait for it to "
                 f"finish or choose another {flag}"
             ) from None
         except BaseException:
@@ -193,12 +198,24 @@ def exclusive_lock(target: str | Path, flag: str = "--out") -> Iterator[Path]:
         if same:
             break
         os.close(fd)
+    with contextlib.suppress(OSError):  # say who holds it, for a writer that is refused
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     try:
         yield path
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
         os.close(fd)
+
+
+def _lock_holder(fd: int) -> str:
+    """``"PID 123; "`` from a held lock file (its holder wrote its process id there), or ``""``."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+    return f"PID {text}; " if text.isdigit() else ""
 
 
 # -- folders ---------------------------------------------------------------------------------
@@ -268,9 +285,48 @@ def restore_directory(target: Path, is_complete: Callable[[Path], bool]) -> Path
 
 
 def staging_dirs(target: Path) -> list[Path]:
-    """Hidden folders beside ``target`` that saves use while writing (``.{name}.new-*``, ``.{name}.old-*``)."""
+    """Hidden folders beside ``target`` that saves use while writing: ``.{name}.new-*`` and
+    ``.{name}.old-*``, and the names corpus stats used before they shared this writer
+    (``.{name}.saving-*``, ``.{name}.old``)."""
     name = glob_escape(target.name)
-    return sorted([*target.parent.glob(f".{name}.new-*"), *target.parent.glob(f".{name}.old-*")])
+    patterns = (".{}.new-*", ".{}.old-*", ".{}.saving-*", ".{}.old")
+    found = [p for pattern in patterns for p in target.parent.glob(pattern.format(name))]
+    return sorted(p for p in found if p.is_dir() and not p.is_symlink())
+
+
+def clear_leftovers(target: Path, is_complete: Callable[[Path], bool]) -> None:
+    """Undo what a killed save left beside ``target``; call it with ``target``'s lock held.
+
+    A folder set aside by an interrupted :func:`replace_directory` (or by the fixed-name swap
+    corpus stats used before) is put back if ``is_complete`` says it is whole; then the hidden
+    staging folders of unfinished saves are removed.
+    """
+    restore_directory(target, is_complete)
+    legacy = target.parent / f".{target.name}.old"
+    if not target.exists() and legacy.is_dir() and not legacy.is_symlink() and is_complete(legacy):
+        os.rename(legacy, target)
+    for leftover in staging_dirs(target):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def write_directory(target: Path, write: Callable[[Path], object], is_complete: Callable[[Path], bool]) -> None:
+    """Write folder ``target`` as a whole; call it with ``target``'s lock held (:func:`exclusive_lock`).
+
+    What earlier killed saves left beside it is cleared first (:func:`clear_leftovers`); then
+    ``write(staging)`` fills a hidden folder beside ``target``, which replaces it
+    (:func:`replace_directory`). A failed or killed write leaves ``target`` as it was, and its
+    staging folder is removed now or by the next save.
+    """
+    clear_leftovers(target, is_complete)
+    staging = target.parent / f".{target.name}.new-{os.getpid()}-{os.urandom(4).hex()}"
+    staging.mkdir(0o777)
+    try:
+        write(staging)
+        fault_point("write_directory:written")
+        replace_directory(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def glob_escape(name: str) -> str:

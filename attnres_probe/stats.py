@@ -22,8 +22,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
-import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +32,7 @@ import pandas as pd
 
 from attnres_probe._version import __version__
 from attnres_probe.analysis.windows import KEY_COLUMNS, WINDOW_METRICS, window_digests, window_metric_arrays, window_profiles
-from attnres_probe.io import atomic_write, sha256_file
+from attnres_probe.io import clear_leftovers, exclusive_lock, fault_point, set_aside, sha256_file, write_directory
 from attnres_probe.trace import DepthTrace
 
 __all__ = ["CorpusStats", "RunningStats", "StatsError", "STATS_SCHEMA_VERSION"]
@@ -136,6 +134,11 @@ class RunningStats:
 
 def _empty_windows() -> dict[str, list]:
     return {c: [] for c in (*KEY_COLUMNS, *WINDOW_METRICS)}
+
+
+def _is_stats_folder(folder: Path) -> bool:
+    """Whether a folder set aside by an interrupted save holds whole stats (stats.json is written last)."""
+    return (folder / STATS_FILE).is_file()
 
 
 @dataclass
@@ -441,8 +444,15 @@ class CorpusStats:
     def save(self, directory: str | Path) -> Path:
         """Write the stats into ``directory`` (created or replaced as a whole): stats.json, arrays.npz, windows.parquet.
 
-        The files are written into a temporary folder beside it, which then takes its place, so
-        a reader (or a resumed run) sees the old stats or the new ones, never a mix.
+        The files are written into a hidden folder beside it, which then takes its place
+        (:func:`~attnres_probe.io.write_directory`), so a reader (or a resumed run) sees the old
+        stats or the new ones, never a mix. The folder is locked while saving (a second writer
+        is refused), and what a killed save left beside it is removed first.
+
+        Raises:
+            NotADirectoryError: ``directory`` is a file.
+            FileExistsError: it holds files that are not corpus stats.
+            DestinationBusyError: another writer holds it.
         """
         directory = Path(directory)
         if directory.exists() and not directory.is_dir():
@@ -450,28 +460,19 @@ class CorpusStats:
         if directory.is_dir() and any(p.name not in (STATS_FILE, ARRAYS_FILE, WINDOWS_FILE) for p in directory.iterdir()
                                       if not p.name.startswith(".")):
             raise FileExistsError(f"{directory} holds files that are not corpus stats; save into a new folder (nothing was written)")
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = directory.parent / f".{directory.name}.saving-{os.getpid()}"
-        old = directory.parent / f".{directory.name}.old"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            doc, arrays = self.state()
-            with open(tmp / ARRAYS_FILE, "wb") as f:
+        doc, arrays = self.state()
+
+        def write(folder: Path) -> None:
+            with open(folder / ARRAYS_FILE, "wb") as f:
                 np.savez(f, **arrays)
-            self.window_table().to_parquet(tmp / WINDOWS_FILE, index=False)
-            doc["files"] = {n: sha256_file(tmp / n) for n in (ARRAYS_FILE, WINDOWS_FILE)}
-            (tmp / STATS_FILE).write_text(json.dumps(doc, indent=1, default=_json_default, allow_nan=True))
-            shutil.rmtree(old, ignore_errors=True)
-            if directory.exists():
-                os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not directory.exists() and old.exists():
-                os.replace(old, directory)
-            raise
+            fault_point("stats.save:arrays")
+            self.window_table().to_parquet(folder / WINDOWS_FILE, index=False)
+            fault_point("stats.save:windows")
+            doc["files"] = {n: sha256_file(folder / n) for n in (ARRAYS_FILE, WINDOWS_FILE)}
+            (folder / STATS_FILE).write_text(json.dumps(doc, indent=1, default=_json_default, allow_nan=True))
+
+        with exclusive_lock(directory, flag="stats folder"):
+            write_directory(directory, write, _is_stats_folder)
         return directory
 
     @classmethod
@@ -482,9 +483,9 @@ class CorpusStats:
             StatsError: not a stats folder, a checksum mismatch, a newer schema, unreadable files.
         """
         directory = Path(directory)
-        old = directory.parent / f".{directory.name}.old"
-        if not directory.is_dir() and old.is_dir():  # a save was interrupted between its two renames
-            os.replace(old, directory)
+        if not directory.is_dir() and (set_aside(directory) or directory.with_name(f".{directory.name}.old").is_dir()):
+            with exclusive_lock(directory, flag="stats folder"):  # a save was interrupted between its two renames
+                clear_leftovers(directory, _is_stats_folder)
         path = directory / STATS_FILE
         if not path.is_file():
             raise StatsError(f"{path} is missing: {directory} is not a saved CorpusStats folder")

@@ -43,15 +43,14 @@ from attnres_probe._version import __version__
 from attnres_probe.axis import RESIDUALS, SourceAxis
 from attnres_probe.io import (
     atomic_write,
+    clear_leftovers,
     exclusive_lock,
     fault_point,
     read_json,
     remove_stale_temps,
     replace_directory,
-    restore_directory,
     set_aside,
     sha256_file,
-    staging_dirs,
     write_error,
 )
 from attnres_probe.numeric import token_mean
@@ -618,9 +617,7 @@ def _clear_leftovers(target: Path) -> None:
     A trace set aside by an interrupted folder swap is put back; the hidden folders of
     unfinished saves and the temporary files of killed writers are removed.
     """
-    restore_directory(target, lambda p: (p / META_FILE).is_file())
-    for leftover in staging_dirs(target):
-        shutil.rmtree(leftover, ignore_errors=True)
+    clear_leftovers(target, lambda p: (p / META_FILE).is_file())
     if target.is_dir():
         for name in (*FILES, META_FILE):
             remove_stale_temps(target / name)

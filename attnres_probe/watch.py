@@ -37,12 +37,34 @@ import torch
 import torch.nn.functional as F
 
 from attnres_probe.axis import SourceAxis
+from attnres_probe.model import AttnResTransformer
 
 __all__ = ["WatchError", "WatchSession", "watch"]
 
 
 class WatchError(RuntimeError):
     """The watched model did something the recorder could not follow (the message says what)."""
+
+
+WATCH_ACCEPTS = (
+    "watch() records a live flash-linear-attention AttnRes model: an fla ...ForCausalLM or its base model "
+    "(a torch.nn.Module whose .config has attnres_block_size and num_hidden_layers)"
+)
+
+
+def check_watchable(model: Any) -> None:
+    """Raise :class:`TypeError` naming what :func:`watch` accepts unless ``model`` is a module
+    with an fla-style config (attnres-probe's own models are recorded by ``Probe`` instead)."""
+    if isinstance(model, AttnResTransformer):
+        raise TypeError(
+            f"{WATCH_ACCEPTS}; got attnres-probe's own {type(model).__name__}, which records itself: use "
+            "Probe(model).run(text) (or model.run_with_cache)"
+        )
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{WATCH_ACCEPTS}; got {model!r:.80} ({type(model).__name__})")
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "num_hidden_layers"):
+        raise TypeError(f"{WATCH_ACCEPTS}; got a {type(model).__name__} without such a config")
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
@@ -294,8 +316,10 @@ def watch(model: Any, tokenizer: Any = None, name: str | None = None) -> Iterato
         ``session.trace()``.
 
     Raises:
+        TypeError: ``model`` is not such a model (the message says what is accepted).
         WatchError: the model has no AttnRes, or fla is not installed.
     """
+    check_watchable(model)
     try:
         import fla.ops.attnres as ops  # noqa: F401
         from fla.ops.attnres import fused_attnres, naive_attnres

@@ -632,3 +632,118 @@ def test_identical_models_give_byte_identical_checkpoints(tmp_path):
     assert len(digests) == 1
     loaded = AttnResTransformer.load(tmp_path / "0")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
+# -- 11. writers that share a folder (issue #38) ------------------------------------------------
+CORPUS_DOCS = {f"d{i}.txt": f"Document {i} of the corpus, long enough for a few windows of the tiny model. " * 3 for i in range(4)}
+
+
+@pytest.fixture(scope="module")
+def corpus_inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus-in")
+    for name, text in CORPUS_DOCS.items():
+        (root / "data").mkdir(exist_ok=True)
+        (root / "data" / name).write_text(text)
+    for r in ("prenorm", "block"):
+        tiny_model(r).save(root / r)
+    return root / "data", [str(root / "prenorm"), str(root / "block")]
+
+
+@pytest.mark.faults("11", "two `corpus` runs with different settings started at the same instant on one --out, 20 times",
+                    how="two threads, one barrier")
+def test_two_corpus_runs_on_one_out_never_both_succeed_nor_mix(tmp_path, corpus_inputs):
+    from attnres_probe.corpus import CorpusRunError, load_stats_dir, record_corpus
+
+    data, ckpts = corpus_inputs
+    for attempt in range(20):
+        out = tmp_path / f"out{attempt}"
+        barrier = threading.Barrier(2)
+        results: dict[int, object] = {}
+
+        def run(batch_size: int) -> None:
+            barrier.wait()
+            try:
+                results[batch_size] = record_corpus(data, out, models=ckpts, batch_size=batch_size, progress=False,
+                                                    n_resamples=20, save_every=0.0)
+            except (DestinationBusyError, CorpusRunError) as exc:
+                results[batch_size] = exc
+
+        threads = [threading.Thread(target=run, args=(b,)) for b in (2, 3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        won = [b for b, r in results.items() if isinstance(r, dict)]
+        assert len(won) == 1, f"attempt {attempt}: {results}"
+        lost = results[5 - won[0]]
+        assert "being written by another process (PID" in str(lost) or "other settings" in str(lost)
+        manifest, stats = load_stats_dir(out)  # one run's settings, every model's stats from it
+        assert manifest["settings"]["batch_size"] == won[0] and manifest["complete"]
+        assert {m["name"]: m["windows"] for m in manifest["models"]} == {n: s.n_windows for n, s in stats.items()}
+        assert hidden_leftovers(tmp_path) == []
+
+
+@pytest.mark.faults("11", "`corpus --out` while another process holds it")
+def test_a_corpus_run_on_a_held_out_is_refused_at_once_naming_the_holder(tmp_path, corpus_inputs, capsys):
+    data, ckpts = corpus_inputs
+    out = tmp_path / "out"
+    with exclusive_lock(out):
+        started = time.monotonic()
+        assert main(["corpus", "--models", *ckpts, "--data", str(data), "--out", str(out), "--no-progress"]) == 2
+        assert time.monotonic() - started < 5  # refused before any model is loaded
+    err = capsys.readouterr().err
+    assert one_line(err, "corpus") and f"PID {os.getpid()}" in err and "--out" in err
+    assert not out.exists()
+
+
+STATS_KILL_POINTS = ["stats.save:arrays#2", "stats.save:windows#2", "write_directory:written#2",
+                     "replace_directory:swapped#2", "replace_directory:aside#2"]
+
+
+@pytest.mark.faults("11", "SIGKILL at each step of a corpus stats save, then `corpus --resume`", how="SIGKILL, forked child")
+@pytest.mark.parametrize("point", STATS_KILL_POINTS)
+def test_a_corpus_run_killed_while_saving_leaves_no_staging_folder_after_the_resume(tmp_path, corpus_inputs, point):
+    from attnres_probe.corpus import load_stats_dir, record_corpus
+
+    data, ckpts = corpus_inputs
+    out = tmp_path / "out"
+
+    def run():
+        if point.startswith("replace_directory:aside"):
+            import attnres_probe.io as io
+
+            io._exchange = lambda a, b: False  # a system without renameat2(RENAME_EXCHANGE)
+        record_corpus(data, out, models=ckpts, batch_size=1, progress=False, n_resamples=20, save_every=0.0)
+
+    assert in_child(run, f"kill@{point}") == -9
+    models = out / "models"
+    assert any(p.name.startswith(".") for p in models.iterdir())  # the kill left something behind ...
+    record_corpus(data, out, models=ckpts, batch_size=1, progress=False, n_resamples=20, save_every=0.0, resume=True)
+    assert sorted(p.name for p in models.iterdir()) == ["block", "prenorm"]  # ... which the resume removed
+    manifest, stats = load_stats_dir(out)
+    assert manifest["complete"] and all(s.n_windows > 0 for s in stats.values())
+    assert hidden_leftovers(tmp_path) == []
+
+
+@pytest.mark.faults("11", "`corpus --names` that become one folder name: \"a b\" and \"a_b\", \"A\" and \"a\"")
+@pytest.mark.parametrize("names", [["a b", "a_b"], ["Block", "block"]])
+def test_model_names_that_would_share_a_folder_are_refused_naming_both(tmp_path, corpus_inputs, capsys, names):
+    data, ckpts = corpus_inputs
+    out = tmp_path / "out"
+    assert main(["corpus", "--models", *ckpts, "--names", *names, "--data", str(data), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert one_line(err, "corpus") and all(repr(n) in err for n in names) and "models/" in err
+    assert not out.exists()
+
+
+@pytest.mark.faults("11", "`watch()` given None, a string, an nn.Linear, attnres-probe's own model")
+def test_watch_given_the_wrong_object_says_what_it_accepts():
+    from attnres_probe.watch import watch
+
+    for wrong in (None, "model", torch.nn.Linear(2, 2), tiny_model("block")):
+        with pytest.raises(TypeError, match=r"watch\(\) records a live flash-linear-attention AttnRes model"):
+            with watch(wrong):
+                pass
+    with pytest.raises(TypeError, match="use Probe\\(model\\).run"):
+        with watch(tiny_model("full")):
+            pass
