@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -209,13 +210,20 @@ def exclusive_lock(target: str | Path, flag: str = "--out") -> Iterator[Path]:
         os.close(fd)
 
 
-def _lock_holder(fd: int) -> str:
-    """``"PID 123; "`` from a held lock file (its holder wrote its process id there), or ``""``."""
-    try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:
-        return ""
-    return f"PID {text}; " if text.isdigit() else ""
+def _lock_holder(fd: int, wait: float = 0.2) -> str:
+    """``"PID 123; "`` from a held lock file, or ``""``. The holder writes its process id just
+    after taking the lock: a writer refused in that instant waits up to ``wait`` seconds for it."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        except OSError:
+            return ""
+        if text.isdigit():
+            return f"PID {text}; "
+        if time.monotonic() >= deadline:
+            return ""
+        time.sleep(0.005)
 
 
 # -- folders ---------------------------------------------------------------------------------

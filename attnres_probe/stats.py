@@ -50,11 +50,12 @@ AGGREGATED = {
     "rms_in": True,
     "grad_in": True,
     "rms_out": True,
+    "grad_out": True,
     "loss": True,
     "param_grad": False,
     "mixer_grad": False,
 }
-PROFILES = ("rms_in", "grad_in", "rms_out", "param_grad")  # per-window mean profiles
+PROFILES = ("rms_in", "grad_in", "rms_out", "grad_out", "param_grad")  # per-window mean profiles
 # what must agree for two aggregates to be of the same model
 IDENTITY_KEYS = ("residual", "config", "read_labels", "source_labels", "block_starts", "weights_sha256")
 
@@ -276,6 +277,7 @@ class CorpusStats:
             "rms_in": self.meta["read_labels"],
             "grad_in": self.meta["read_labels"],
             "rms_out": ["embed", *self.meta["read_labels"][:-1]],
+            "grad_out": ["embed", *self.meta["read_labels"][:-1]],
             "param_grad": self.meta["read_labels"][:-1],
         }[name]
         s = self.profiles.get(name) or RunningStats.zeros((len(labels),))
@@ -287,7 +289,7 @@ class CorpusStats:
             factor = np.exp(rel)
         return pd.DataFrame(
             {"mean": mean, "low": mean / factor, "high": mean * factor, "sd": sd, "windows": s.count},
-            index=pd.Index(list(labels), name="read" if name != "rms_out" else "source"),
+            index=pd.Index(list(labels), name="source" if name in ("rms_out", "grad_out") else "read"),
         )
 
     def frame(self, name: str = "depth_weights") -> pd.DataFrame:
@@ -310,7 +312,10 @@ class CorpusStats:
         """A one-token DepthTrace holding the corpus means (for the same figures and metrics)."""
         if not self.stats:
             raise StatsError(f"the stats of {self.name!r} hold no tokens yet")
-        arrays = {name: self.mean(name).astype(np.float32)[None, None] if per_token else self.mean(name).astype(np.float32)
+        n_src = len(self.meta["read_labels"])  # L + 1 sources written: the embedding and each sublayer
+        means = {name: self.mean(name) if name in self.stats else np.full(n_src, np.nan)  # grad_out: not in older stats
+                 for name in AGGREGATED}
+        arrays = {name: means[name].astype(np.float32)[None, None] if per_token else means[name].astype(np.float32)
                   for name, per_token in AGGREGATED.items()}
         arrays["loss"] = arrays["loss"].reshape(1, 1)
         meta = {**self.meta, "str_tokens": [["<corpus mean>"]], "corpus": {"tokens": self.n_tokens, "sequences": self.n_sequences}}

@@ -14,7 +14,10 @@ logits          [B, P, R, S]       depth logits (PreNorm: NaN)
 contrib         [B, P, R, S]       contribution share c_i = <coef_i v_i, h> / |h|^2
 rms_in          [B, P, R]          RMS of every mixed input h (the read's output)
 rms_out         [B, P, L+1]        RMS of every source written: embed, then each sublayer output
-grad_in         [B, P, R]          norm of dLoss/dh at every mixed input (NaN without backward)
+grad_out        [B, P, L+1]        norm of dLoss/dv at every source written (the gradient at each
+                                   sublayer output, through every read of it; NaN without backward)
+grad_in         [B, P, R]          norm of dLoss/dh at every mixed input (NaN without backward):
+                                   under AttnRes only the path through that read's sublayer
 param_grad      [L]                norm of each sublayer's parameter gradient (attention + its norm, ...)
 mixer_grad      [R]                norm of each depth mixer's parameter gradient (NaN for PreNorm)
 ==============  =================  ==========================================================
@@ -57,7 +60,7 @@ from attnres_probe.numeric import token_mean
 
 __all__ = ["DepthTrace", "TraceError", "SCHEMA_VERSION", "check_save_target", "unique_names"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: grad_out (a version-1 trace loads with grad_out all NaN)
 META_FILE = "trace.json"
 
 # array name -> axes (used for shapes, tidy frames and file layout)
@@ -65,7 +68,7 @@ CUBE = ("depth_weights", "logits", "contrib")  # [B, P, R, S]
 KINDS = {"weights": "depth_weights", "logits": "logits", "contrib": "contrib"}
 READ_ARRAYS = ("rms_in", "grad_in")  # [B, P, R]
 TOKEN_ARRAYS = ("tokens", "mask", "loss")  # [B, P]
-SOURCE_ARRAYS = ("rms_out",)  # [B, P, L+1]
+SOURCE_ARRAYS = ("rms_out", "grad_out")  # [B, P, L+1]
 LAYER_ARRAYS = ("param_grad",)  # [L]
 MIXER_ARRAYS = ("mixer_grad",)  # [R]
 ALL_ARRAYS = TOKEN_ARRAYS + CUBE + READ_ARRAYS + SOURCE_ARRAYS + LAYER_ARRAYS + MIXER_ARRAYS
@@ -78,6 +81,7 @@ FILES = {
     "mixers.parquet": MIXER_ARRAYS,
 }
 DTYPES = {"tokens": np.int64, "mask": np.bool_}
+ADDED_IN = {"grad_out": 2}  # arrays a trace of an older schema version does not hold (NaN when loaded)
 
 
 class TraceError(ValueError):
@@ -130,6 +134,7 @@ class DepthTrace:
     rms_in: np.ndarray
     grad_in: np.ndarray
     rms_out: np.ndarray
+    grad_out: np.ndarray
     param_grad: np.ndarray
     mixer_grad: np.ndarray
     meta: dict[str, Any]
@@ -151,7 +156,7 @@ class DepthTrace:
             **{n: (B, P) for n in TOKEN_ARRAYS},
             **{n: (B, P, R, S) for n in CUBE},
             **{n: (B, P, R) for n in READ_ARRAYS},
-            "rms_out": (B, P, L + 1),
+            **{n: (B, P, L + 1) for n in SOURCE_ARRAYS},
             "param_grad": (L,),
             "mixer_grad": (R,),
         }
@@ -507,6 +512,8 @@ class DepthTrace:
             except Exception as exc:  # pyarrow raises several types for a damaged file
                 raise TraceError(f"{path} is not a readable Parquet file ({exc})") from None
             for n in names:
+                if n not in shapes:  # not in an older schema: not recorded then
+                    continue
                 shape = shapes[n]
                 if n not in table.columns:
                     raise TraceError(f"{path} has no column {n!r}: the trace is corrupt")
@@ -514,6 +521,10 @@ class DepthTrace:
                 if values.size != math.prod(shape):
                     raise TraceError(f"{path}: column {n!r} has {values.size} values; shape {shape} needs {math.prod(shape)}")
                 arrays[n] = values.reshape(shape)
+        for n in ADDED_IN:
+            if n not in arrays:
+                like = "rms_out" if n in SOURCE_ARRAYS else "rms_in"
+                arrays[n] = np.full(arrays[like].shape, np.nan, np.float32)
         _check_meta_against_arrays(doc["meta"], arrays, meta_path)
         try:
             return cls(**arrays, meta=doc["meta"])
@@ -672,6 +683,8 @@ def _check_doc(doc: Any, meta_path: Path, directory: Path) -> dict[str, tuple[in
             raise bad(f"files.{fname} (its sha256) is missing or not a string")
     shapes: dict[str, tuple[int, ...]] = {}
     for n in ALL_ARRAYS:
+        if n in ADDED_IN and version < ADDED_IN[n] and n not in doc["shapes"]:
+            continue  # an older trace: filled with NaN on load
         shape = doc["shapes"].get(n)
         if not isinstance(shape, list) or len(shape) != _RANKS[n] or not all(_is_int(d) and d >= 0 for d in shape):
             raise bad(f"shapes.{n} must be a list of {_RANKS[n]} non-negative integers; got {shape!r}")
@@ -681,12 +694,12 @@ def _check_doc(doc: Any, meta_path: Path, directory: Path) -> dict[str, tuple[in
         **{n: (B, P) for n in TOKEN_ARRAYS},
         **{n: (B, P, R, S) for n in CUBE},
         **{n: (B, P, R) for n in READ_ARRAYS},
-        "rms_out": (B, P, R),
+        **{n: (B, P, R) for n in SOURCE_ARRAYS},
         "param_grad": (R - 1,),
         "mixer_grad": (R,),
     }
     for n, shape in want.items():
-        if shapes[n] != shape:
+        if n in shapes and shapes[n] != shape:  # (an array of a newer schema is absent from an older trace)
             raise bad(f"shapes.{n} is {list(shapes[n])}; the other arrays make it {list(shape)}")
     if B < 1 or P < 1 or R < 3 or R % 2 == 0 or S < 2:
         raise bad(f"the arrays' shape [B, P, R, S] = {[B, P, R, S]} is not that of a trace (B, P >= 1; R = 2 * n_layers + 1)")

@@ -127,6 +127,7 @@ class WatchSession:
             "rms_in": torch.full((B, P, R), nan),
             "grad_in": torch.full((B, P, R), nan),
             "rms_out": torch.full((B, P, L + 1), nan),
+            "grad_out": torch.full((B, P, L + 1), nan),
         }
         s = self.store
         s["depth_weights"][:, :, 0, 0] = 1.0  # read 0: the embedding alone, weight 1
@@ -149,6 +150,18 @@ class WatchSession:
         v0 = kwargs.get("hidden_states", args[0] if args else None)
         if isinstance(v0, torch.Tensor):
             self._alloc(v0)
+            self._grad_out_hook(0, v0)  # the embedding's gradient gathers every read of it
+
+    def _grad_out_hook(self, index: int, v: torch.Tensor) -> None:
+        """In the backward, the norm of dLoss/dv per token into ``grad_out[:, :, index]``."""
+        if not v.requires_grad or self.store is None:
+            return
+        grad_out = self.store["grad_out"]
+
+        def store(g: torch.Tensor) -> None:
+            grad_out[:, :, index] = g.detach().float().norm(dim=-1).cpu()
+
+        v.register_hook(store)
 
     def on_first_norm_input(self, module: Any, args: tuple, kwargs: dict):
         """fla skips the op at read 0 and pre-norms the embedding itself: the norm gets an
@@ -174,6 +187,7 @@ class WatchSession:
             out = output[0] if isinstance(output, tuple) else output
             if self.store is not None and isinstance(out, torch.Tensor) and out.dim() == 3:
                 self.store["rms_out"][:, :, sublayer + 1] = _rms(out).cpu()
+                self._grad_out_hook(sublayer + 1, out)
 
         return hook
 

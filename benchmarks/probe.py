@@ -6,7 +6,8 @@ For each size and residual mode it times, interleaved and repeated (median):
     and vs ``Probe.run(backward=False)`` end to end (also tokens' labels, the per-token loss
     and building the DepthTrace)
   - plain forward + backward (autograd.grad) vs ``Probe.run(backward=True)`` (gradient
-    recording, end to end)
+    recording, end to end), and ``Probe.run(backward=True)`` against itself without the
+    gradient norms at the sublayer outputs (``grad_out``: target at most 1.05x)
   - TransformerLens run_with_cache (all hooks; with incl_bwd for the backward case)
 and prints the ratios. Targets: recording <= 1.10x forward, <= 1.15x forward+backward, and below
 run_with_cache on both (the forward target is judged on the recorder, run_with_cache's
@@ -88,6 +89,19 @@ def timings(size: str, residual: str, reps: int) -> dict[str, float]:
     def rec_bwd():
         probe.run(tokens, backward=True)
 
+    def rec_bwd_no_gout():  # the same recording without the gradient norms at the sublayer outputs
+        original = Recorder._grad_norm_into
+
+        def skip_grad_out(self, name, index, x):
+            if name != "grad_out":
+                original(self, name, index, x)
+
+        Recorder._grad_norm_into = skip_grad_out
+        try:
+            probe.run(tokens, backward=True)
+        finally:
+            Recorder._grad_norm_into = original
+
     def cache_bwd():
         cache = model.add_caching_hooks(incl_bwd=True)
         try:
@@ -98,7 +112,7 @@ def timings(size: str, residual: str, reps: int) -> dict[str, float]:
 
     fns = dict(
         plain_fwd=plain_fwd, rec_fwd=rec_fwd, run_fwd=run_fwd, cache_fwd=cache_fwd,
-        plain_bwd=plain_bwd, rec_bwd=rec_bwd, cache_bwd=cache_bwd,
+        plain_bwd=plain_bwd, rec_bwd=rec_bwd, rec_bwd_no_gout=rec_bwd_no_gout, cache_bwd=cache_bwd,
     )  # fmt: skip
     for fn in fns.values():  # warm-up
         fn()
@@ -132,7 +146,7 @@ if {mode!r} == "plain":
         model(tokens)
 else:
     t = probe.run(tokens, backward=False, contributions={mode!r} == "record")
-    arrays = sum(getattr(t, n).nbytes for n in ("depth_weights", "logits", "contrib", "rms_in", "grad_in", "rms_out")) / 2**20
+    arrays = sum(getattr(t, n).nbytes for n in ("depth_weights", "logits", "contrib", "rms_in", "grad_in", "rms_out", "grad_out")) / 2**20
 peak = hwm()
 print(json.dumps(dict(base=base, peak=peak, arrays=arrays)))
 """
@@ -152,7 +166,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.sizes, args.reps = ["quick"], 3
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.reps} interleaved reps\n")
-    head = f"{'size':6s} {'model':8s} {'fwd ms':>8s} {'rec/fwd':>8s} {'run/fwd':>8s} {'cache/fwd':>9s} {'f+b ms':>8s} {'rec/f+b':>8s} {'cache/f+b':>9s}  verdict"
+    head = (f"{'size':6s} {'model':8s} {'fwd ms':>8s} {'rec/fwd':>8s} {'run/fwd':>8s} {'cache/fwd':>9s} {'f+b ms':>8s} "
+            f"{'rec/f+b':>8s} {'cache/f+b':>9s} {'grad_out':>8s}  verdict")
     print(head)
     print("-" * len(head))
     ok_all = True
@@ -162,11 +177,13 @@ def main(argv=None) -> int:
             r_f, c_f = t["rec_fwd"] / t["plain_fwd"], t["cache_fwd"] / t["plain_fwd"]
             p_f = t["run_fwd"] / t["plain_fwd"]
             r_b, c_b = t["rec_bwd"] / t["plain_bwd"], t["cache_bwd"] / t["plain_bwd"]
-            ok = r_f <= 1.10 and r_b <= 1.15 and t["rec_fwd"] < t["cache_fwd"] and t["rec_bwd"] < t["cache_bwd"]
+            g_o = t["rec_bwd"] / t["rec_bwd_no_gout"]  # what recording grad_out adds to a recorded forward + backward
+            ok = (r_f <= 1.10 and r_b <= 1.15 and t["rec_fwd"] < t["cache_fwd"] and t["rec_bwd"] < t["cache_bwd"]
+                  and g_o <= 1.05)
             ok_all &= ok
             print(
                 f"{size:6s} {residual:8s} {t['plain_fwd'] * 1e3:8.1f} {r_f:8.3f} {p_f:8.3f} {c_f:9.3f} "
-                f"{t['plain_bwd'] * 1e3:8.1f} {r_b:8.3f} {c_b:9.3f}  {'ok' if ok else 'MISSES TARGET'}"
+                f"{t['plain_bwd'] * 1e3:8.1f} {r_b:8.3f} {c_b:9.3f} {g_o:8.3f}  {'ok' if ok else 'MISSES TARGET'}"
             )
     if not args.no_memory:
         print(f"\n{'size':6s} {'model':8s} {'contrib':7s} {'plain MB':>9s} {'recorded MB':>12s} {'recording MB':>13s} {'arrays MB':>10s} {'ratio':>6s}")

@@ -372,7 +372,8 @@ class Explorer:
         return frame
 
 
-_ARRAYS = ("tokens", "mask", "loss", "depth_weights", "logits", "contrib", "rms_in", "grad_in", "rms_out", "param_grad", "mixer_grad")
+_ARRAYS = ("tokens", "mask", "loss", "depth_weights", "logits", "contrib", "rms_in", "grad_in", "rms_out", "grad_out",
+           "param_grad", "mixer_grad")
 
 
 def _name_entries(entries: Mapping[str, Any] | Sequence[Any]) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 Per token and read it keeps the depth weights and logits (on the common source axis), the
 contribution share of every source, the RMS of the mixed input and, when a backward pass runs,
 the norm of the gradient at the mixed input; per source it keeps the RMS of every sublayer
-output. AttnRes mixers hand over their contribution shares through ``hook_contrib`` (they
+output and, with a backward pass, the norm of the gradient at it (through every read of it). AttnRes mixers hand over their contribution shares through ``hook_contrib`` (they
 have the sources at hand; the Numba kernels compute the shares in the mixing pass itself), so
 the recorder keeps no source of an AttnRes model. For a PreNorm model it keeps every
 sublayer output until the forward ends (the model drops them, and the share of a source at a
@@ -150,6 +150,7 @@ class Recorder:
             "rms_in": torch.full((B, P, R), nan, **kw),
             "grad_in": torch.full((B, P, R), nan, **kw),
             "rms_out": torch.full((B, P, L + 1), nan, **kw),
+            "grad_out": torch.full((B, P, L + 1), nan, **kw),
         }
 
     def arrays(self) -> dict[str, torch.Tensor]:
@@ -164,6 +165,7 @@ class Recorder:
         self._reset_stream()
         self._alloc(x)
         self._tok = x
+        self._grad_norm_into("grad_out", 0, x)  # source 0 is tok (+ pos): the same gradient
         if not self.spec.pos_embed:  # rotary positions: the token embedding is source 0
             self._on_source0(x)
 
@@ -190,13 +192,18 @@ class Recorder:
 
     def _on_read(self, r: int, h: torch.Tensor) -> None:
         self._read(r, h)
-        if self.gradients and h.requires_grad:
-            grad_in = self._arrays["grad_in"]
+        self._grad_norm_into("grad_in", r, h)
 
-            def store_grad_norm(g: torch.Tensor) -> None:
-                grad_in[:, :, r] = g.detach().float().norm(dim=-1)
+    def _grad_norm_into(self, name: str, index: int, x: torch.Tensor) -> None:
+        """In the backward, store the norm of dLoss/dx per token into ``name[:, :, index]``."""
+        if not (self.gradients and x.requires_grad):
+            return
+        out = self._arrays[name]
 
-            h.register_hook(store_grad_norm)
+        def store_grad_norm(g: torch.Tensor) -> None:
+            out[:, :, index] = g.detach().float().norm(dim=-1)
+
+        x.register_hook(store_grad_norm)
 
     def _read(self, r: int, h: torch.Tensor) -> None:
         a = self._arrays
@@ -237,6 +244,7 @@ class Recorder:
 
     def _on_output(self, l: int, v: torch.Tensor) -> None:
         self._arrays["rms_out"][:, :, l + 1] = _rms(v)
+        self._grad_norm_into("grad_out", l + 1, v)
         spec = self.spec
         if spec.residual != "prenorm":
             return

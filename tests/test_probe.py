@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -153,11 +154,61 @@ def test_prenorm_magnitudes_match_the_transformerlens_cache():
     assert (trace.depth_weights[:, :, 3, :4] == 1).all() and np.isnan(trace.logits).all()
 
 
+@pytest.mark.parametrize("residual", ["prenorm", "full", "block"])
+def test_grad_out_is_the_norm_of_the_gradient_at_every_sublayer_output(residual):
+    """||dL/dv_j|| at the embedding and every sublayer output, through every read of it: equal
+    to autograd's gradient with respect to those very tensors (captured by plain hooks), and for
+    PreNorm equal to the residual-stream gradient at the read after it (grad_in)."""
+    from attnres_probe.losses import trace_loss
+
+    model = tiny_model(residual, n_layers=3).double()
+    tokens = sample_tokens(9, batch=2)
+    trace = Probe(model).run(tokens, backward=True)
+    names = ["hook_embed"] + [f"blocks.{i}.hook_{part}_out" for i in range(3) for part in ("attn", "mlp")]
+    captured: dict[str, torch.Tensor] = {}
+
+    def keep(x, hook):
+        captured[hook.name] = x
+        return x
+
+    logits = model.run_with_hooks(tokens, fwd_hooks=[(n, keep) for n in names])
+    _, loss = trace_loss(logits, tokens, torch.ones_like(tokens, dtype=torch.bool))
+    grads = torch.autograd.grad(loss, [captured[n] for n in names])
+    want = np.stack([g.norm(dim=-1).numpy() for g in grads], axis=-1)  # [B, P, L+1]
+    np.testing.assert_allclose(trace.grad_out, want, rtol=1e-5)  # the trace stores float32
+    if residual == "prenorm":
+        np.testing.assert_allclose(trace.grad_out, trace.grad_in, rtol=1e-6)
+    else:  # under AttnRes the gradient at a read covers one path only: not the same quantity
+        with np.errstate(invalid="ignore", divide="ignore"):
+            assert np.nanmax(np.abs(trace.grad_out[..., 1:] / trace.grad_in[..., 1:] - 1)) > 0.01
+
+
+def test_a_version_1_trace_without_grad_out_loads_with_it_all_nan(tmp_path):
+    import json as _json
+
+    Probe(tiny_model("full")).run("an older trace", backward=True).save(tmp_path / "t")
+    meta_path = tmp_path / "t" / "trace.json"
+    doc = _json.loads(meta_path.read_text())
+    doc["schema_version"] = 1
+    del doc["shapes"]["grad_out"]
+    table = pd.read_parquet(tmp_path / "t" / "sources.parquet").drop(columns=["grad_out"])
+    table.to_parquet(tmp_path / "t" / "sources.parquet", index=False)
+    from attnres_probe.io import sha256_file
+
+    doc["files"]["sources.parquet"] = sha256_file(tmp_path / "t" / "sources.parquet")
+    meta_path.write_text(_json.dumps(doc))
+    back = DepthTrace.load(tmp_path / "t")
+    assert np.isnan(back.grad_out).all() and back.grad_out.shape == back.rms_out.shape
+    assert np.isfinite(back.rms_out).all()
+
+
 def test_trace_round_trips_exactly(tmp_path):
     trace = Probe(tiny_model("block")).run("round trip <b>&\"'", backward=True)
     trace.save(tmp_path / "t")
     back = DepthTrace.load(tmp_path / "t")
-    for name in ("tokens", "mask", "loss", "depth_weights", "logits", "contrib", "rms_in", "grad_in", "rms_out", "param_grad", "mixer_grad"):
+    assert np.isfinite(trace.grad_out).all()
+    for name in ("tokens", "mask", "loss", "depth_weights", "logits", "contrib", "rms_in", "grad_in", "rms_out", "grad_out",
+                 "param_grad", "mixer_grad"):
         a, b = getattr(trace, name), getattr(back, name)
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(a, b)

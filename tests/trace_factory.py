@@ -52,6 +52,7 @@ def make_trace(
     rms_in: list[float] | None = None,
     rms_out: list[float] | None = None,
     grad_in: list[float] | None = None,
+    grad_out: list[float] | None = None,
     param_grad: list[float] | None = None,
     str_tokens: list[str] | None = None,
     name: str | None = None,
@@ -105,6 +106,7 @@ def make_trace(
     rin = per_read(rms_in, [1.0] * R)
     rout = per_read(rms_out, [1.0] * (L + 1))
     gin = per_read(grad_in, [nan] * R)
+    gout = per_read(grad_out, [nan] * (L + 1))
     toks = str_tokens or [chr(ord("a") + i) for i in range(n_real)]
     meta = {
         "name": name or residual,
@@ -128,6 +130,7 @@ def make_trace(
         rms_in=rin,
         grad_in=gin,
         rms_out=rout,
+        grad_out=gout,
         param_grad=np.asarray(param_grad if param_grad is not None else [nan] * L, dtype=np.float64),
         mixer_grad=np.full(R, nan),
         meta=meta,

@@ -183,7 +183,7 @@ def window_profiles(trace: DepthTrace) -> dict[str, np.ndarray]:
     """Per-window depth profiles: means over each window's real tokens.
 
     Returns:
-        {"rms_in": [B, R], "grad_in": [B, R], "rms_out": [B, L+1], "param_grad": [B, L]}
+        {"rms_in": [B, R], "grad_in": [B, R], "rms_out": [B, L+1], "grad_out": [B, L+1], "param_grad": [B, L]}
         (``param_grad`` is the trace's own for a one-window trace, NaN otherwise).
     """
     B = trace.tokens.shape[0]
@@ -193,6 +193,7 @@ def window_profiles(trace: DepthTrace) -> dict[str, np.ndarray]:
         "rms_in": _window_mean(trace.rms_in, trace.mask),
         "grad_in": _window_mean(trace.grad_in, trace.mask),
         "rms_out": _window_mean(trace.rms_out, trace.mask),
+        "grad_out": _window_mean(trace.grad_out, trace.mask),
         "param_grad": pg,
     }
 
