@@ -33,7 +33,9 @@ arithmetic allows, not what one kernel happens to reach).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import torch
 
@@ -114,7 +116,37 @@ def assert_within(actual: torch.Tensor, truth: torch.Tensor, bound: float, name:
     keep = torch.isfinite(t)
     assert torch.equal(a[~keep & ~t.isnan()], t[~keep & ~t.isnan()]), f"{name}: infinities differ"
     err = relative_rms(a[keep], t[keep])
+    record_margin(name, err, bound)
     assert err <= bound, f"{name}: relative RMS error {err:.3g} exceeds the bound {bound:.3g} (C u G kappa)"
+
+
+def record_margin(name: str, err: float, bound: float) -> None:
+    """Append (test, quantity, error, bound) to the JSON-lines file named by
+    ``ATTNRES_NUMERICS_LOG``, if set: ``benchmarks/numerics_matrix.py`` collects the margins
+    (error / bound) of every checked quantity over CPU targets and thread counts."""
+    path = os.environ.get("ATTNRES_NUMERICS_LOG")
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"test": test, "quantity": name, "error": err, "bound": bound}) + "\n")
+
+
+def assert_bounded(err: float, bound: float, name: str) -> None:
+    """``err <= bound``, with the margin recorded (:func:`record_margin`)."""
+    record_margin(name, err, bound)
+    assert err <= bound, f"{name}: relative RMS error {err:.3g} exceeds the bound {bound:.3g} (C u G kappa)"
+
+
+def check_outputs_consistent(sources, query, gain, mix, lse, weights, logits, eps: float = 1e-6) -> None:
+    """The float32 outputs of one call agree with each other within the op's a-priori bounds:
+    ``weights = exp(logits - lse)`` (the weights' bound) and ``sum_i weights_i v_i = mix`` (the
+    mixture's bound), kappa and z_max from the float64 inputs."""
+    cond = conditions(sources, query, gain, [None] * 4, eps)
+    S, d = sources.shape[0], sources.shape[-1]
+    assert_within(torch.exp(logits - lse.unsqueeze(-1)), weights, tolerance(torch.float32, "weights", cond, S, d), "exp(logits - lse) vs weights")
+    rebuilt = torch.einsum("...s,s...d->...d", weights, sources)
+    assert_within(rebuilt, mix, tolerance(torch.float32, "mix", cond, S, d), "weights . sources vs mix")
 
 
 def _leaves(*tensors):
@@ -197,17 +229,109 @@ def check_fn(candidate, reference, inputs, upstream, names, bounds) -> None:
             assert_within(a, t, bounds[name], who + name)
 
 
-def model_bound(reference_error: float, n_reads: int, n_src: int, d: int, rows: int = 1) -> float:
-    """The bound on a whole float32 model's result (logits, loss, a parameter's gradient)
-    against its float64 twin: four times the float32 reference backend's own error on that
-    quantity, with a floor of ``C u (L+1)(sqrt(d) + S) sqrt(rows)``.
+def mixer_condition(sources, query, gain, upstream, eps: float = 1e-6) -> float:
+    """kappa of a depth mixer's query (and gain) gradient inside a whole model, in float64.
 
-    Most of a model's rounding comes from its attention and MLP sublayers, the same PyTorch
-    ops for every backend; the depth reads add at most one op's bound each (L+1 of them), and
-    a loss or a parameter's gradient sums ``rows`` token rows with mixed signs (kappa about
-    sqrt(rows), as for the op's query gradient). So a backend passes when it is as accurate as
-    the reference up to the constant, and the floor covers a quantity the reference happens
-    to round almost exactly (two roundings of one sum differ by a random factor).
+    The op's gradient is ``dq = sum_rows sum_i dz_i r_i v_i`` with ``dz_i = alpha_i (da_i - D)``,
+    ``da_i = v_i . dh`` and ``D = sum_j alpha_j da_j``. Inside a model the upstream ``dh`` is
+    itself a float32 result (the backward of every later layer) with a normwise relative error,
+    so the error of ``da_i`` scales with the dot product's absolute terms ``|v_i| . |dh|``, not
+    with ``|v_i . dh|`` as for the op alone (:func:`conditions`, where the upstream is exact).
+    This matters because ``dh`` is nearly orthogonal to what the read mixes (every consumer of a
+    read is an RMSNorm, whose gradient is orthogonal to its input): ``da_i`` cancels and the
+    query's gradient is small against its terms. Returns ``rms(sum |terms|) / rms(sum terms)``.
+
+    Args:
+        sources: [S, *batch, d]; query, gain: [d]; upstream: dL/dmix [*batch, d].
     """
-    floor = C * UNIT_ROUNDOFF[torch.float32] * n_reads * (math.sqrt(d) + n_src) * math.sqrt(rows)
-    return max(4.0 * reference_error, floor)
+    v = sources.detach().double().flatten(1, -2)  # (S, M, d)
+    S, M, d = v.shape
+    q = query.detach().double() * (1 if gain is None else gain.detach().double())
+    dh = upstream.detach().double().reshape(M, d)
+    r = torch.rsqrt(v.pow(2).mean(-1) + eps)  # (S, M)
+    alpha = torch.softmax((v @ q) * r, 0)
+    da = (v * dh).sum(-1)
+    dz = alpha * (da - (alpha * da).sum(0))
+    da_abs = (v.abs() * dh.abs()).sum(-1)
+    dz_abs = alpha * (da_abs + (alpha * da_abs).sum(0))
+    dq = ((dz * r)[..., None] * v).sum((0, 1))
+    dq_abs = ((dz_abs * r)[..., None] * v.abs()).sum((0, 1))
+    return max(1.0, (dq_abs.pow(2).mean().sqrt() / dq.pow(2).mean().sqrt().clamp_min(1e-300)).item())
+
+
+def model_conditions(model64, loss_terms) -> dict[str, float]:
+    """kappa of every result of a whole model, evaluated on its float64 twin before any float32 run.
+
+    Args:
+        model64: the float64 model (hooks and all, as the candidates run).
+        loss_terms: ``fn(model) -> (logits, per-term losses [N])``; the loss is their mean.
+
+    Returns:
+        kappa per result name: ``"logits"`` and ``"loss"`` 1 (elementwise results, and a mean
+        of positive terms); for every parameter, the sum of the absolute per-term gradients
+        over the absolute gradient, ``rms(sum_t |g_t|) / rms(sum_t g_t)`` with ``g_t`` the
+        gradient of loss term t / N (how much the mean over tokens cancels); for a depth
+        mixer's query and gain, the larger of that and :func:`mixer_condition` at its read (how
+        much the sum over rows and sources inside the op cancels); ``"mixer"``, the largest
+        mixer kappa (for per-read norms of the mixers' gradients).
+    """
+    from attnres_probe.model import DepthMixer
+
+    params = dict(model64.named_parameters())
+    reads: dict = {}
+
+    def capture(mixer, args, out):  # the sources the op mixes and, in the backward, dL/dmix
+        entry = reads.setdefault(mixer, {"sources": torch.stack([s.detach() for s in args[0]])})
+        if out.requires_grad:
+            out.register_hook(lambda g: entry.__setitem__("upstream", g.detach()))
+
+    handles = [m.register_forward_hook(capture) for m in model64.modules() if isinstance(m, DepthMixer)]
+    try:
+        _, terms = loss_terms(model64)
+        n = terms.numel()
+        total = {k: torch.zeros_like(p) for k, p in params.items()}
+        absolute = {k: torch.zeros_like(p) for k, p in params.items()}
+        for t in range(n):
+            grads = torch.autograd.grad(terms[t] / n, list(params.values()), retain_graph=True, allow_unused=True)
+            for k, g in zip(params, grads):
+                if g is not None:
+                    total[k] += g
+                    absolute[k] += g.abs()
+        terms.mean().backward(inputs=list(params.values()))  # fills each read's upstream
+    finally:
+        for h in handles:
+            h.remove()
+    out = {"logits": 1.0, "loss": 1.0, "mixer": 1.0}
+    for k in params:
+        den = total[k].pow(2).mean().sqrt().item()
+        out[k] = max(1.0, absolute[k].pow(2).mean().sqrt().item() / den) if den > 0 else 1.0
+    names = {m: n for n, m in model64.named_modules()}
+    for mixer, entry in reads.items():
+        if "upstream" not in entry:
+            continue
+        kappa = mixer_condition(entry["sources"], mixer.query, mixer.norm.weight, entry["upstream"], mixer.eps)
+        for p in ("query", "norm.weight"):
+            key = f"{names[mixer]}.{p}"
+            out[key] = max(out[key], kappa)
+            out["mixer"] = max(out["mixer"], out[key])
+    return out
+
+
+def model_growth(cfg) -> float:
+    """G of a whole model: one read's ``sqrt(d) + S`` for each of its L+1 reads.
+
+    A model's float32 result carries the rounding of every sublayer and read before it (and,
+    for a gradient, after it): each read adds at most one op's ``u (sqrt(d) + S)`` (the op's G
+    at logits of order one, :func:`growth`), and its attention and MLP sublayers, the same
+    PyTorch ops for every backend, add rounding of the same order, which ``C`` covers.
+    """
+    return cfg.n_reads * (math.sqrt(cfg.d_model) + cfg.n_sources)
+
+
+def model_bound(cfg, kappa: float, dtype: torch.dtype = torch.float32) -> float:
+    """The bound on a whole model's result computed in ``dtype`` against its float64 twin:
+    ``C u G kappa`` with ``G`` from :func:`model_growth` and ``kappa`` from
+    :func:`model_conditions`. Both come from the configuration and the float64 twin, before
+    any float32 run: the float32 reference backend is a second candidate held to the same
+    bound, not the yardstick."""
+    return C * UNIT_ROUNDOFF[dtype] * model_growth(cfg) * kappa

@@ -8,6 +8,7 @@ import torch
 from attnres_probe.kernels import depth_attn, phase1, phase2, resolve_backend
 from attnres_probe.kernels import triton_depth_attn as tda
 from attnres_probe.kernels.reference import depth_attn_reference, phase1_reference, phase2_reference
+from closeness import C, UNIT_ROUNDOFF
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["torch", "triton", "numba"]
@@ -50,7 +51,8 @@ def test_extreme_logits_stay_finite(backend):
     mix, lse, w, z = depth_attn(x, q, return_weights=True, return_logits=True, backend=backend)
     for name, t in (("mix", mix), ("lse", lse), ("weights", w), ("logits", z)):
         assert torch.isfinite(t).all(), f"{name} is not finite"
-    assert torch.allclose(w.sum(-1), torch.ones_like(lse), atol=1e-5)  # one rounding per source, S = 9: 9 * 2^-24 < 1e-6
+    # each weight rounds once and the sum of S of them S times: C u S
+    assert (w.sum(-1) - 1).abs().max().item() <= C * UNIT_ROUNDOFF[torch.float32] * w.shape[-1]
     assert (w == 0).any() and z.abs().max() > 1e3  # underflowed weights, yet finite logits
     ups = [torch.randn_like(t) for t in (mix, lse, w, z)]
     grads = torch.autograd.grad((mix, lse, w, z), (x, q), ups)
