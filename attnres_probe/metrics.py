@@ -7,15 +7,17 @@ zero: a read r has k_r available sources, the non-NaN columns of its row.
 
 Which routing array a metric reads (``kind``):
 
-- ``"weights"``: the softmax depth weights a_i (AttnRes). For PreNorm they are unit
-  coefficients, which say nothing about routing.
+- ``"weights"`` (and ``"auto"``, the default): the normalised weights w = c m / sum(c m) on the
+  model's own source axis (:func:`attnres_probe.analysis.windows.normalised_weights`): AttnRes
+  its softmax weights (Block: a block's members share its weight), PreNorm its implied uniform
+  weights 1/k. The same quantity for every model (docs/design.md, "Statistics").
 - ``"contrib"``: contribution shares c_i = <coef_i v_i, h> / |h|^2 (sum to 1 per read, may be
-  negative), defined for all three architectures.
-- ``"auto"`` (default): weights for AttnRes (full / block), contrib for PreNorm, so that the
-  baseline is measured with its comparable stand-in.
+  negative), defined for every model.
 
-``FORMULAS`` maps every metric name used in the frames below (and in :func:`summary` /
-:func:`compare`) to its formula, for hover cards and reports.
+Every whole-model number is a diagnostic of :data:`attnres_probe.analysis.catalog.CATALOG`,
+computed by :mod:`attnres_probe.analysis.windows` (one implementation; :func:`summary` is its
+pooled value). ``FORMULAS`` maps every name used in the frames below to its formula, for hover
+cards and reports.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from attnres_probe.analysis.catalog import CATALOG
+from attnres_probe.analysis.windows import WINDOW_METRICS, normalised_weights, pooled_metrics
 from attnres_probe.numeric import token_mean
 from attnres_probe.trace import DepthTrace, unique_names
 
@@ -43,60 +47,30 @@ __all__ = [
 ]
 
 FORMULAS: dict[str, str] = {
-    # per read (locality)
-    "distance": "E[d] = Σ_i a_i·(k_r − 1 − i), i = column among the k_r available sources of read r "
+    # per read (locality), on the normalised weights w (kind="weights") or the shares c
+    "distance": "E[d] = Σ_i w_i·(k_r − 1 − i), i = column among the k_r available sources of read r "
     "(most recent = distance 0); mean over real tokens",
-    "recent_mass": "a_{k_r−1}: weight on the most recent available source; mean over real tokens",
+    "recent_mass": "w_{k_r−1}: weight on the most recent available source; mean over real tokens",
     "sources": "k_r: number of sources available to read r",
     # per read (retention)
-    "embed_weight": "a_0: depth weight on the embedding (source 0); mean over real tokens; NaN for PreNorm",
+    "embed_weight": "w_0: normalised weight of the embedding (source 0; PreNorm: 1/k_r); mean over real tokens",
     "embed_contrib": "c_0 = ⟨coef_0·v_0, h⟩ / ‖h‖²: contribution share of the embedding; mean over real tokens",
     # per read (entropy)
-    "entropy": "H(p)/log k_r with H(p) = −Σ_i p_i log p_i, p = a (weights) or p = |c|/Σ|c| (contrib); "
+    "entropy": "H(p)/log k_r with H(p) = −Σ_i p_i log p_i, p = w (weights) or p = |c|/Σ|c| (contrib); "
     "NaN where k_r = 1; mean over real tokens",
-    # gradient uniformity
-    "param_grad_cv": "std/mean (population std) of the L per-sublayer parameter-gradient norms ‖∂Loss/∂θ_j‖",
-    "param_grad_max_min": "max_j / min_j of the L per-sublayer parameter-gradient norms",
-    "act_grad_cv": "std/mean of g_r = mean over tokens of ‖∂Loss/∂h_r‖, over the L sublayer reads",
-    "act_grad_max_min": "max_r g_r / min_r g_r over the L sublayer reads",
-    # magnitude growth
-    "rms_in_growth": "m_{L−1} / m_0, m_r = mean over tokens of rms(h_r) at sublayer read r",
-    "rms_in_log_slope": "least-squares slope of log m_r against r = 0 … L−1 (natural log, per read)",
-    "rms_in_max_min": "max_r m_r / min_r m_r over the L sublayer reads (how far the magnitude swings, not only end to end)",
-    "rms_in_peak": "max_r m_r: the largest mean rms(h_r) over the L sublayer reads",
-    "rms_out_growth": "o_L / o_1, o_j = mean over tokens of rms(v_j), v_1 … v_L the sublayer outputs",
-    "rms_out_log_slope": "least-squares slope of log o_j against j = 1 … L (natural log, per sublayer)",
-    # summary headline numbers
-    "locality_distance": "mean over reads with k_r ≥ 2 of the per-read expected depth distance E[d]",
-    "locality_recent_mass": "mean over reads with k_r ≥ 2 of the mass on the most recent available source",
-    "embed_weight_deep": "mean of the per-read embedding weight a_0 over the deepest half of reads (r ≥ ⌊R/2⌋)",
-    "embed_contrib_deep": "mean of the per-read embedding contribution c_0 over the deepest half of reads (r ≥ ⌊R/2⌋)",
-    "mean_entropy": "mean over reads with k_r ≥ 2 of the normalised entropy H(p)/log k_r",
-    "mean_loss": "mean next-token loss over real tokens with a target",
+    # every diagnostic of the catalog
+    **{name: d.formula for name, d in CATALOG.items()},
 }
-
-# metrics compare() sets against the PreNorm baseline as model / baseline (the rest: model − baseline);
-# analysis.verdicts.EXPECTED is the owner of this choice
-RATIO_METRICS = (
-    "param_grad_cv",
-    "param_grad_max_min",
-    "act_grad_cv",
-    "act_grad_max_min",
-    "rms_in_growth",
-    "rms_in_max_min",
-    "rms_in_peak",
-    "rms_out_growth",
-)
 
 
 def resolve_kind(trace: DepthTrace, kind: str = "auto") -> str:
-    """``"auto"`` -> ``"contrib"`` for PreNorm, ``"weights"`` for AttnRes; else ``kind`` itself.
+    """``"auto"`` -> ``"weights"`` (the normalised weights, for every model); else ``kind`` itself.
 
     Raises:
         ValueError: ``kind`` is not ``"auto"``, ``"weights"`` or ``"contrib"``.
     """
     if kind == "auto":
-        return "contrib" if trace.residual == "prenorm" else "weights"
+        return "weights"
     if kind not in ("weights", "contrib"):
         raise ValueError(f"kind is {kind!r}; routing metrics accept 'auto', 'weights' or 'contrib'")
     return kind
@@ -120,7 +94,8 @@ def _read_index(trace: DepthTrace) -> pd.Index:
 
 def _routing(trace: DepthTrace, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(a [N, R, S] with NaN, avail [N, R, S], k [N, R]) for the real tokens."""
-    a = _real(trace, trace.cube(resolve_kind(trace, kind)))
+    kind = resolve_kind(trace, kind)
+    a = _real(trace, normalised_weights(trace, trace.depth_weights) if kind == "weights" else trace.contrib)
     avail = ~np.isnan(a)
     return a, avail, avail.sum(-1)
 
@@ -134,9 +109,9 @@ def locality(trace: DepthTrace, kind: str = "auto") -> pd.DataFrame:
         distance    E[d] = Σ_i a_i · (k_r − 1 − i)       (most recent source: distance 0)
         recent_mass a_{k_r − 1}                          (mass on the most recent source)
 
-    computed per token, then averaged over real tokens. ``kind="auto"`` uses the depth weights
-    for AttnRes and the contribution shares c for PreNorm (raw c, which sums to one but may be
-    negative, so E[d] is a signed-weight mean there).
+    computed per token, then averaged over real tokens, on the normalised weights w (``kind``
+    "auto" or "weights"; PreNorm: uniform) or the contribution shares c (``"contrib"``: raw c,
+    which sums to one but may be negative, so E[d] is a signed-weight mean there).
 
     Returns:
         DataFrame indexed by read label, columns ``distance``, ``recent_mass``, ``sources`` (k_r).
@@ -158,17 +133,13 @@ def locality(trace: DepthTrace, kind: str = "auto") -> pd.DataFrame:
 def embedding_retention(trace: DepthTrace) -> pd.DataFrame:
     """How much of each read still comes from the embedding (source 0).
 
-        embed_weight   mean over real tokens of a_0 (NaN for PreNorm: unit coefficients)
+        embed_weight   mean over real tokens of w_0, the embedding's normalised weight (PreNorm: 1/k_r)
         embed_contrib  mean over real tokens of c_0 = ⟨coef_0·v_0, h⟩ / ‖h‖²
 
     Returns:
         DataFrame indexed by read label, columns ``embed_weight``, ``embed_contrib``.
     """
-    R = len(trace.read_labels)
-    if trace.residual == "prenorm":
-        weight = np.full(R, np.nan)
-    else:
-        weight = token_mean(_real(trace, trace.depth_weights[..., 0]))
+    weight = token_mean(_real(trace, normalised_weights(trace, trace.depth_weights)[..., 0]))
     contrib = token_mean(_real(trace, trace.contrib[..., 0]))
     return pd.DataFrame({"embed_weight": weight, "embed_contrib": contrib}, index=_read_index(trace))
 
@@ -178,7 +149,7 @@ def entropy(trace: DepthTrace, kind: str = "auto") -> pd.Series:
 
         H(p) / log k_r,   H(p) = −Σ_i p_i log p_i   (0·log 0 = 0)
 
-    with p = a / Σa for weights, and p = |c| / Σ|c| for contribution shares (which may be
+    with p = w for the normalised weights, and p = |c| / Σ|c| for contribution shares (which may be
     negative, so their absolute values are normalised). NaN where k_r = 1 (no choice to make).
     Computed per token, then averaged over real tokens; ``kind="auto"`` as in :func:`locality`.
 
@@ -226,115 +197,36 @@ def source_profile(trace: DepthTrace) -> pd.DataFrame:
 
 
 # -- whole-model numbers ------------------------------------------------------------------
-def _spread(values: np.ndarray) -> tuple[float, float]:
-    """(std/mean, max/min) of a vector; NaN unless every entry is finite."""
-    v = np.asarray(values, dtype=np.float64)
-    if v.size == 0 or not np.isfinite(v).all():
-        return float("nan"), float("nan")
-    mean, lo = v.mean(), v.min()
-    cv = float(v.std() / mean) if mean != 0 else float("nan")
-    ratio = float(v.max() / lo) if lo > 0 else float("nan")
-    return cv, ratio
+GRADIENT_NAMES = ("param_grad_cv", "param_grad_max_min", "param_grad_attn_cv", "param_grad_mlp_cv",
+                  "act_grad_cv", "act_grad_max_min", "act_grad_early_late")
+MAGNITUDE_NAMES = ("rms_out_growth", "rms_out_log_slope", "rms_mix_growth")
 
 
 def gradient_uniformity(trace: DepthTrace) -> pd.Series:
-    """How evenly gradients spread over depth (1 / 0 = perfectly even).
+    """How evenly gradients spread over depth: the gradient diagnostics of the catalog
+    (:data:`GRADIENT_NAMES`; formulas in :data:`FORMULAS`), over every real token of the trace.
 
-        param_grad_cv       std/mean (population std) of the L parameter-gradient norms
-        param_grad_max_min  max/min of the same
-        act_grad_cv         std/mean of g_r = mean over real tokens of ‖∂Loss/∂h_r‖, r = 0 … L−1
-        act_grad_max_min    max/min of the same
-
-    NaN when the trace has no gradients (recorded without backward), or any of the L values
-    is not finite.
-
-    Returns:
-        Series indexed by the four names above.
+    Parameter gradients per transformer block (and per attention and MLP sublayer); activation
+    gradients at every sublayer output, ||dL/dv_j||. NaN without gradients.
     """
-    L = len(trace.sublayer_labels)
-    p_cv, p_ratio = _spread(trace.param_grad)
-    act = token_mean(_real(trace, trace.grad_in))[:L]
-    a_cv, a_ratio = _spread(act)
-    return pd.Series(
-        {"param_grad_cv": p_cv, "param_grad_max_min": p_ratio, "act_grad_cv": a_cv, "act_grad_max_min": a_ratio},
-        name=trace.name,
-    )
-
-
-def _growth(m: np.ndarray) -> tuple[float, float, float, float]:
-    """(last/first, least-squares slope of log m over index, max/min, max)."""
-    m = np.asarray(m, dtype=np.float64)
-    if m.size == 0 or not (np.isfinite(m).all() and (m > 0).all()):
-        return float("nan"), float("nan"), float("nan"), float("nan")
-    ratio = float(m[-1] / m[0])
-    slope = float(np.polyfit(np.arange(m.size), np.log(m), 1)[0]) if m.size > 1 else float("nan")
-    return ratio, slope, float(m.max() / m.min()), float(m.max())
+    return pooled_metrics(trace)[list(GRADIENT_NAMES)]
 
 
 def magnitude_growth(trace: DepthTrace) -> pd.Series:
-    """How hidden-state magnitude grows with depth.
-
-        rms_in_growth      m_{L−1} / m_0, m_r = mean over real tokens of rms(h_r), the L sublayer reads
-        rms_in_log_slope   least-squares slope of log m_r over r = 0 … L−1 (natural log per read)
-        rms_in_max_min     max_r m_r / min_r m_r (a stream can end where it began and still swing)
-        rms_in_peak        max_r m_r
-        rms_out_growth     o_L / o_1, o_j = mean over real tokens of rms(v_j), the L sublayer outputs
-                           (the embedding v_0 left out)
-        rms_out_log_slope  least-squares slope of log o_j over j = 1 … L
-
-    PreNorm's growing stream shows as a ratio well above one and a positive slope.
-
-    Returns:
-        Series indexed by the six names above (NaN where a mean is not finite and positive).
-    """
-    L = len(trace.sublayer_labels)
-    m_in = token_mean(_real(trace, trace.rms_in))[:L]
-    m_out = token_mean(_real(trace, trace.rms_out))[1 : L + 1]
-    in_ratio, in_slope, in_max_min, in_peak = _growth(m_in)
-    out_ratio, out_slope, _, _ = _growth(m_out)
-    return pd.Series(
-        {
-            "rms_in_growth": in_ratio,
-            "rms_in_log_slope": in_slope,
-            "rms_in_max_min": in_max_min,
-            "rms_in_peak": in_peak,
-            "rms_out_growth": out_ratio,
-            "rms_out_log_slope": out_slope,
-        },
-        name=trace.name,
-    )
+    """How magnitudes grow with depth: the magnitude diagnostics of the catalog
+    (:data:`MAGNITUDE_NAMES`): what the sublayers write (rms(v_j)) and what the reads see as a
+    mixture (rms(h_r / Σc)), over every real token of the trace."""
+    return pooled_metrics(trace)[list(MAGNITUDE_NAMES)]
 
 
 def summary(trace: DepthTrace) -> pd.Series:
-    """Headline numbers of one trace (each name is a key of :data:`FORMULAS`).
-
-    ``locality_distance``, ``locality_recent_mass`` and ``mean_entropy`` average over reads with
-    at least two sources (read 0 has only the embedding); ``embed_weight_deep`` and
-    ``embed_contrib_deep`` over the deepest half of reads, r ≥ ⌊R/2⌋ (final read included).
-    Routing numbers use ``kind="auto"`` (weights for AttnRes, contrib for PreNorm).
+    """Every diagnostic of the catalog over every real token of ``trace`` at once (the same
+    function as for one window: :func:`attnres_probe.analysis.windows.pooled_metrics`).
 
     Returns:
-        Series named by the trace, indexed by metric name.
+        Series named by the trace, indexed by diagnostic name.
     """
-    loc = locality(trace)
-    choice = loc["sources"].to_numpy() >= 2
-    ret = embedding_retention(trace)
-    deep = slice(len(trace.read_labels) // 2, None)
-    ent = entropy(trace)
-    loss = _real(trace, trace.loss)
-    return pd.Series(
-        {
-            "locality_distance": _nanmean(loc["distance"].to_numpy()[choice]),
-            "locality_recent_mass": _nanmean(loc["recent_mass"].to_numpy()[choice]),
-            "embed_weight_deep": _nanmean(ret["embed_weight"].to_numpy()[deep]),
-            "embed_contrib_deep": _nanmean(ret["embed_contrib"].to_numpy()[deep]),
-            "mean_entropy": _nanmean(ent.to_numpy()[choice]),
-            **gradient_uniformity(trace).to_dict(),
-            **magnitude_growth(trace).to_dict(),
-            "mean_loss": _nanmean(loss),
-        },
-        name=trace.name,
-    )
+    return pooled_metrics(trace)[list(WINDOW_METRICS)]
 
 
 def compare(
@@ -352,7 +244,7 @@ def compare(
     :class:`~attnres_probe.stats.CorpusStats` recorded. For each model and metric the estimate
     is the mean over windows with a percentile-bootstrap interval; for each AttnRes model
     against the baseline (the first PreNorm model unless ``baseline`` names one) it is the mean
-    paired difference, or for spreads, growths and peaks (:data:`RATIO_METRICS`) the ratio of
+    paired difference, or for spreads and growths (the catalog's ``compare="ratio"``) the ratio of
     means, on the windows both recorded, with its interval and the verdict of
     :func:`attnres_probe.analysis.verdicts.verdict` against the paper's direction. With one
     window there is no interval (the note says so) and every verdict is "inconclusive".
@@ -360,9 +252,10 @@ def compare(
     The bootstrap resamples documents (a cluster bootstrap; windows of one document together):
     a corpus's windows carry their document, a trace's sequences are one document each, except a
     text recorded in context-sized windows (``meta["windows"]``), which is one document. Under
-    ten documents the note says the intervals are rough. Locality and entropy read each model's
-    routing array (``kind="auto"``: weights for AttnRes, contribution shares for PreNorm); the
-    ``basis`` column names it, and a comparison of the two says so in its note.
+    ten documents the note says the intervals are rough. Routing diagnostics read every model's
+    normalised weights and are compared with the uniform reference on the model's own source
+    axis (PreNorm's implied weights grouped as the model groups its sources: Block in block
+    units); the ``reference`` column holds it beside each value.
 
     Args:
         *items: DepthTraces and/or CorpusStats, one per model.
@@ -374,8 +267,8 @@ def compare(
 
     Returns:
         The tidy frame of :func:`attnres_probe.analysis.compare.compare_windows`: columns
-        metric, model, baseline, comparison ("value" / "difference" / "ratio"), basis, estimate,
-        low, high, pooled, windows, documents, held, expected, verdict, note.
+        metric, model, baseline, comparison ("value" / "difference" / "ratio"), basis, unit,
+        reference, estimate, low, high, pooled, windows, documents, held, expected, verdict, note.
     """
     from attnres_probe.analysis.compare import Windows, compare_windows
     from attnres_probe.stats import CorpusStats

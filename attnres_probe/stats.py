@@ -31,13 +31,23 @@ import numpy as np
 import pandas as pd
 
 from attnres_probe._version import __version__
-from attnres_probe.analysis.windows import KEY_COLUMNS, WINDOW_METRICS, window_digests, window_metric_arrays, window_profiles
+from attnres_probe.analysis.catalog import CATALOG
+from attnres_probe.analysis.windows import (
+    KEY_COLUMNS,
+    WINDOW_COLUMNS,
+    mixture_rms,
+    pooled_metrics,
+    profile_values,
+    window_digests,
+    window_metric_arrays,
+    window_profiles,
+)
 from attnres_probe.io import clear_leftovers, exclusive_lock, fault_point, set_aside, sha256_file, write_directory
 from attnres_probe.trace import DepthTrace
 
 __all__ = ["CorpusStats", "RunningStats", "StatsError", "STATS_SCHEMA_VERSION"]
 
-STATS_SCHEMA_VERSION = 1
+STATS_SCHEMA_VERSION = 2  # 2: the diagnostics catalog (matched quantities), grad_out and rms_mix
 STATS_FILE = "stats.json"
 ARRAYS_FILE = "arrays.npz"
 WINDOWS_FILE = "windows.parquet"
@@ -51,6 +61,7 @@ AGGREGATED = {
     "grad_in": True,
     "rms_out": True,
     "grad_out": True,
+    "rms_mix": True,  # derived: rms(h_r / sum c), analysis.windows.mixture_rms
     "loss": True,
     "param_grad": False,
     "mixer_grad": False,
@@ -134,7 +145,7 @@ class RunningStats:
 
 
 def _empty_windows() -> dict[str, list]:
-    return {c: [] for c in (*KEY_COLUMNS, *WINDOW_METRICS)}
+    return {c: [] for c in (*KEY_COLUMNS, *WINDOW_COLUMNS)}
 
 
 def _is_stats_folder(folder: Path) -> bool:
@@ -211,8 +222,9 @@ class CorpusStats:
                 so far, offset 0.
         """
         m = trace.mask
+        derived = {"rms_mix": mixture_rms(trace, trace.rms_in, trace.depth_weights)}  # what each read sees, as a mixture
         for name, per_token in AGGREGATED.items():
-            arr = getattr(trace, name)
+            arr = derived[name] if name in derived else getattr(trace, name)
             obs = arr[m] if per_token else arr[None]
             if name not in self.stats:
                 self.stats[name] = RunningStats.zeros(obs.shape[1:])
@@ -232,7 +244,7 @@ class CorpusStats:
         self.windows["start"] += starts
         self.windows["n_tokens"] += [int(n) for n in m.sum(1)]
         self.windows["digest"] += window_digests(trace)
-        for c in WINDOW_METRICS:
+        for c in WINDOW_COLUMNS:
             self.windows[c] += values[c].tolist()
         self.n_tokens += int(m.sum())
         self.n_sequences += B
@@ -249,9 +261,9 @@ class CorpusStats:
 
     def window_table(self) -> pd.DataFrame:
         """One row per window: doc, start, n_tokens, digest, then every headline metric."""
-        df = pd.DataFrame({c: self.windows[c] for c in (*KEY_COLUMNS, *WINDOW_METRICS)})
+        df = pd.DataFrame({c: self.windows[c] for c in (*KEY_COLUMNS, *WINDOW_COLUMNS)})
         df = df.astype({"doc": np.int64, "start": np.int64, "n_tokens": np.int64, "digest": object,
-                        **{c: np.float64 for c in WINDOW_METRICS}})
+                        **{c: np.float64 for c in WINDOW_COLUMNS}})
         return df
 
     def profile(self, name: str, level: float = 0.95) -> pd.DataFrame:
@@ -313,15 +325,46 @@ class CorpusStats:
         if not self.stats:
             raise StatsError(f"the stats of {self.name!r} hold no tokens yet")
         n_src = len(self.meta["read_labels"])  # L + 1 sources written: the embedding and each sublayer
-        means = {name: self.mean(name) if name in self.stats else np.full(n_src, np.nan)  # grad_out: not in older stats
-                 for name in AGGREGATED}
+        kept = {name: per_token for name, per_token in AGGREGATED.items() if name != "rms_mix"}  # trace arrays only
+        means = {name: self.mean(name) if name in self.stats else np.full(n_src, np.nan) for name in kept}
         arrays = {name: means[name].astype(np.float32)[None, None] if per_token else means[name].astype(np.float32)
-                  for name, per_token in AGGREGATED.items()}
+                  for name, per_token in kept.items()}
         arrays["loss"] = arrays["loss"].reshape(1, 1)
         meta = {**self.meta, "str_tokens": [["<corpus mean>"]], "corpus": {"tokens": self.n_tokens, "sequences": self.n_sequences}}
         meta.pop("flags", None)
         meta.pop("progress", None)
         return DepthTrace(tokens=np.zeros((1, 1), np.int64), mask=np.ones((1, 1), bool), meta=meta, **arrays)
+
+    def pooled(self) -> pd.Series:
+        """Every diagnostic over every token the stats folded in, the same function as for one window
+        (:func:`~attnres_probe.analysis.windows.pooled_metrics` of a trace of the same tokens):
+        means over tokens are the windows' values weighted by their tokens (or by their tokens with
+        a next token, for the loss); functions of depth profiles use the profiles averaged over
+        every token. Parameter gradients exist per window only (one backward pass each): their
+        pooled diagnostics use the mean over windows of each sublayer's gradient norm."""
+        if not self.stats:
+            raise StatsError(f"the stats of {self.name!r} hold no tokens yet")
+        table = self.window_table()
+        out = pooled_metrics(self.to_trace())  # every column; the routing ones are replaced below
+        n = table["n_tokens"].to_numpy(np.float64)
+        for column in WINDOW_COLUMNS:
+            base = column.split("@")[0]
+            pooling = CATALOG[base].pooling
+            if pooling == "profile":
+                continue
+            v = table[column].to_numpy(np.float64)
+            wt = np.maximum(n - 1, 0) if pooling == "targets" else n
+            ok = np.isfinite(v) & (wt > 0)
+            out[column] = float((v[ok] * wt[ok]).sum() / wt[ok].sum()) if ok.any() else float("nan")
+        L = len(self.meta["read_labels"]) - 1
+        mean = {k: (self.mean(k) if k in self.stats else np.full(L + 1, np.nan)) for k in ("rms_out", "grad_out", "rms_mix")}
+        pg = self.profiles.get("param_grad")
+        out.update({k: float(v[0]) for k, v in profile_values(
+            rms_out=np.asarray(mean["rms_out"], np.float64)[None, 1 : L + 1],
+            rms_mix=np.asarray(mean["rms_mix"], np.float64)[None, :L],
+            grad_out=np.asarray(mean["grad_out"], np.float64)[None, 1 : L + 1],
+            param_grad=None if pg is None else pg.mean_or_nan[None], n=1).items()})
+        return out.rename(self.name)
 
     # -- combining ----------------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
@@ -377,7 +420,7 @@ class CorpusStats:
             setattr(out, attr, merged)
         table = pd.concat([self.window_table(), other.window_table()], ignore_index=True)
         table = table.sort_values(["doc", "start"], kind="stable").reset_index(drop=True)
-        out.windows = {c: table[c].tolist() for c in (*KEY_COLUMNS, *WINDOW_METRICS)}
+        out.windows = {c: table[c].tolist() for c in (*KEY_COLUMNS, *WINDOW_COLUMNS)}
         out.n_tokens = self.n_tokens + other.n_tokens
         out.n_sequences = self.n_sequences + other.n_sequences
         out.n_batches = self.n_batches + other.n_batches
@@ -418,10 +461,10 @@ class CorpusStats:
                               np.asarray(arrays[f"{name}.m2"], np.float64))
             (out.stats if prefix == "token" else out.profiles)[stat] = rs
         if table is not None:
-            missing = [c for c in (*KEY_COLUMNS, *WINDOW_METRICS) if c not in table.columns]
+            missing = [c for c in (*KEY_COLUMNS, *WINDOW_COLUMNS) if c not in table.columns]
             if missing:
                 raise StatsError(f"the window table lacks columns {missing}")
-            out.windows = {c: table[c].tolist() for c in (*KEY_COLUMNS, *WINDOW_METRICS)}
+            out.windows = {c: table[c].tolist() for c in (*KEY_COLUMNS, *WINDOW_COLUMNS)}
         return out
 
     def to_bytes(self) -> bytes:
@@ -501,6 +544,12 @@ class CorpusStats:
         version = doc.get("schema_version") if isinstance(doc, dict) else None
         if not isinstance(version, int):
             raise StatsError(f"{path} has no integer schema_version")
+        if version < STATS_SCHEMA_VERSION:
+            raise StatsError(
+                f"{directory} holds schema-version {version} stats, recorded with the diagnostics' earlier definitions "
+                "(routing on PreNorm's shares, gradients at the mixed inputs): they cannot be compared with today's; "
+                "record the corpus again into a new folder (attnres-probe corpus)"
+            )
         if version > STATS_SCHEMA_VERSION:
             raise StatsError(
                 f"{directory} holds schema-version {version} stats; this attnres-probe ({__version__}) reads "

@@ -35,12 +35,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attnres_probe import figures, metrics
-from attnres_probe.analysis import bootstrap
+from attnres_probe import figures
+from attnres_probe.analysis.catalog import CATALOG, UNIFORM
 from attnres_probe.analysis.compare import Windows, compare_windows
 from attnres_probe.analysis.display import BASIS_NOTE, LABELS, documents_warning, fmt_number, table_rows
 from attnres_probe.analysis.verdicts import verdict
-from attnres_probe.analysis.windows import window_metrics
+from attnres_probe.analysis.windows import WINDOW_COLUMNS, pooled_metrics, reference_column, window_metrics
 from attnres_probe.demo import DEMO_NAMES, demo_log, demo_validation_batches, demo_validation_documents, load_demo
 from attnres_probe.io import atomic_write
 from attnres_probe.probe import Probe
@@ -57,7 +57,6 @@ __all__ = [
     "run_study",
     "study_model",
     "study_windows",
-    "uniform_reference",
 ]
 
 N_WINDOWS = 128  # every validation window of the demo models (8 batches of 16 x 128 tokens)
@@ -82,9 +81,9 @@ class Finding:
         key: identifier in results.json.
         statement: the claim in words.
         model: the model it is about.
-        metric: a per-window column (a headline metric or one of the study's extras).
-        against: ``"baseline"`` (paired with PreNorm on the same windows), a number, or a
-            uniform-mixture reference (``"uniform_distance"`` …, see :func:`uniform_reference`).
+        metric: a diagnostic of :data:`~attnres_probe.analysis.catalog.CATALOG`.
+        against: ``"baseline"`` (paired with PreNorm on the same windows) or ``"uniform"`` (the
+            uniform weights on the model's own source axis, on the same windows).
         expected: the paper's direction, ``"lower"`` or ``"higher"`` than what it is set against.
         kind: for ``against="baseline"``: ``"ratio"`` or ``"difference"``.
     """
@@ -93,49 +92,21 @@ class Finding:
     statement: str
     model: str
     metric: str
-    against: Any
+    against: str
     expected: str
     kind: str = "difference"
 
 
-FINDINGS: list[Finding] = [
-    Finding("prenorm_magnitude_grows", "PreNorm: the hidden-state magnitude grows with depth (RMS of the last sublayer "
-            "read over the first > 1)", "prenorm", "rms_in_growth", 1.0, "higher"),
-    Finding("prenorm_log_rms_slope_positive", "PreNorm: log RMS rises with depth (least-squares slope per read > 0)",
-            "prenorm", "rms_in_log_slope", 0.0, "higher"),
-    *[Finding(f"{m}_magnitude_growth_below_prenorm", f"{m.title()} AttnRes: magnitude grows less than PreNorm's "
-              "(last/first RMS ratio below PreNorm's)", m, "rms_in_growth", "baseline", "lower", "ratio") for m in ("full", "block")],
-    *[Finding(f"{m}_magnitude_peak_below_prenorm", f"{m.title()} AttnRes: magnitudes stay bounded: the peak RMS over "
-              "sublayer reads is below PreNorm's", m, "rms_in_peak", "baseline", "lower", "ratio") for m in ("full", "block")],
-    *[Finding(f"{m}_magnitude_swing_below_prenorm", f"{m.title()} AttnRes: magnitudes swing less over depth than "
-              "PreNorm's (max/min RMS over sublayer reads)", m, "rms_in_max_min", "baseline", "lower", "ratio") for m in ("full", "block")],
-    Finding("prenorm_early_activation_gradients_largest", "PreNorm: the earliest layers get the largest gradients at their "
-            "inputs (‖∂L/∂h‖ at the first read over the last sublayer read > 1)", "prenorm", "act_grad_first_last", 1.0, "higher"),
-    Finding("prenorm_early_parameter_gradients_largest", "PreNorm: the earliest layers get the largest parameter gradients "
-            "(mean parameter-gradient norm of the first half of sublayers over the second half > 1)", "prenorm",
-            "param_grad_early_late", 1.0, "higher"),
-    *[Finding(f"{m}_parameter_gradients_more_uniform", f"{m.title()} AttnRes: parameter gradients are more uniform across "
-              "layers than PreNorm's (lower coefficient of variation of the per-sublayer norms)", m, "param_grad_cv",
-              "baseline", "lower", "ratio") for m in ("block", "full")],
-    *[Finding(f"{m}_activation_gradients_more_uniform", f"{m.title()} AttnRes: gradients at the mixed inputs are more "
-              "uniform across reads than PreNorm's (lower CV of ‖∂L/∂h‖)", m, "act_grad_cv", "baseline", "lower", "ratio")
-      for m in ("block", "full")],
-    *[Finding(f"{m}_weights_closer_than_uniform", f"{m.title()} AttnRes: depth weights are local: expected depth distance "
-              "below a uniform mixture's over the same sources", m, "locality_distance", "uniform_distance", "lower")
-      for m in ("full", "block")],
-    *[Finding(f"{m}_recent_mass_above_uniform", f"{m.title()} AttnRes: depth weights are local: more mass on the most "
-              "recent source than a uniform mixture", m, "locality_recent_mass", "uniform_recent_mass", "higher")
-      for m in ("full", "block")],
-    *[Finding(f"{m}_embedding_retained", f"{m.title()} AttnRes: the embedding keeps weight deep into the network (mean "
-              "embedding weight over the deepest half of reads above a uniform share)", m, "embed_weight_deep",
-              "uniform_embed_deep", "higher") for m in ("full", "block")],
-    *[Finding(f"{m}_loss_below_prenorm", f"{m.title()} AttnRes: next-token loss below PreNorm's on the same windows", m,
-              "mean_loss", "baseline", "lower") for m in ("block", "full")],
-]
-EXTRAS = {
-    "act_grad_first_last": "‖∂L/∂h‖ at the first read / at the last sublayer read (mean over the window's tokens)",
-    "param_grad_early_late": "mean parameter-gradient norm of the first half of sublayers / of the second half",
-}
+def _finding(model: str, metric: str) -> Finding:
+    d = CATALOG[metric]
+    uniform = d.reference == UNIFORM
+    against = "uniform weights on the same sources" if uniform else "PreNorm's"
+    return Finding(f"{model}_{metric}", f"{model.title()} AttnRes: {d.label} {d.direction} than {against}", model, metric,
+                   "uniform" if uniform else "baseline", d.direction, d.compare)
+
+
+# every diagnostic of the catalog with a direction the paper states, for each AttnRes model
+FINDINGS: list[Finding] = [_finding(m, name) for m in ("full", "block") for name, d in CATALOG.items() if d.direction]
 
 
 def study_model(name: str, models: str | Path | None = None) -> tuple[Any, dict[str, Any]]:
@@ -168,18 +139,8 @@ def record_validation(name: str, n_windows: int = N_WINDOWS, progress: bool = Fa
 
 
 def study_windows(traces: list[DepthTrace]) -> pd.DataFrame:
-    """One row per window: every headline metric plus the study's extras (:data:`EXTRAS`)."""
-    rows = []
-    for t in traces:
-        table = window_metrics(t)
-        L = len(t.sublayer_labels)
-        act = np.nanmean(np.where(t.mask[..., None], t.grad_in, np.nan), axis=1)[:, :L]  # (B, L)
-        table["act_grad_first_last"] = act[:, 0] / act[:, -1]
-        grads = np.asarray(t.param_grad, np.float64)
-        half = L // 2
-        table["param_grad_early_late"] = grads[:half].mean() / grads[half:].mean() if t.tokens.shape[0] == 1 else np.nan
-        rows.append(table)
-    return pd.concat(rows, ignore_index=True)
+    """One row per window: every diagnostic of the catalog and each routing diagnostic's uniform reference."""
+    return pd.concat([window_metrics(t) for t in traces], ignore_index=True)
 
 
 def record_pooled(name: str, n_windows: int = N_WINDOWS, models: str | Path | None = None) -> DepthTrace:
@@ -190,30 +151,8 @@ def record_pooled(name: str, n_windows: int = N_WINDOWS, models: str | Path | No
 
 
 def pooled_numbers(trace: DepthTrace) -> dict[str, float]:
-    """Every metric of the pool: all windows' tokens together, gradients of their mean loss (one backward)."""
-    out = {k: float(v) for k, v in metrics.summary(trace).items()}
-    L = len(trace.sublayer_labels)
-    act = metrics.read_profile(trace)["grad_in"].to_numpy()[:L]
-    grads = np.asarray(trace.param_grad, np.float64)
-    out["act_grad_first_last"] = float(act[0] / act[-1])
-    out["param_grad_early_late"] = float(grads[: L // 2].mean() / grads[L // 2 :].mean())
-    return out
-
-
-def uniform_reference(trace: DepthTrace) -> dict[str, float]:
-    """What a uniform mixture over each read's available sources would score (reads with k >= 2).
-
-    Returns expected depth distance mean((k-1)/2), recent mass mean(1/k), and the embedding's
-    share 1/k averaged over the deepest half of reads (r >= floor(R/2)), matching metrics.summary.
-    """
-    k_all = np.isfinite(trace.depth_weights[0, 0]).sum(-1).astype(float)  # sources per read
-    k = k_all[k_all >= 2]
-    deep = k_all[len(k_all) // 2 :]
-    return {
-        "uniform_distance": float(np.mean((k - 1) / 2)),
-        "uniform_recent_mass": float(np.mean(1 / k)),
-        "uniform_embed_deep": float(np.mean(1 / deep)),
-    }
+    """Every diagnostic of the pool (all windows' tokens together, gradients of their mean loss: one backward)."""
+    return {k: float(v) for k, v in pooled_metrics(trace).items()}
 
 
 def _where(verdict_: str, pooled_ok: bool | None) -> str:
@@ -227,60 +166,46 @@ def _where(verdict_: str, pooled_ok: bool | None) -> str:
 def evaluate_findings(
     windows: dict[str, pd.DataFrame],
     pooled: dict[str, dict[str, float]],
-    references: dict[str, dict[str, float]],
     n_resamples: int = N_RESAMPLES,
     seed: int = SEED,
     level: float = 0.95,
     documents: list[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every :data:`FINDINGS` entry with its estimate, interval, verdict, windows held and where it holds.
+    """Every :data:`FINDINGS` entry with its estimate, interval, verdict, windows held and where it holds,
+    from the one comparison engine (:func:`~attnres_probe.analysis.compare.compare_windows`).
 
     Args:
         windows: model -> :func:`study_windows` table (all models on the same windows, same order).
-        pooled: model -> pooled metric values.
-        references: model -> :func:`uniform_reference`.
+        pooled: model -> pooled values (:func:`pooled_numbers`).
         documents: the document of each window: the bootstrap resamples documents (all windows
-            of a drawn document), as :func:`attnres_probe.metrics.compare` does; None resamples
-            windows one by one.
+            of a drawn document); None resamples windows one by one.
     """
+    n = len(next(iter(windows.values())))
+    docs = pd.factorize(pd.Series(documents))[0].astype(np.int64) if documents is not None else np.arange(n)
+    if len(docs) != n:
+        raise ValueError(f"{len(docs)} document labels for {n} windows")
+    keys = pd.DataFrame({"doc": docs, "start": np.arange(n, dtype=np.int64), "n_tokens": np.ones(n, np.int64),
+                         "digest": [f"w{i}" for i in range(n)]})
+    items = [Windows(name, name, pd.concat([keys, t[list(WINDOW_COLUMNS)].reset_index(drop=True)], axis=1),
+                     pd.Series(pooled[name])) for name, t in windows.items()]
+    frame = compare_windows(items, n_resamples=n_resamples, seed=seed, level=level, baseline="prenorm")
+    rows = {(r["model"], r["metric"]): r for r in frame[frame["comparison"] != "value"].to_dict("records")}
     out = []
     for f in FINDINGS:
-        a = windows[f.model][f.metric].to_numpy(np.float64)
-        counts = _counts(len(a), documents, n_resamples, seed)
-        if f.against == "baseline":
-            b = windows["prenorm"][f.metric].to_numpy(np.float64)
-            est, lo, hi = bootstrap.paired_interval(a, b, counts, f.kind, level)
-            null = 1.0 if f.kind == "ratio" else 0.0
-            ok = np.isfinite(a) & np.isfinite(b)
-            held = int(((a < b) if f.expected == "lower" else (a > b))[ok].sum())
-            pa, pb = pooled[f.model][f.metric], pooled["prenorm"][f.metric]
-            pooled_value = pa / pb if f.kind == "ratio" else pa - pb
-            against = "PreNorm on the same windows"
-        else:
-            null = float(references[f.model][f.against]) if isinstance(f.against, str) else float(f.against)
-            est, lo, hi = bootstrap.mean_interval(a, counts, level)
-            ok = np.isfinite(a)
-            held = int(((a < null) if f.expected == "lower" else (a > null))[ok].sum())
-            pooled_value = pooled[f.model][f.metric]
-            against = f"{fmt_number(null)} ({f.against.replace('_', ' ')})" if isinstance(f.against, str) else fmt_number(null)
-        v = verdict(lo, hi, f.expected, null)
+        r = rows[(f.model, f.metric)]
+        uniform = f.against == "uniform"
+        null = 1.0 if f.kind == "ratio" else 0.0
+        pooled_value = r["pooled"]
         pooled_ok = None if not np.isfinite(pooled_value) else bool(pooled_value < null if f.expected == "lower" else pooled_value > null)
+        held = r["held"]
         out.append({
-            "key": f.key, "statement": f.statement, "model": f.model, "metric": f.metric, "against": against,
-            "comparison": f.kind if f.against == "baseline" else "value", "null": null, "expected": f.expected,
-            "estimate": est, "low": lo, "high": hi, "pooled": pooled_value, "windows": int(ok.sum()), "held": held,
-            "verdict": v, "holds": _where(v, pooled_ok),
+            "key": f.key, "statement": f.statement, "model": f.model, "metric": f.metric,
+            "against": "uniform weights on the same sources and windows" if uniform else "PreNorm on the same windows",
+            "comparison": f.kind, "null": null, "expected": f.expected, "estimate": r["estimate"], "low": r["low"],
+            "high": r["high"], "pooled": pooled_value, "windows": int(r["windows"]),
+            "held": None if held is None or held is pd.NA else int(held), "verdict": r["verdict"], "holds": _where(r["verdict"], pooled_ok),
         })
     return out
-
-
-def _counts(n: int, documents: list[str] | None, n_resamples: int, seed: int) -> np.ndarray:
-    """Bootstrap counts over n windows: by document (:func:`bootstrap.cluster_counts`), or by window."""
-    if documents is None:
-        return bootstrap.resample_counts(n, n_resamples, seed)
-    if len(documents) != n:
-        raise ValueError(f"{len(documents)} document labels for {n} windows")
-    return bootstrap.cluster_counts(np.asarray(documents, dtype=object).astype(str), n_resamples, seed)
 
 
 def _with_documents(w: Windows, documents: list[str]) -> Windows:
@@ -305,20 +230,16 @@ def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto",
     windows = {n: study_windows(t) for n, t in traces.items()}
     documents = demo_validation_documents(logs["block"], n_windows)  # every model reads the same windows
     pooled = {n: pooled_numbers(record_pooled(n, n_windows, models)) for n in DEMO_NAMES}
-    refs = {n: uniform_reference(t[0]) for n, t in traces.items()}
-    findings = evaluate_findings(windows, pooled, refs, n_resamples, seed, documents=documents)
+    findings = evaluate_findings(windows, pooled, n_resamples, seed, documents=documents)
     frame = compare_windows([_with_documents(Windows.of_stats(st, n), documents) for n, st in stats.items()],
                             n_resamples=n_resamples, seed=seed)
     numbers = {}
     for n in DEMO_NAMES:
         rows = frame[(frame["model"] == n) & (frame["comparison"] == "value")].set_index("metric")
         numbers[n] = {m: {"mean": _num(r["estimate"]), "low": _num(r["low"]), "high": _num(r["high"]),
-                          "pooled": _num(pooled[n].get(m))} for m, r in rows.iterrows()}
-        for extra in EXTRAS:
-            est, lo, hi = bootstrap.mean_interval(windows[n][extra].to_numpy(), _counts(n_windows, documents, n_resamples, seed))
-            numbers[n][extra] = {"mean": _num(est), "low": _num(lo), "high": _num(hi), "pooled": _num(pooled[n][extra])}
+                          "pooled": _num(pooled[n].get(m)), "reference": _num(r["reference"]), "unit": r["unit"]}
+                      for m, r in rows.iterrows()}
         numbers[n]["val_loss_shipped"] = float(logs[n]["shipped"]["val_loss"])
-        numbers[n].update(refs[n] if n != "prenorm" else {})
     comparisons = [
         {k: (_num(v) if isinstance(v, float) else (None if v is pd.NA else v)) for k, v in r.items()}
         for r in frame[frame["comparison"] != "value"].to_dict("records")
@@ -341,7 +262,6 @@ def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto",
     table = table[["model", "window", "document", *[c for c in table.columns if c not in ("model", "window", "document")]]]
     atomic_write(out / WINDOWS_FILE, lambda p: table.to_csv(p, index=False, float_format="%.9g"))
     results["pooled"] = {n: {k: _num(v) for k, v in pooled[n].items()} for n in DEMO_NAMES}
-    results["references"] = refs
     atomic_write(out / "results.json", lambda p: p.write_text(json.dumps(results, indent=1) + "\n"))
     histories = {n: logs[n].get("probes", {}).get("history") for n in DEMO_NAMES}
     histories = {n: h for n, h in histories.items() if h}
@@ -401,18 +321,15 @@ def run_seed_study(out: str | Path, seed_dirs: list[str | Path], n_resamples: in
 
     findings = []
     for f in FINDINGS:
-        per_seed = {str(sd): next(x["verdict"] for x in r["findings"] if x["key"] == f.key) for sd, (_, r, _) in zip(seeds, runs)}
+        per_seed = {str(sd): next((x["verdict"] for x in r["findings"] if x["key"] == f.key), "not in this study")
+                    for sd, (_, r, _) in zip(seeds, runs)}
         a = values(f.model, f.metric)
         if f.against == "baseline":
-            est, lo, hi = seed_interval(a, values("prenorm", f.metric), f.kind, window_groups=groups, n_resamples=n_resamples,
-                                        seed=seed, level=level)
-            null, comparison = (1.0 if f.kind == "ratio" else 0.0), f.kind
-            against = "PreNorm of the same seed on the same windows"
+            b, against = values("prenorm", f.metric), "PreNorm of the same seed on the same windows"
         else:
-            refs = [float(r["references"][f.model][f.against]) if isinstance(f.against, str) else float(f.against) for _, r, _ in runs]
-            null, comparison = float(np.mean(refs)), "value"
-            est, lo, hi = seed_interval(a, window_groups=groups, n_resamples=n_resamples, seed=seed, level=level)
-            against = f"{fmt_number(null)} ({f.against.replace('_', ' ')})" if isinstance(f.against, str) else fmt_number(null)
+            b, against = values(f.model, reference_column(f.metric)), "uniform weights on the same sources and windows"
+        est, lo, hi = seed_interval(a, b, f.kind, window_groups=groups, n_resamples=n_resamples, seed=seed, level=level)
+        null, comparison = (1.0 if f.kind == "ratio" else 0.0), f.kind
         findings.append({
             "key": f.key, "statement": f.statement, "model": f.model, "metric": f.metric, "against": against,
             "comparison": comparison, "null": null, "expected": f.expected, "estimate": _num(est), "low": _num(lo),
@@ -541,8 +458,9 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         f"interval; the bootstrap resamples **documents** ({docs_words}: all windows of a drawn document together; "
         f"{boot['n_resamples']} resamples, seed {boot['seed']}), because windows of one text are alike, so the "
         f"intervals rest on the number of texts, not of windows{EDITIONS_NOTE if tr and tr.get('corpus') == 'shakespeare' else ''}. Comparisons with PreNorm are paired on the same windows "
-        "(a ratio of means for spreads, growths and peaks, a mean difference otherwise). For PreNorm, routing metrics use "
-        "contribution shares (its coefficients are all 1).",
+        "(a ratio of means for spreads and growths, a mean difference otherwise); each AttnRes model's routing is set "
+        "against the uniform weights on its own sources (PreNorm's implied weights, grouped as the model groups them) on "
+        "the same windows.",
         "",
         f"**One training run per architecture{' (seed ' + str(tr['seed']) + ')' if tr else ''}**: the intervals cover the "
         "texts, not the training seed. Another seed of the same recipe can turn a verdict; the study across seeds "
@@ -580,9 +498,10 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         pooled = f["pooled"]
         pooled_s = "—" if pooled is None else (f"×{pooled:.3g}" if f["comparison"] == "ratio" else
                                              (f"{pooled:+.3g}" if f["comparison"] == "difference" else f"{pooled:.4g}"))
+        held_s = "—" if f["held"] is None else f"{f['held']} of {f['windows']}"
         lines.append(
             f"| {f['statement']} | {f['model']} | {f['against']} ({f['expected']} expected) | {_estimate(f)} | {_interval(f)} "
-            f"| {f['held']} of {f['windows']} | {pooled_s} | **{f['verdict']}** | {f['holds']} |"
+            f"| {held_s} | {pooled_s} | **{f['verdict']}** | {f['holds']} |"
         )
     t = table_rows(frame)
     lines += [
@@ -604,11 +523,11 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         "",
         "Shipped validation loss (fp16 weights, the same windows): "
         + ", ".join(f"{m} {nums[m]['val_loss_shipped']:.4g}" for m in DEMO_NAMES) + ". "
-        "A uniform mixture over each read's sources would give: "
+        "The uniform reference of each routing number (uniform weights on the model's own sources, mean over windows): "
         + "; ".join(
-            f"{m}: expected distance {fmt_number(nums[m]['uniform_distance'])}, recent mass "
-            f"{fmt_number(nums[m]['uniform_recent_mass'])}, embedding share (deepest half) {fmt_number(nums[m]['uniform_embed_deep'])}"
-            for m in ("full", "block")
+            f"{m}: " + ", ".join(f"{LABELS[k]} {fmt_number(nums[m][k]['reference'])} ({nums[m][k]['unit']})"
+                                 for k in nums[m] if isinstance(nums[m][k], dict) and nums[m][k].get("reference") is not None)
+            for m in DEMO_NAMES
         )
         + ".",
         "",

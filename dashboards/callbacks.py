@@ -371,13 +371,13 @@ def metric_cards(ex: Explorer, key: Any) -> list:
 
 def comparison_notes(frame) -> list:
     """What a page says once above the comparisons of a :func:`metrics.compare` frame: too few
-    documents for firm intervals, and that locality and entropy set AttnRes's routing weights against
-    PreNorm's contribution shares (when a comparison does)."""
+    documents for firm intervals, and what each comparison sets side by side (the same quantity,
+    routing against the uniform reference on each model's own axis)."""
     out = []
     warning = documents_warning(frame)
     if warning:
         out.append(html.P(warning, className="notice few-documents"))
-    if frame["basis"].astype(str).str.contains(" vs ").any():
+    if (frame["comparison"] != "value").any():
         out.append(html.P(BASIS_NOTE, className="help basis-note"))
     return out
 
@@ -395,12 +395,13 @@ def headline_cards(frame, colors: dict[str, str]) -> list:
         blocks = []
         for m in group["metrics"]:
             comps = {c["model"]: c for c in m["comparisons"]}
-            head = html.Tr([html.Th("model"), html.Th("value"), html.Th("against the baseline"), html.Th("verdict")])
+            head = html.Tr([html.Th("model"), html.Th("value"), html.Th("against its reference"), html.Th("verdict")])
             body = []
             for v in m["values"]:
                 c = comps.get(v["model"])
                 name = html.Td(v["model"], style={"color": colors.get(v["model"])}, className="model")
                 value = html.Td([html.Div(v["estimate"], className="value"), html.Div(v["interval"], className="vs interval"),
+                                 html.Div(f"uniform: {v['reference']}", className="vs reference") if v["reference"] else None,
                                  html.Div(v["basis"], className="vs basis") if v["basis"] else None])
                 if c is None:
                     body.append(html.Tr([name, value, html.Td("baseline" if any(x["baseline"] == v["model"] for x in comps.values()) else "",

@@ -556,12 +556,17 @@ METRICS_NOTE = (
     "seed {seed}; the bootstrap resamples whole documents, since windows of one document are alike)."
 )
 COMPARISON_NOTE = (
-    "Each AttnRes model is set against the PreNorm baseline on the same windows: a ratio (×) for spreads, "
-    "growths and peaks, a difference (±) otherwise, with its interval. The verdict sets that interval against the "
-    "paper's direction: consistent (it excludes no difference, on the paper's side), contrary (it excludes it, on the "
-    "other side), inconclusive (it does not exclude it, or there is no interval)."
+    "Each AttnRes model's routing is set against the uniform weights on its own sources (PreNorm's implied weights, "
+    "grouped as the model groups them), and every other diagnostic against the PreNorm baseline's same quantity, on the "
+    "same windows: a ratio (×) for spreads and growths, a difference (±) otherwise, with its interval. The verdict sets "
+    "that interval against the paper's direction: consistent (it excludes no difference, on the paper's side), contrary "
+    "(it excludes it, on the other side), inconclusive (it does not exclude it, or there is no interval); no verdict "
+    "where the paper states no direction."
 )
-NO_BASELINE_NOTE = "No PreNorm model is in this report, so nothing is compared with a baseline and there are no verdicts."
+NO_BASELINE_NOTE = (
+    "No PreNorm model is in this report, so nothing is compared with a baseline; routing is still set against the "
+    "uniform weights on each model's own sources."
+)
 
 
 POOLED_REASON = "pooled value only"  # compare's note on a value with no per-window values (parameter gradients of one text)
@@ -596,7 +601,7 @@ def _metrics_context(frame: pd.DataFrame) -> dict[str, Any]:
     from attnres_probe.analysis.display import BASIS_NOTE, documents_warning, headline, table_rows
 
     windows = {str(r["model"]): int(r["windows"]) for _, r in frame[frame["comparison"] == "value"].groupby("model", sort=False).max().reset_index().iterrows()}
-    has_baseline = bool((frame["comparison"] != "value").any())
+    has_baseline = frame.attrs.get("baseline") is not None
     note = METRICS_NOTE.format(n_resamples=frame.attrs.get("n_resamples", "?"), seed=frame.attrs.get("seed", "?"))
     table = table_rows(frame)
     return {
@@ -605,7 +610,7 @@ def _metrics_context(frame: pd.DataFrame) -> dict[str, Any]:
         "pooled_note": POOLED_TABLE_NOTE if any("(pooled)" in c for r in table["rows"] for c in r["cells"]) else "",
         "has_baseline": has_baseline,
         "note": f"{note} {COMPARISON_NOTE if has_baseline else NO_BASELINE_NOTE}",
-        "basis_note": BASIS_NOTE if frame["basis"].astype(str).str.contains(" vs ").any() else "",
+        "basis_note": BASIS_NOTE if (frame["comparison"] != "value").any() else "",
         "documents": documents_warning(frame),
         "one_window": max(windows.values(), default=0) <= 1,
     }
@@ -725,7 +730,7 @@ def _explorer_reading(reading: dict, name: str, positions: list[tuple[int, int]]
 
 
 def _explorer_model(trace: DepthTrace, name: str, positions: list[tuple[int, int]], plots: _Plots, digits: int) -> dict:
-    auto = metrics.resolve_kind(trace, "auto")
+    auto = "contrib" if trace.residual == "prenorm" else "weights"  # PreNorm's weights are all one: show its shares
     b0, p0 = positions[0]
     fig = figures.token_heatmap(trace, token=p0, batch=b0, kind=auto)
     fig.update_layout(title={"text": fig.layout.title.text.replace(trace.name, name, 1)})

@@ -8,12 +8,13 @@ import time
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from attnres_probe import Probe, metrics
 from attnres_probe.analysis import bootstrap
 from attnres_probe.analysis.compare import Windows, compare_windows
 from attnres_probe.analysis.verdicts import EXPECTED, VERDICTS, verdict
-from attnres_probe.analysis.windows import KEY_COLUMNS, WINDOW_METRICS, window_metrics
+from attnres_probe.analysis.windows import KEY_COLUMNS, WINDOW_COLUMNS, WINDOW_METRICS, reference_column, window_metrics
 from helpers import sample_tokens, tiny_model
 from trace_factory import make_trace
 
@@ -156,10 +157,14 @@ def test_verdict_rejects_a_direction_it_does_not_know():
 
 
 def test_every_compared_metric_has_a_paper_direction_and_a_formula():
+    from attnres_probe.analysis.catalog import CATALOG
+
     for m, exp in EXPECTED.items():
         assert m in metrics.FORMULAS and m in WINDOW_METRICS
         assert exp.direction in ("lower", "higher") and exp.kind in ("ratio", "difference") and exp.claim
-    assert set(metrics.RATIO_METRICS) == {m for m, e in EXPECTED.items() if e.kind == "ratio"}
+    for m, d in CATALOG.items():  # a direction only where the paper's words are quoted
+        assert (d.direction is not None) == bool(d.paper) and d.unit and d.formula and d.label
+        assert (m in EXPECTED) == (d.direction is not None)
 
 
 # -- per-window metrics -------------------------------------------------------------------------
@@ -168,7 +173,7 @@ def test_window_metrics_of_a_one_window_trace_equal_the_summary(residual):
     trace = Probe(tiny_model(residual)).run(TEXT, backward=True)
     row = window_metrics(trace).iloc[0]
     s = metrics.summary(trace)
-    assert list(window_metrics(trace).columns) == list(WINDOW_METRICS)
+    assert list(window_metrics(trace).columns) == list(WINDOW_COLUMNS)
     np.testing.assert_allclose(row[list(WINDOW_METRICS)].to_numpy(float), s[list(WINDOW_METRICS)].to_numpy(float),
                                rtol=1e-9, atol=1e-12, equal_nan=True)
 
@@ -189,10 +194,11 @@ def test_window_metrics_of_a_batch_are_those_of_each_sequence_alone_except_param
 
 
 def test_window_metrics_ignore_padding():
-    trace = make_trace("full", n_pos=4, n_real=2, rms_in=[1, 2, 4])
+    trace = make_trace("full", n_pos=4, n_real=2, rms_out=[5, 1, 2])
     row = window_metrics(trace).iloc[0]
-    assert row["rms_in_growth"] == pytest.approx(2.0) and row["rms_in_peak"] == pytest.approx(2.0)
+    assert row["rms_out_growth"] == pytest.approx(2.0)
     assert row["locality_distance"] == pytest.approx((0.25 + 0.7) / 2)
+    assert row[reference_column("locality_distance")] == pytest.approx((0.5 + 1.0) / 2)  # uniform: [.5 .5], [1/3 x 3]
 
 
 # -- compare ---------------------------------------------------------------------------------------
@@ -200,22 +206,27 @@ def _windows(name: str, residual: str, values: dict[str, np.ndarray], digests: l
     n = len(next(iter(values.values())))
     table = pd.DataFrame({"doc": np.arange(n), "start": np.zeros(n, int), "n_tokens": np.full(n, 10),
                           "digest": digests or [f"d{i}" for i in range(n)]})
-    for m in WINDOW_METRICS:
+    for m in WINDOW_COLUMNS:
         table[m] = values.get(m, np.full(n, np.nan))
-    pooled = pd.Series({m: float(np.nanmean(table[m])) if table[m].notna().any() else np.nan for m in WINDOW_METRICS})
+    pooled = pd.Series({m: float(np.nanmean(table[m])) if table[m].notna().any() else np.nan for m in WINDOW_COLUMNS})
     return Windows(name, residual, table, pooled)
 
 
 def test_compare_gives_intervals_paired_differences_and_verdicts_on_the_same_windows():
     rng = np.random.default_rng(0)
     base = rng.normal(5, 1, 30)
-    pre = _windows("prenorm", "prenorm", {"locality_distance": base, "param_grad_cv": np.full(30, 0.3) + rng.normal(0, .01, 30)})
-    att = _windows("block", "block", {"locality_distance": base - 1 + rng.normal(0, .2, 30),
+    ref = reference_column("locality_distance")
+    pre = _windows("prenorm", "prenorm", {"mean_loss": base, "param_grad_cv": np.full(30, 0.3) + rng.normal(0, .01, 30)})
+    att = _windows("block", "block", {"mean_loss": base - 1 + rng.normal(0, .2, 30),
+                                      "locality_distance": np.full(30, 1.0) + rng.normal(0, .1, 30), ref: np.full(30, 1.5),
                                       "param_grad_cv": np.full(30, 0.3) + rng.normal(0, .01, 30)})
     frame = compare_windows([pre, att], n_resamples=500, seed=1)
-    row = frame[(frame.metric == "locality_distance") & (frame.model == "block") & (frame.baseline == "prenorm")].iloc[0]
+    row = frame[(frame.metric == "mean_loss") & (frame.model == "block") & (frame.baseline == "prenorm")].iloc[0]
     assert row["comparison"] == "difference" and row["low"] < row["estimate"] < row["high"] < 0
     assert row["verdict"] == "consistent" and row["held"] == 30 and row["windows"] == 30
+    loc = frame[(frame.metric == "locality_distance") & (frame.model == "block") & (frame.comparison != "value")]
+    assert list(loc["baseline"]) == ["uniform"] and loc.iloc[0]["verdict"] == "consistent"  # against its own reference
+    assert loc.iloc[0]["estimate"] == pytest.approx(-0.5, abs=0.05)
     cv = frame[(frame.metric == "param_grad_cv") & (frame.baseline == "prenorm")].iloc[0]
     assert cv["comparison"] == "ratio" and cv["low"] < 1 < cv["high"] and cv["verdict"] == "inconclusive"
     again = compare_windows([pre, att], n_resamples=500, seed=1)
@@ -256,21 +267,21 @@ def test_compare_resamples_documents_and_warns_when_they_are_few():
     assert np.isnan(row["low"]) and row["note"].startswith("no interval: 1 document")
 
 
-def test_compare_names_the_quantity_each_side_reads_and_says_when_they_differ():
-    """#16: locality and entropy read AttnRes's routing weights but PreNorm's contribution shares."""
+def test_compare_names_the_one_quantity_both_sides_read_with_its_unit_and_reference():
+    """#31: routing reads every model's normalised weights and is set against the uniform weights on the
+    model's own axis (PreNorm's implied weights, grouped as the model groups its sources)."""
     frame = metrics.compare(make_trace("prenorm"), make_trace("full"))
     loc = frame.query("metric == 'locality_distance'").set_index(["model", "comparison"])
-    assert loc.loc[("prenorm", "value"), "basis"] == "contribution shares"
-    assert loc.loc[("full", "value"), "basis"] == "routing weights"
+    assert loc.loc[("prenorm", "value"), "basis"] == loc.loc[("full", "value"), "basis"] == "normalised weights"
+    assert loc.loc[("prenorm", "value"), "estimate"] == pytest.approx(loc.loc[("prenorm", "value"), "reference"])
+    assert loc.loc[("full", "value"), "reference"] == pytest.approx((0.5 + 1.0) / 2)  # uniform over the same sources
     comp = loc.loc[("full", "difference")]
-    assert comp["basis"] == "routing weights vs contribution shares"
-    assert comp["note"].startswith("different quantities: full's routing weights against prenorm's contribution shares")
+    assert comp["baseline"] == "uniform" and comp["unit"].startswith("sources back")
+    assert "different quantities" not in frame["note"].str.cat()
     share = frame.query("metric == 'embed_contrib_deep' and comparison != 'value'").iloc[0]
-    assert share["basis"] == "contribution shares" and "different quantities" not in share["note"]
+    assert share["basis"] == "contribution shares" and share["baseline"] == "prenorm"
     assert (frame.query("metric == 'mean_loss'")["basis"] == "").all()
-    assert list(frame.query("metric == 'embed_weight_deep'")["basis"]) == ["", "routing weights"]  # PreNorm has none
-    same = metrics.compare(make_trace("full"), make_trace("block"), baseline="full")
-    assert set(same.query("metric == 'mean_entropy'")["basis"]) == {"routing weights"}
+    assert not ((frame["model"] == "prenorm") & (frame["comparison"] != "value")).any()  # PreNorm is the reference
 
 
 def test_a_text_recorded_in_windows_is_one_document():
@@ -291,7 +302,8 @@ def test_one_window_pools_to_its_window_as_summary_does(residual):
         assert set(full.index) <= set(pooled.index)
         np.testing.assert_allclose(pooled[full.index].to_numpy(float), full.to_numpy(float), rtol=1e-12, atol=1e-15)
     two = make_trace(residual, batch=2)  # several windows: pooled is summary's, not one window's
-    np.testing.assert_array_equal(Windows.of_trace(two).pooled.to_numpy(float), metrics.summary(two).to_numpy(float))
+    pooled = Windows.of_trace(two).pooled
+    np.testing.assert_array_equal(pooled[list(WINDOW_METRICS)].to_numpy(float), metrics.summary(two).to_numpy(float))
 
 
 def test_compare_pairs_windows_by_key_not_by_position():
@@ -316,7 +328,9 @@ def test_compare_of_one_window_says_there_is_no_interval_and_is_inconclusive():
     probe_traces = [Probe(tiny_model(r), name=r).run(TEXT, backward=True) for r in ("prenorm", "full", "block")]
     frame = metrics.compare(*probe_traces)
     comps = frame[frame["comparison"] != "value"]
-    assert (comps["verdict"] == "inconclusive").all() and comps["low"].isna().all()
+    directed = comps["expected"] != ""
+    assert (comps.loc[directed, "verdict"] == "inconclusive").all() and (comps.loc[~directed, "verdict"] == "").all()
+    assert comps["low"].isna().all()
     assert comps["note"].str.contains("no interval: 1 window").all()
     values = frame[frame["comparison"] == "value"]
     assert values["estimate"].notna().sum() > 0 and (values["windows"] <= 1).all()
@@ -330,18 +344,18 @@ def test_compare_of_a_multi_window_trace_keeps_parameter_gradients_pooled_only()
     row = frame.query("metric == 'param_grad_cv' and baseline == 'prenorm'").iloc[0]
     assert np.isnan(row["estimate"]) and np.isfinite(row["pooled"]) and row["verdict"] == "inconclusive"
     assert "pooled value only" in row["note"]
-    loc = frame.query("metric == 'locality_distance' and baseline == 'prenorm'").iloc[0]
+    loc = frame.query("metric == 'locality_distance' and baseline == 'uniform'").iloc[0]
     assert loc["windows"] == 4 and np.isfinite(loc["low"])
 
 
 def test_compare_columns_and_the_baseline_choice():
     frame = metrics.compare(make_trace("prenorm"), make_trace("full"), names=["base", "model"])
-    assert list(frame.columns) == ["metric", "model", "baseline", "comparison", "basis", "estimate", "low", "high", "pooled",
-                                   "windows", "documents", "held", "expected", "verdict", "note"]
-    assert set(frame.loc[frame.comparison != "value", "baseline"]) == {"base"}
+    assert list(frame.columns) == ["metric", "model", "baseline", "comparison", "basis", "unit", "reference", "estimate",
+                                   "low", "high", "pooled", "windows", "documents", "held", "expected", "verdict", "note"]
+    assert set(frame.loc[frame.comparison != "value", "baseline"]) == {"base", "uniform"}
     assert frame.attrs["n_resamples"] == 1000 and frame.attrs["baseline"] == "base"
     no_base = metrics.compare(make_trace("full"), make_trace("block"))
-    assert (no_base["comparison"] == "value").all()
+    assert set(no_base.loc[no_base.comparison != "value", "baseline"]) == {"uniform"}
     assert list(dict.fromkeys(metrics.compare(make_trace("full"), make_trace("full"))["model"])) == ["full", "full (2)"]
     with pytest.raises(TypeError, match="DepthTrace or CorpusStats"):
         metrics.compare("not a trace")
@@ -366,3 +380,64 @@ def test_readable_groups_a_compare_frame_under_plain_names():
     assert groups[:3] == ["Locality", "Embedding retention", "Gradient uniformity"]
     assert LABELS["locality_distance"] in table.loc["Locality"].index
     assert "full vs prenorm" in table.columns and "verdict: full vs prenorm" in table.columns
+
+
+# -- matched quantities (#31) ------------------------------------------------------------------
+def _route(model, fn):
+    """Attach ``fn(w) -> new weights`` at every read's hook_weights (available columns: not NaN)."""
+    for name, hp in model.hook_dict.items():
+        if name.endswith("hook_weights"):
+            hp.add_hook(lambda w, hook: fn(w))
+    return model
+
+
+def _uniform(w):
+    avail = ~torch.isnan(w)
+    k = avail.sum(-1, keepdim=True).clamp_min(1)
+    return torch.where(avail, 1.0 / k, w)
+
+
+def _local(w):
+    avail = ~torch.isnan(w)
+    k = avail.sum(-1, keepdim=True)
+    last = avail & (avail.cumsum(-1) == k)
+    return torch.where(avail, torch.where(last, 0.9, 0.1 / (k - 1).clamp_min(1)), w)
+
+
+@pytest.mark.parametrize("residual", ["full", "block"])
+def test_a_model_forced_to_route_uniformly_gets_no_routing_verdict_and_equals_its_reference(residual):
+    """A Block read with equal weights on its blocks gives each sublayer the same coefficient: PreNorm's
+    function. Its routing numbers equal the uniform reference, and no routing comparison is decided."""
+    tokens = sample_tokens(24, batch=12, seed=5)
+    pre = Probe(tiny_model("prenorm"), name="prenorm").run(tokens, backward=True)
+    forced = Probe(_route(tiny_model(residual), _uniform), name=residual).run(tokens, backward=True)
+    frame = metrics.compare(pre, forced, n_resamples=300)
+    routing = frame[frame["basis"] == "normalised weights"]
+    values = routing[(routing["model"] == residual) & (routing["comparison"] == "value")]
+    np.testing.assert_allclose(values["estimate"], values["reference"], rtol=1e-6, atol=1e-6)
+    comps = routing[routing["comparison"] != "value"]
+    assert len(comps) == 5 and set(comps["verdict"]) <= {"inconclusive", ""}
+    assert comps["estimate"].abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("residual", ["full", "block"])
+def test_a_model_with_strongly_local_weights_gets_consistent_locality_verdicts(residual):
+    tokens = sample_tokens(24, batch=12, seed=6)
+    pre = Probe(tiny_model("prenorm"), name="prenorm").run(tokens, backward=True)
+    local = Probe(_route(tiny_model(residual, n_layers=3), _local), name=residual).run(tokens, backward=True)
+    frame = metrics.compare(pre, local, n_resamples=300).set_index(["metric", "comparison"])
+    assert frame.loc[("locality_distance", "difference"), "verdict"] == "consistent"
+    assert frame.loc[("locality_recent_mass", "difference"), "verdict"] == "consistent"
+
+
+@pytest.mark.parametrize("residual", ["prenorm", "full", "block"])
+def test_a_trace_and_corpus_stats_of_the_same_tokens_pool_to_the_same_values(residual):
+    """#31 item 5: one window as a DepthTrace and as a CorpusStats: every diagnostic's pooled value is
+    the same function of the same tokens (the stats from their windows and their per-token means)."""
+    probe = Probe(tiny_model(residual, n_layers=2, n_ctx=64), name=residual)
+    text = "def area(r):\n    return 3.14159 * r * r\n\nprint(area(2.0))\n"
+    trace = probe.run(text, backward=True)
+    stats = probe.run_corpus([text], backward=True, progress=False)
+    a, b = Windows.of_trace(trace).pooled, Windows.of_stats(stats).pooled
+    for m in WINDOW_COLUMNS:
+        assert a[m] == pytest.approx(b[m], rel=1e-5, abs=1e-7, nan_ok=True), m

@@ -43,17 +43,22 @@ def test_locality_averages_over_real_tokens_and_ignores_padding():
 
 
 def test_locality_uses_block_columns_with_the_partial_as_most_recent():
-    # block reads: [1], [.5 .5], [.4 .6], [.1 .2 .7], [.3 .3 .4]
+    # block weights per read: [1], [.5 .5], [.4 .6], [.1 .2 .7], [.3 .3 .4]; the members of each column
+    # (embed 1, a block's sublayers, the partial block's so far): [1], [1 1], [1 2], [1 2 1], [1 2 2];
+    # normalised weights w = a m / sum(a m): [1], [.5 .5], [.4 1.2]/1.6, [.1 .4 .7]/1.2, [.3 .6 .8]/1.7
     loc = metrics.locality(make_trace("block"))
-    np.testing.assert_allclose(loc["distance"], [0.0, 0.5, 0.4, 0.4, 0.9], atol=1e-6)
-    np.testing.assert_allclose(loc["recent_mass"], [1.0, 0.5, 0.6, 0.7, 0.4], atol=1e-6)
+    np.testing.assert_allclose(loc["distance"], [0.0, 0.5, 0.25, 0.5, 1.2 / 1.7], atol=1e-6)
+    np.testing.assert_allclose(loc["recent_mass"], [1.0, 0.5, 0.75, 0.7 / 1.2, 0.8 / 1.7], atol=1e-6)
 
 
-def test_locality_auto_uses_contribution_shares_for_prenorm():
-    # contrib: [1], [.6 .4], [.5 -.1 .6] -> E[d] = 0, .6, .5*2 - .1 = .9 (unit weights would give 1 and 3)
+def test_locality_reads_prenorms_implied_uniform_weights_and_shares_on_request():
+    # PreNorm's normalised weights are uniform: [1], [.5 .5], [1/3 x 3] -> E[d] = 0, .5, 1; recent 1, .5, 1/3
     loc = metrics.locality(make_trace("prenorm"))
-    np.testing.assert_allclose(loc["distance"], [0.0, 0.6, 0.9], atol=1e-6)
-    np.testing.assert_allclose(loc["recent_mass"], [1.0, 0.4, 0.6], atol=1e-6)
+    np.testing.assert_allclose(loc["distance"], [0.0, 0.5, 1.0], atol=1e-6)
+    np.testing.assert_allclose(loc["recent_mass"], [1.0, 0.5, 1 / 3], atol=1e-6)
+    # contrib: [1], [.6 .4], [.5 -.1 .6] -> E[d] = 0, .6, .5*2 - .1 = .9
+    shares = metrics.locality(make_trace("prenorm"), kind="contrib")
+    np.testing.assert_allclose(shares["distance"], [0.0, 0.6, 0.9], atol=1e-6)
 
 
 def test_locality_rejects_logits_as_kind():
@@ -63,14 +68,14 @@ def test_locality_rejects_logits_as_kind():
 
 # -- retention ------------------------------------------------------------------------------
 def test_embedding_retention_gives_source_zero_weight_and_contrib_per_read():
-    ret = metrics.embedding_retention(make_trace("block"))
-    np.testing.assert_allclose(ret["embed_weight"], [1.0, 0.5, 0.4, 0.1, 0.3], atol=1e-6)
+    ret = metrics.embedding_retention(make_trace("block"))  # w_0 = a_0 / sum(a m) (see the locality test)
+    np.testing.assert_allclose(ret["embed_weight"], [1.0, 0.5, 0.4 / 1.6, 0.1 / 1.2, 0.3 / 1.7], atol=1e-6)
     np.testing.assert_allclose(ret["embed_contrib"], [1.0, 0.5, 0.4, 0.1, 0.3], atol=1e-6)
 
 
-def test_embedding_retention_weight_is_nan_for_prenorm_but_contrib_is_not():
+def test_embedding_retention_weight_of_prenorm_is_its_uniform_share():
     ret = metrics.embedding_retention(make_trace("prenorm"))
-    assert ret["embed_weight"].isna().all()
+    np.testing.assert_allclose(ret["embed_weight"], [1.0, 0.5, 1 / 3], atol=1e-6)
     np.testing.assert_allclose(ret["embed_contrib"], [1.0, 0.6, 0.5], atol=1e-6)
 
 
@@ -89,19 +94,23 @@ def test_entropy_of_uniform_weights_is_one():
 
 
 def test_entropy_with_contrib_uses_normalised_absolute_shares():
-    ent = metrics.entropy(make_trace("prenorm"))  # final c = [.5, -.1, .6] -> p = [.5, .1, .6] / 1.2
+    ent = metrics.entropy(make_trace("prenorm"), kind="contrib")  # final c = [.5, -.1, .6] -> p = [.5, .1, .6] / 1.2
     assert ent["final"] == pytest.approx(_h(0.5 / 1.2, 0.1 / 1.2, 0.6 / 1.2) / math.log(3), abs=1e-6)
 
 
 # -- gradients ------------------------------------------------------------------------------
 def test_gradient_uniformity_cv_and_max_min_by_hand():
-    # param [1, 3]: mean 2, population std 1 -> cv .5, max/min 3; act over the L=2 sublayer reads [2, 4]
-    trace = make_trace("full", param_grad=[1.0, 3.0], grad_in=[2.0, 4.0, 100.0])
+    # block, 2 layers: per-sublayer parameter norms [3 4 | 6 8] -> per transformer block 5, 10: mean 7.5,
+    # population std 2.5 -> cv 1/3, max/min 2; attention [3 6] and MLP [4 8] alone: cv 1/3 each.
+    # ||dL/dv_j|| at the sublayer outputs [2 4 2 4] (the embedding's 100 left out): cv 1/3, max/min 2,
+    # first quarter over last quarter 2/4; the gradients at the mixed inputs (grad_in) are not read
+    trace = make_trace("block", param_grad=[3.0, 4.0, 6.0, 8.0], grad_out=[100.0, 2.0, 4.0, 2.0, 4.0],
+                       grad_in=[9.0, 1.0, 9.0, 1.0, 9.0])
     g = metrics.gradient_uniformity(trace)
-    assert g["param_grad_cv"] == pytest.approx(0.5)
-    assert g["param_grad_max_min"] == pytest.approx(3.0)
-    assert g["act_grad_cv"] == pytest.approx(1 / 3)  # mean 3, std 1; the final read (100) is left out
-    assert g["act_grad_max_min"] == pytest.approx(2.0)
+    assert g["param_grad_cv"] == pytest.approx(1 / 3) and g["param_grad_max_min"] == pytest.approx(2.0)
+    assert g["param_grad_attn_cv"] == pytest.approx(1 / 3) and g["param_grad_mlp_cv"] == pytest.approx(1 / 3)
+    assert g["act_grad_cv"] == pytest.approx(1 / 3) and g["act_grad_max_min"] == pytest.approx(2.0)
+    assert g["act_grad_early_late"] == pytest.approx(0.5)
 
 
 def test_gradient_uniformity_is_nan_without_gradients():
@@ -110,15 +119,15 @@ def test_gradient_uniformity_is_nan_without_gradients():
 
 
 # -- magnitudes -----------------------------------------------------------------------------
-def test_magnitude_growth_ratio_and_log_slope_over_sublayer_reads():
-    # block, L = 4: rms_in per read [1 2 4 8 | final 50] -> ratio 8, slope ln 2 (final read left out)
-    # rms_out [embed 7 | 1 1 1 3] -> ratio 3 over the sublayer outputs; slope of ln[1 1 1 3] = .3*ln3
+def test_magnitude_growth_of_what_sublayers_write_and_of_what_reads_see_as_a_mixture():
+    # block, L = 4: rms_out [embed 7 | 1 1 1 3] -> last quarter over first 3/1 (one sublayer each);
+    # slope of ln[1 1 1 3] = .3 ln 3. The mixture h_r / sum(a m): rms_in [1 2 4 8 | final 50] over
+    # sum(a m) = 1, 1, 1.6, 1.2 -> [1, 2, 2.5, 6.67] over the sublayer reads -> 6.67 / 1
     trace = make_trace("block", rms_in=[1, 2, 4, 8, 50], rms_out=[7, 1, 1, 1, 3])
     g = metrics.magnitude_growth(trace)
-    assert g["rms_in_growth"] == pytest.approx(8.0)
-    assert g["rms_in_log_slope"] == pytest.approx(math.log(2))
     assert g["rms_out_growth"] == pytest.approx(3.0)
     assert g["rms_out_log_slope"] == pytest.approx(0.3 * math.log(3))
+    assert g["rms_mix_growth"] == pytest.approx(8 / 1.2)
 
 
 def test_read_profile_is_labelled_by_read():
@@ -129,13 +138,14 @@ def test_read_profile_is_labelled_by_read():
 
 # -- summary / compare ----------------------------------------------------------------------
 def test_summary_headline_numbers_by_hand():
-    s = metrics.summary(make_trace("full", param_grad=[1.0, 3.0], rms_in=[1, 2, 4]))
+    s = metrics.summary(make_trace("full", rms_out=[5, 1, 4]))
     assert s["locality_distance"] == pytest.approx((0.25 + 0.7) / 2)  # reads with >= 2 sources
     assert s["locality_recent_mass"] == pytest.approx((0.75 + 0.5) / 2)
     assert s["embed_weight_deep"] == pytest.approx((0.25 + 0.2) / 2)  # reads 1, 2 of R = 3
+    assert s["embed_vs_old_deep"] == pytest.approx(0.2 - 0.3)  # the final read: embed .2, the old source .3
     assert s["mean_entropy"] == pytest.approx((_h(0.25, 0.75) / math.log(2) + _h(0.2, 0.3, 0.5) / math.log(3)) / 2)
-    assert s["param_grad_cv"] == pytest.approx(0.5)
-    assert s["rms_in_growth"] == pytest.approx(2.0)
+    assert s["rms_out_growth"] == pytest.approx(4.0)
+    assert np.isnan(s["param_grad_cv"])  # no gradients recorded
     assert s["mean_loss"] == pytest.approx(2.0)
 
 
@@ -147,25 +157,27 @@ def test_every_summary_metric_has_a_formula():
 
 
 def test_compare_sets_each_model_against_the_prenorm_baseline_as_ratio_or_difference():
-    pre = make_trace("prenorm", param_grad=[1.0, 4.0], loss=3.0)
-    full = make_trace("full", param_grad=[1.0, 2.0], loss=2.5)
+    pre = make_trace("prenorm", rms_out=[1, 1, 4], loss=3.0)
+    full = make_trace("full", rms_out=[1, 1, 2], loss=2.5)
     df = metrics.compare(pre, full)
-    comp = df[df["comparison"] != "value"].set_index("metric")
-    assert set(comp["model"]) == {"full"} and set(comp["baseline"]) == {"prenorm"}
-    assert comp.loc["param_grad_max_min", "estimate"] == pytest.approx(2.0 / 4.0)  # ratio
-    assert comp.loc["param_grad_max_min", "comparison"] == "ratio"
+    comp = df[(df["comparison"] != "value") & (df["baseline"] == "prenorm")].set_index("metric")
+    assert set(comp["model"]) == {"full"}
+    assert comp.loc["rms_out_growth", "estimate"] == pytest.approx(2.0 / 4.0)  # ratio
+    assert comp.loc["rms_out_growth", "comparison"] == "ratio"
     assert comp.loc["mean_loss", "estimate"] == pytest.approx(-0.5)  # difference
     assert comp.loc["mean_loss", "comparison"] == "difference"
     values = df[df["comparison"] == "value"]
     assert list(dict.fromkeys(values["model"])) == ["prenorm", "full"]
 
 
-def test_compare_without_baseline_only_lists_models_and_uses_given_names():
+def test_compare_without_baseline_sets_routing_against_uniform_only_and_uses_given_names():
     df = metrics.compare(make_trace("full"), make_trace("block"), names=["a", "b"])
-    assert list(dict.fromkeys(df["model"])) == ["a", "b"] and (df["comparison"] == "value").all()
+    assert list(dict.fromkeys(df["model"])) == ["a", "b"]
+    comps = df[df["comparison"] != "value"]
+    assert set(comps["baseline"]) == {"uniform"} and set(comps["basis"]) == {"normalised weights"}
 
 
-def test_summary_reports_magnitude_swing_and_peak_not_only_last_over_first():
-    s = metrics.summary(make_trace("full", rms_in=[1, 4, 2]))  # sublayer reads 1, 4: final read left out
-    assert s["rms_in_growth"] == pytest.approx(4.0) and s["rms_in_max_min"] == pytest.approx(4.0)
-    assert s["rms_in_peak"] == pytest.approx(4.0)
+def test_prenorms_read_mixture_is_its_sum_over_k():
+    # rms_in of the sums [1, 4 | final 9] over k = 1, 2 -> mixtures [1, 2]: last quarter over first 2
+    s = metrics.summary(make_trace("prenorm", rms_in=[1, 4, 9]))
+    assert s["rms_mix_growth"] == pytest.approx(2.0)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from attnres_probe import Probe, metrics
-from attnres_probe.analysis.windows import WINDOW_METRICS
+from attnres_probe.analysis.windows import WINDOW_COLUMNS
 from attnres_probe.stats import CorpusStats, StatsError
 from helpers import tiny_model
 
@@ -36,8 +36,8 @@ def whole(probe):
 def test_every_window_keeps_its_value_of_every_headline_metric(whole):
     table = whole.window_table()
     assert len(table) == whole.n_windows == whole.n_sequences
-    assert list(table.columns[4:]) == list(WINDOW_METRICS)
-    assert table[list(WINDOW_METRICS)].drop(columns=["embed_weight_deep"]).notna().all().all()  # per-window grads too
+    assert list(table.columns[4:]) == list(WINDOW_COLUMNS)
+    assert table[list(WINDOW_COLUMNS)].notna().all().all()  # per-window grads too
     short = sum(len(d[i : i + 24]) < 2 for d in DOCS for i in range(0, len(d), 24))  # n_ctx 24
     assert short == 2 and whole.n_skipped == short and sorted(set(table["doc"])) == [0, 1, 3, 5]
     assert (table["n_tokens"] >= 2).all() and table["n_tokens"].sum() == whole.n_tokens
@@ -54,7 +54,7 @@ def test_merging_shards_equals_one_run_over_all_documents(probe, whole):
     np.testing.assert_allclose(merged.profile("rms_in").to_numpy(float), whole.profile("rms_in").to_numpy(float), rtol=1e-9)
     t1, t2 = merged.window_table(), whole.window_table()
     assert t1[["doc", "start", "digest"]].equals(t2[["doc", "start", "digest"]])
-    np.testing.assert_allclose(t1[list(WINDOW_METRICS)].to_numpy(float), t2[list(WINDOW_METRICS)].to_numpy(float),
+    np.testing.assert_allclose(t1[list(WINDOW_COLUMNS)].to_numpy(float), t2[list(WINDOW_COLUMNS)].to_numpy(float),
                                rtol=1e-9, equal_nan=True)
 
 

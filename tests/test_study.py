@@ -11,13 +11,13 @@ import pandas as pd
 import pytest
 
 from attnres_probe.analysis.compare import Windows, compare_windows
-from attnres_probe.analysis.windows import WINDOW_METRICS
+from attnres_probe.analysis.windows import WINDOW_COLUMNS
 from attnres_probe.study import FINDINGS, _page, run_seed_study, run_study, study_model
 
 STUDY = Path(__file__).resolve().parents[1] / "docs" / "study"
 
 
-def test_the_study_page_marks_weights_against_shares_and_warns_of_few_documents():
+def test_the_study_page_compares_like_with_like_and_warns_of_few_documents():
     results = json.loads((STUDY / "results.json").read_text())
     table = pd.read_csv(STUDY / "windows.csv")
     items = []
@@ -25,17 +25,17 @@ def test_the_study_page_marks_weights_against_shares_and_warns_of_few_documents(
         t = t.reset_index(drop=True).iloc[:12]
         keys = pd.DataFrame({"doc": np.arange(len(t)) // 4, "start": np.arange(len(t)) % 4 * 128,
                              "n_tokens": 128, "digest": [f"w{i}" for i in range(len(t))]})
-        items.append(Windows(name, name, pd.concat([keys, t[list(WINDOW_METRICS)]], axis=1), t[list(WINDOW_METRICS)].mean()))
+        items.append(Windows(name, name, pd.concat([keys, t[list(WINDOW_COLUMNS)]], axis=1), t[list(WINDOW_COLUMNS)].mean()))
     frame = compare_windows(items, n_resamples=200)  # twelve windows from three documents
     page = _page(results, frame, {})
     every = page[page.index("## Every metric"):]
-    assert "PreNorm has no weights" in every
+    assert "the same quantity, in the same unit, on the same axis" in every
+    assert "weights vs shares" not in page and "contribution shares (its coefficients" not in page
     top = page[: page.index("## Findings")]  # said once, above every table
     assert "Only 3 documents: intervals are rough" in top and page.count("Only 3 documents") == 1
     loc = next(line for line in every.splitlines() if "`locality_distance`" in line)
-    assert loc.count("weights vs shares: different quantities") == 2
-    loss = next(line for line in every.splitlines() if "`mean_loss`" in line)
-    assert "weights vs shares" not in loss
+    assert loc.count("|") > 6  # values, comparisons with uniform and with PreNorm, verdicts
+    assert "uniform reference of each routing number" in page
     assert "log scale" in page[page.index("## Figures"):]
 
 
@@ -98,20 +98,27 @@ def test_a_study_resamples_the_documents_its_windows_come_from(seed_studies):
 def test_findings_resample_whole_documents():
     """Twelve windows, three documents whose windows are identical: resampling windows gives a
     narrow interval that the data do not support; resampling documents (what evaluate_findings
-    draws with) gives the honest, wider one."""
-    from attnres_probe.analysis import bootstrap
-    from attnres_probe.study import _counts
+    draws with, through the one comparison engine) gives the honest, wider one."""
+    from attnres_probe.analysis.windows import WINDOW_COLUMNS
+    from attnres_probe.study import evaluate_findings
+
+    def table(loss):
+        t = pd.DataFrame({c: np.full(12, np.nan) for c in WINDOW_COLUMNS})
+        t["mean_loss"] = loss
+        return t
 
     a = 2.0 + np.repeat([0.0, -0.2, 0.1], 4)  # model, per window
-    b = np.full(12, 2.0)  # baseline
+    windows = {"prenorm": table(np.full(12, 2.0)), "full": table(a), "block": table(a)}
+    pooled = {n: {"mean_loss": float(t["mean_loss"].mean())} for n, t in windows.items()}
     docs = [f"play{i}" for i in np.repeat([0, 1, 2], 4)]
-    by_window = bootstrap.paired_interval(a, b, _counts(12, None, 400, 0), "difference")
-    by_doc = bootstrap.paired_interval(a, b, _counts(12, docs, 400, 0), "difference")
-    assert (by_doc[2] - by_doc[1]) > 1.5 * (by_window[2] - by_window[1])
-    counts = _counts(12, docs, 400, 0)
-    assert (counts.reshape(400, 3, 4) == counts.reshape(400, 3, 4)[..., :1]).all()  # a document's windows go together
+
+    def width(documents):
+        f = next(f for f in evaluate_findings(windows, pooled, 400, 0, documents=documents) if f["key"] == "full_mean_loss")
+        return f["high"] - f["low"]
+
+    assert width(docs) > 1.5 * width(None)
     with pytest.raises(ValueError, match="11 document labels for 12 windows"):
-        _counts(12, docs[:11], 400, 0)
+        evaluate_findings(windows, pooled, 400, 0, documents=docs[:11])
 
 
 def test_the_study_across_seeds_refuses_mixed_recipes_and_single_seeds(seed_studies, tmp_path):

@@ -8,24 +8,29 @@ values), built from a :class:`~attnres_probe.trace.DepthTrace` (each sequence a 
 ======================  ===================================================================
 column                  meaning
 ======================  ===================================================================
-metric                  a headline metric (key of ``metrics.FORMULAS``)
+metric                  a diagnostic of :data:`~attnres_probe.analysis.catalog.CATALOG`
 model                   the model the row is about
-baseline                "" for a model's own value; else the baseline it is compared with
-comparison              "value", "difference" (model − baseline) or "ratio" (model / baseline)
-basis                   routing metrics: which array each side reads, "routing weights" (AttnRes:
-                        the softmax depth weights) or "contribution shares" (PreNorm, which has
-                        no weights); "routing weights vs contribution shares" when a comparison
-                        sets the two side by side (its note says so); "" for other metrics
+baseline                "" for a model's own value; else what it is compared with: "uniform"
+                        (routing: the uniform weights on the model's own source axis, which are
+                        PreNorm's implied weights grouped as the model groups its sources), or
+                        the baseline model's name
+comparison              "value", "difference" (model − reference) or "ratio" (model / reference)
+basis                   the quantity both sides read: "normalised weights" (routing),
+                        "contribution shares", "" for magnitudes, gradients and the loss
+unit                    the unit of the estimate (a ratio's is dimensionless)
+reference               value rows of routing diagnostics: the uniform reference's mean over the
+                        same windows, to read beside the value; NaN otherwise
 estimate                mean over windows (value), mean paired difference, or ratio of means
 low, high               the bootstrap interval (NaN: none; see ``note``)
 pooled                  the same number from the pooled data (all windows' tokens together)
 windows                 windows used (for comparisons: windows both models recorded)
 documents               documents those windows come from (the resampling unit)
-held                    comparisons: windows where the model is on the paper's side of the baseline
-expected                comparisons: the paper's direction ("lower" / "higher")
-verdict                 comparisons: consistent / contrary / inconclusive (analysis.verdicts.verdict)
-note                    why an interval or value is missing, how windows were paired, different
-                        quantities compared, too few documents for a firm interval
+held                    comparisons: windows where the model is on the paper's side of the reference
+expected                comparisons: the paper's direction ("lower" / "higher"; "" where it states none)
+verdict                 comparisons: consistent / contrary / inconclusive (analysis.verdicts.verdict);
+                        "" where the paper states no direction
+note                    why an interval or value is missing, how windows were paired, too few
+                        documents for a firm interval
 ======================  ===================================================================
 
 Models are compared on the same windows: rows are matched by window (document, offset and a
@@ -48,21 +53,25 @@ import numpy as np
 import pandas as pd
 
 from attnres_probe.analysis import bootstrap
-from attnres_probe.analysis.verdicts import EXPECTED, verdict
-from attnres_probe.analysis.windows import KEY_COLUMNS, WINDOW_METRICS, window_digests, window_metrics
+from attnres_probe.analysis.catalog import CATALOG, UNIFORM
+from attnres_probe.analysis.verdicts import verdict
+from attnres_probe.analysis.windows import (
+    KEY_COLUMNS,
+    WINDOW_METRICS,
+    pooled_metrics,
+    reference_column,
+    window_digests,
+    window_metrics,
+)
 
-__all__ = ["COLUMNS", "Windows", "basis", "compare_windows", "few_documents_note", "pair_basis"]
+__all__ = ["COLUMNS", "Windows", "basis", "compare_windows", "few_documents_note"]
 
 COLUMNS = (
-    "metric", "model", "baseline", "comparison", "basis", "estimate", "low", "high", "pooled",
+    "metric", "model", "baseline", "comparison", "basis", "unit", "reference", "estimate", "low", "high", "pooled",
     "windows", "documents", "held", "expected", "verdict", "note",
 )
 PAIR_KEYS = ["doc", "start", "digest"]
-# metrics that read the routing array of metrics.resolve_kind(trace, "auto"): weights for
-# AttnRes, contribution shares for PreNorm (which has no weights)
-AUTO_ROUTING = ("locality_distance", "locality_recent_mass", "mean_entropy")
-FIXED_BASIS = {"embed_weight_deep": "routing weights", "embed_contrib_deep": "contribution shares"}
-WEIGHTS, SHARES = "routing weights", "contribution shares"
+WEIGHTS, SHARES = "normalised weights", "contribution shares"
 
 
 @dataclass
@@ -86,10 +95,9 @@ class Windows:
     def of_trace(cls, trace: Any, name: str | None = None) -> Windows:
         """Each sequence of a DepthTrace is a window: of document b at offset 0, or, for one text
         recorded in context-sized windows (``meta["windows"]``, as reports record a text), all of
-        document 0 at offsets b·n_ctx. The pooled values of a one-window trace are its window's
-        (:func:`~attnres_probe.metrics.summary` of the same tokens; equal to rounding, a test)."""
-        from attnres_probe.metrics import summary
-
+        document 0 at offsets b·n_ctx. The pooled values are the same diagnostics over every real
+        token at once (:func:`~attnres_probe.analysis.windows.pooled_metrics`; a one-window
+        trace's are its window's)."""
         table = window_metrics(trace)
         B = len(table)
         one_text = isinstance(trace.meta.get("windows"), dict) and B > 1
@@ -102,16 +110,14 @@ class Windows:
                 "digest": window_digests(trace),
             }
         )
-        # one window: the pooled data are that window's, and summary() would compute its row again
-        pooled = table.iloc[0].rename(trace.name) if B == 1 else summary(trace)
+        pooled = table.iloc[0].rename(trace.name) if B == 1 else pooled_metrics(trace)
         return cls(name or trace.name, trace.residual, pd.concat([keys, table], axis=1), pooled)
 
     @classmethod
     def of_stats(cls, stats: Any, name: str | None = None) -> Windows:
-        """The windows a :class:`~attnres_probe.stats.CorpusStats` recorded, and its pooled means."""
-        from attnres_probe.metrics import summary
-
-        return cls(name or stats.name, stats.meta["residual"], stats.window_table(), summary(stats.to_trace()))
+        """The windows a :class:`~attnres_probe.stats.CorpusStats` recorded, and its pooled values
+        (:meth:`~attnres_probe.stats.CorpusStats.pooled`: the same diagnostics over every token)."""
+        return cls(name or stats.name, stats.meta["residual"], stats.window_table(), stats.pooled())
 
     @property
     def n(self) -> int:
@@ -123,23 +129,13 @@ class Windows:
         return self.table["doc"].to_numpy()
 
 
-def basis(metric: str, residual: str) -> str:
-    """Which quantity ``metric`` reads for a model of ``residual`` ("" when every model is measured alike)."""
-    if metric in AUTO_ROUTING:
-        return SHARES if residual == "prenorm" else WEIGHTS
-    if metric == "embed_weight_deep" and residual == "prenorm":
-        return ""  # PreNorm has no weights: no value to name
-    return FIXED_BASIS.get(metric, "")
-
-
-def pair_basis(metric: str, model: Windows, base: Windows) -> tuple[str, str]:
-    """(basis, note) of a comparison: one name when both sides read the same quantity, else
-    "routing weights vs contribution shares" and a note saying the two are different quantities."""
-    a, b = basis(metric, model.residual), basis(metric, base.residual)
-    if a == b:
-        return a, ""
-    return (f"{a} vs {b}", f"different quantities: {model.name}'s {a} against {base.name}'s {b} "
-            "(PreNorm has no routing weights: its coefficients are all one)")
+def basis(metric: str) -> str:
+    """The quantity ``metric`` reads, the same for every model: "normalised weights" (routing),
+    "contribution shares" (the embedding's share), "" for magnitudes, gradients and the loss."""
+    d = CATALOG[metric]
+    if d.reference == UNIFORM:
+        return WEIGHTS
+    return SHARES if metric == "embed_contrib_deep" else ""
 
 
 def _documents(docs: np.ndarray, ok: np.ndarray) -> np.ndarray:
@@ -173,8 +169,6 @@ def _note_value(item: Windows, metric: str, n_ok: int, n_docs: int, pooled: floa
     if n_ok == 0:
         if np.isfinite(pooled):
             return "pooled value only: per-window values need one backward pass per window"
-        if metric == "embed_weight_deep" and item.residual == "prenorm":
-            return "PreNorm has no depth weights (unit coefficients)"
         if item.n == 0:
             return "no windows"
         if "grad" in metric:
@@ -241,7 +235,9 @@ def compare_windows(
         return cache[key]
 
     values: dict[str, list[dict]] = {m: [] for m in metrics}
+    comps: dict[str, list[dict]] = {m: [] for m in metrics}
     documents: dict[str, int] = {}
+    routing = [m for m in metrics if CATALOG[m].reference == UNIFORM]
     for it in items:
         v = it.table[metrics].to_numpy(np.float64) if it.n else np.empty((0, len(metrics)))
         est, lo, hi = bootstrap.mean_intervals(v, counts(it.docs), level)
@@ -251,72 +247,116 @@ def compare_windows(
         documents[it.name] = int(np.unique(it.docs).size)
         for j, m in enumerate(metrics):
             pooled = float(it.pooled.get(m, np.nan))
+            ref = np.nan
+            if m in routing and it.n:
+                col = it.table[reference_column(m)].to_numpy(np.float64)
+                ref = float(np.nanmean(col)) if np.isfinite(col).any() else np.nan
             values[m].append({
-                "metric": m, "model": it.name, "baseline": "", "comparison": "value", "basis": basis(m, it.residual),
+                "metric": m, "model": it.name, "baseline": "", "comparison": "value", "basis": basis(m),
+                "unit": CATALOG[m].unit, "reference": ref,
                 "estimate": est[j], "low": lo[j], "high": hi[j], "pooled": pooled, "windows": int(n_ok[j]),
                 "documents": int(n_docs[j]), "held": pd.NA, "expected": "", "verdict": "",
                 "note": _note_value(it, m, int(n_ok[j]), int(n_docs[j]), pooled),
             })
-    comps: dict[str, list[dict]] = {m: [] for m in metrics}
+        if it.residual != "prenorm" and it.n:  # routing against the uniform reference on the model's own axis
+            a = it.table[routing].to_numpy(np.float64)
+            b = it.table[[reference_column(m) for m in routing]].to_numpy(np.float64)
+            pooled_ref = {m: float(it.pooled.get(reference_column(m), np.nan)) for m in routing}
+            rows = _comparison_rows(routing, it, "uniform", a, b, it.docs, np.zeros(len(routing), bool), counts, level,
+                                    {m: float(it.pooled.get(m, np.nan)) for m in routing}, pooled_ref, "")
+            for m, row in zip(routing, rows):
+                comps[m].append(row)
     if baseline is not None:
         base = items[names.index(baseline)]
-        cmp_metrics = [m for m in metrics if m in EXPECTED]
-        ratio = np.array([EXPECTED[m].kind == "ratio" for m in cmp_metrics])
+        cmp_metrics = [m for m in metrics if CATALOG[m].reference != UNIFORM]
+        ratio = np.array([CATALOG[m].compare == "ratio" for m in cmp_metrics])
         for it in items:
             if it.name == baseline:
                 continue
             ia, ib, pair_note = _align(it, base)
             a_all = it.table[cmp_metrics].to_numpy(np.float64)
             b_all = base.table[cmp_metrics].to_numpy(np.float64)
+            pa = {m: float(it.pooled.get(m, np.nan)) for m in cmp_metrics}
+            pb = {m: float(base.pooled.get(m, np.nan)) for m in cmp_metrics}
             if ia is not None:
-                a, b = a_all[ia], b_all[ib]
-                docs = it.docs[ia]
-                est, lo, hi = bootstrap.paired_intervals(a, b, ratio, counts(docs), level)
-                ok = np.isfinite(a) & np.isfinite(b)
-                n_used = ok.sum(0)
-                n_docs = _documents(docs, ok)
+                rows = _comparison_rows(cmp_metrics, it, baseline, a_all[ia], b_all[ib], it.docs[ia], ratio, counts,
+                                        level, pa, pb, pair_note)
             else:
-                est, lo, hi = (np.full(len(cmp_metrics), np.nan) for _ in range(3))
-                ca = counts(it.docs) if it.n else None
-                cb = counts(base.docs, seed + 1) if base.n else None
-                for j, r in enumerate(ratio):
-                    if ca is not None and cb is not None:
-                        est[j], lo[j], hi[j] = bootstrap.unpaired_interval(
-                            a_all[:, j], b_all[:, j], ca, cb, "ratio" if r else "difference", level)
-                ok = None
-                n_used = np.minimum(np.isfinite(a_all).sum(0), np.isfinite(b_all).sum(0))
-                n_docs = np.minimum(_documents(it.docs, np.isfinite(a_all)), _documents(base.docs, np.isfinite(b_all)))
-            lo, hi = np.where(n_docs < 2, np.nan, lo), np.where(n_docs < 2, np.nan, hi)
-            for j, m in enumerate(cmp_metrics):
-                exp = EXPECTED[m]
-                pa, pb = float(it.pooled.get(m, np.nan)), float(base.pooled.get(m, np.nan))
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    pooled = pa / pb if exp.kind == "ratio" and pb != 0 else (pa - pb if exp.kind == "difference" else np.nan)
-                held: Any = pd.NA
-                if ok is not None and n_used[j]:
-                    aj, bj = a[ok[:, j], j], b[ok[:, j], j]
-                    held = int((aj < bj).sum() if exp.direction == "lower" else (aj > bj).sum())
-                m_basis, basis_note = pair_basis(m, it, base)
-                notes = [x for x in (basis_note, pair_note) if x]
-                if n_used[j] == 0:
-                    notes.append("pooled value only: per-window values need one backward pass per window"
-                                 if np.isfinite(pooled) else "not available for both models")
-                elif _note_interval(int(n_used[j]), int(n_docs[j])):
-                    notes.append(_note_interval(int(n_used[j]), int(n_docs[j])))
-                comps[m].append({
-                    "metric": m, "model": it.name, "baseline": baseline, "comparison": exp.kind, "basis": m_basis,
-                    "estimate": est[j], "low": lo[j], "high": hi[j], "pooled": pooled, "windows": int(n_used[j]),
-                    "documents": int(n_docs[j]), "held": held, "expected": exp.direction,
-                    "verdict": verdict(lo[j], hi[j], exp.direction, 1.0 if exp.kind == "ratio" else 0.0),
-                    "note": "; ".join(notes),
-                })
+                rows = _unpaired_rows(cmp_metrics, it, base, a_all, b_all, ratio, counts, level, pa, pb, pair_note, seed)
+            for m, row in zip(cmp_metrics, rows):
+                comps[m].append(row)
     rows = [r for m in metrics for r in values[m] + comps[m]]
     frame = pd.DataFrame(rows, columns=list(COLUMNS))
     frame["windows"] = frame["windows"].astype("int64")
     frame["documents"] = frame["documents"].astype("int64")
     frame["held"] = frame["held"].astype("Int64")
-    for c in ("estimate", "low", "high", "pooled"):
+    for c in ("reference", "estimate", "low", "high", "pooled"):
         frame[c] = frame[c].astype(np.float64)
     frame.attrs.update({"n_resamples": int(n_resamples), "seed": seed, "level": level, "baseline": baseline,
                         "unit": "document", "documents": documents})
     return frame
+
+
+def _row(m: str, it: Windows, against: str, est: float, lo: float, hi: float, pooled: float, n_used: int,
+         n_docs: int, held: Any, notes: list[str]) -> dict:
+    """One comparison row of metric ``m``: the estimate, its interval and the verdict against the paper's direction."""
+    d = CATALOG[m]
+    if n_used == 0:
+        notes.append("pooled value only: per-window values need one backward pass per window"
+                     if np.isfinite(pooled) else "not available for both models")
+    elif _note_interval(n_used, n_docs):
+        notes.append(_note_interval(n_used, n_docs))
+    if d.direction is None:
+        notes.append("the paper states no direction: no verdict")
+    kind = d.compare
+    return {
+        "metric": m, "model": it.name, "baseline": against, "comparison": kind, "basis": basis(m),
+        "unit": "ratio (dimensionless)" if kind == "ratio" else d.unit, "reference": np.nan,
+        "estimate": est, "low": lo, "high": hi, "pooled": pooled, "windows": n_used, "documents": n_docs,
+        "held": held, "expected": d.direction or "",
+        "verdict": verdict(lo, hi, d.direction, 1.0 if kind == "ratio" else 0.0) if d.direction else "",
+        "note": "; ".join(x for x in notes if x),
+    }
+
+
+def _pooled_pair(kind: str, pa: float, pb: float) -> float:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if kind == "ratio":
+            return pa / pb if pb != 0 else np.nan
+        return pa - pb
+
+
+def _comparison_rows(ms: list[str], it: Windows, against: str, a: np.ndarray, b: np.ndarray, docs: np.ndarray,
+                     ratio: np.ndarray, counts, level: float, pa: dict, pb: dict, pair_note: str) -> list[dict]:
+    """Paired rows: the same windows on both sides (a, b [n, len(ms)]), resampled together by document."""
+    est, lo, hi = bootstrap.paired_intervals(a, b, ratio, counts(docs), level)
+    ok = np.isfinite(a) & np.isfinite(b)
+    n_used = ok.sum(0)
+    n_docs = _documents(docs, ok)
+    lo, hi = np.where(n_docs < 2, np.nan, lo), np.where(n_docs < 2, np.nan, hi)
+    out = []
+    for j, m in enumerate(ms):
+        d = CATALOG[m]
+        held: Any = pd.NA
+        if n_used[j] and d.direction:
+            aj, bj = a[ok[:, j], j], b[ok[:, j], j]
+            held = int((aj < bj).sum() if d.direction == "lower" else (aj > bj).sum())
+        out.append(_row(m, it, against, est[j], lo[j], hi[j], _pooled_pair(d.compare, pa[m], pb[m]), int(n_used[j]),
+                        int(n_docs[j]), held, [pair_note]))
+    return out
+
+
+def _unpaired_rows(ms: list[str], it: Windows, base: Windows, a_all: np.ndarray, b_all: np.ndarray, ratio: np.ndarray,
+                   counts, level: float, pa: dict, pb: dict, pair_note: str, seed: int) -> list[dict]:
+    """Rows for models that share no window: each side resampled on its own."""
+    est, lo, hi = (np.full(len(ms), np.nan) for _ in range(3))
+    ca = counts(it.docs) if it.n else None
+    cb = counts(base.docs, seed + 1) if base.n else None
+    for j, r in enumerate(ratio):
+        if ca is not None and cb is not None:
+            est[j], lo[j], hi[j] = bootstrap.unpaired_interval(a_all[:, j], b_all[:, j], ca, cb, "ratio" if r else "difference", level)
+    n_used = np.minimum(np.isfinite(a_all).sum(0), np.isfinite(b_all).sum(0))
+    n_docs = np.minimum(_documents(it.docs, np.isfinite(a_all)), _documents(base.docs, np.isfinite(b_all)))
+    lo, hi = np.where(n_docs < 2, np.nan, lo), np.where(n_docs < 2, np.nan, hi)
+    return [_row(m, it, base.name, est[j], lo[j], hi[j], _pooled_pair(CATALOG[m].compare, pa[m], pb[m]), int(n_used[j]),
+                 int(n_docs[j]), pd.NA, [pair_note]) for j, m in enumerate(ms)]

@@ -13,6 +13,7 @@ from typing import Any
 import pandas as pd
 
 from attnres_probe.analysis.bootstrap import FEW_DOCUMENTS
+from attnres_probe.analysis.catalog import CATALOG
 from attnres_probe.analysis.verdicts import EXPECTED
 
 __all__ = [
@@ -35,42 +36,25 @@ __all__ = [
     "table_rows",
 ]
 
-# said once wherever comparisons are shown (the frame's ``basis`` column, per row)
+# said once wherever comparisons are shown
 BASIS_NOTE = (
-    "Locality and entropy are measured on each AttnRes model's routing weights (its softmax over depth) but on "
-    "PreNorm's contribution shares, since PreNorm has no weights (every coefficient is one). Their comparisons set "
-    "two different quantities side by side and are marked \"weights vs shares\": such a verdict says how the two "
-    "numbers fall, not that the models route alike or differently. The embedding share c₀ is the same quantity for "
-    "every model."
+    "Every comparison sets the same quantity, in the same unit, on the same axis. Routing numbers are normalised "
+    "weights (each source's share of what the read mixes) on the model's own source axis, Block's in blocks; PreNorm's "
+    "are its implied weights, uniform over what a read sees. Each AttnRes model's routing is compared with the uniform "
+    "reference on its own axis, which is PreNorm's implied weights grouped the same way; the embedding's share c₀, "
+    "the magnitudes, gradients and loss are compared with the PreNorm baseline's same quantity."
 )
-CAVEAT = "weights vs shares: different quantities"
+CAVEAT = "weights vs shares: different quantities"  # no comparison is marked so any more (basis_caveat)
 
-# the headline panel: the three comparisons the toolkit exists for, plus magnitude growth
+# the headline panel: the comparisons the toolkit exists for
 HEADLINE: list[tuple[str, str, list[str]]] = [
-    ("Locality", "How far back in depth the reads look.", ["locality_distance", "locality_recent_mass"]),
-    ("Embedding retention", "How much the deep reads still take from the embedding.", ["embed_contrib_deep", "embed_weight_deep"]),
+    ("Locality", "How far back in depth the reads look, against uniform weights on the same sources.",
+     ["locality_distance", "locality_recent_mass"]),
+    ("Embedding retention", "How much the deep reads still take from the embedding.", ["embed_weight_deep", "embed_contrib_deep"]),
     ("Gradient uniformity", "Spread of gradient norms over depth (0 = even).", ["act_grad_cv", "param_grad_cv"]),
-    ("Magnitude growth", "Hidden-state RMS over depth: last/first read, max/min and peak.",
-     ["rms_in_growth", "rms_in_max_min", "rms_in_peak"]),
+    ("Magnitude growth", "What the sublayers write: RMS of their outputs, last quarter over first.", ["rms_out_growth"]),
 ]
-LABELS: dict[str, str] = {
-    "locality_distance": "mean depth distance E[d]",
-    "locality_recent_mass": "mass on the most recent source",
-    "embed_weight_deep": "embedding weight α₀, deep half",
-    "embed_contrib_deep": "embedding share c₀, deep half",
-    "mean_entropy": "normalised routing entropy",
-    "act_grad_cv": "CV of ‖∂L/∂h‖ over reads",
-    "act_grad_max_min": "max/min of ‖∂L/∂h‖ over reads",
-    "param_grad_cv": "CV of parameter-gradient norms",
-    "param_grad_max_min": "max/min of parameter-gradient norms",
-    "rms_in_growth": "rms(h) last/first sublayer read",
-    "rms_in_log_slope": "slope of log rms(h) per read",
-    "rms_in_max_min": "rms(h) max/min over sublayer reads",
-    "rms_in_peak": "rms(h) peak over sublayer reads",
-    "rms_out_growth": "rms(v) last/first sublayer output",
-    "rms_out_log_slope": "slope of log rms(v) per sublayer",
-    "mean_loss": "next-token loss",
-}
+LABELS: dict[str, str] = {name: d.label for name, d in CATALOG.items()}
 
 
 def _finite(x: Any) -> bool:
@@ -239,7 +223,8 @@ def headline(frame: pd.DataFrame) -> list[dict[str, Any]]:
         rows = []
         for m in names:
             values = [{"model": r["model"], "estimate": fmt_estimate(r), "interval": interval_text(r, level, said),
-                       "basis": str(r.get("basis") or "")}
+                       "basis": str(r.get("basis") or ""), "unit": str(r.get("unit") or ""),
+                       "reference": fmt_number(r.get("reference"), 3) if _finite(r.get("reference")) else ""}
                       for r in records if r["metric"] == m and r["comparison"] == "value"]
             comps = comparison_rows(records, m, level, said)
             by_model = {c["model"]: c for c in comps}

@@ -1,8 +1,9 @@
 """The paper's expected directions and the one function that turns an interval into a verdict.
 
-Every AttnRes-vs-baseline comparison (and every study finding) has an expected direction taken
-from the paper (Kimi Team, "Attention Residuals", arXiv 2603.15031): the model's value should be
-lower (or higher) than the reference. Given the comparison's confidence interval:
+Every comparison of a diagnostic whose paper direction the catalog
+(:mod:`attnres_probe.analysis.catalog`) records has an expected direction taken from the paper
+(Kimi Team, "Attention Residuals", arXiv 2603.15031): the model's value should be lower (or
+higher) than the reference. Diagnostics without one get no verdict. Given the comparison's confidence interval:
 
 - ``"consistent"``: the interval excludes "no difference" (0 for a difference, 1 for a ratio,
   or the reference value) on the paper's side;
@@ -19,6 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Literal
+
+from attnres_probe.analysis.catalog import CATALOG
 
 __all__ = ["EXPECTED", "VERDICTS", "Expectation", "comparison_kind", "no_difference", "verdict"]
 
@@ -42,32 +45,9 @@ class Expectation:
     claim: str
 
 
-_LOCAL = "The paper reports mostly local depth weights: each read puts most of its weight on the nearest sources."
-_EMBED = ("The paper reports that AttnRes keeps the embedding within reach of deep layers, where PreNorm dilutes it "
-          "in a growing sum.")
-_SHARP = ("The paper's depth-weight maps concentrate on a few sources (nearest ones and the embedding); entropy is "
-          "this toolkit's measure of that, not a number the paper reports.")
-_GRAD = ("The paper reports that AttnRes spreads gradient norms more evenly over depth than PreNorm, whose earliest "
-         "layers get the largest gradients.")
-_MAG = ("The paper reports that PreNorm's hidden-state magnitude grows with depth while AttnRes keeps it bounded.")
-_LOSS = "The paper reports lower loss for AttnRes than for a PreNorm baseline of the same size."
-
-EXPECTED: dict[str, Expectation] = {
-    "locality_distance": Expectation("lower", "difference", _LOCAL),
-    "locality_recent_mass": Expectation("higher", "difference", _LOCAL),
-    "embed_contrib_deep": Expectation("higher", "difference", _EMBED),
-    "mean_entropy": Expectation("lower", "difference", _SHARP),
-    "act_grad_cv": Expectation("lower", "ratio", _GRAD),
-    "act_grad_max_min": Expectation("lower", "ratio", _GRAD),
-    "param_grad_cv": Expectation("lower", "ratio", _GRAD),
-    "param_grad_max_min": Expectation("lower", "ratio", _GRAD),
-    "rms_in_growth": Expectation("lower", "ratio", _MAG),
-    "rms_in_log_slope": Expectation("lower", "difference", _MAG),
-    "rms_in_max_min": Expectation("lower", "ratio", _MAG),
-    "rms_in_peak": Expectation("lower", "ratio", _MAG),
-    "rms_out_growth": Expectation("lower", "ratio", _MAG),
-    "rms_out_log_slope": Expectation("lower", "difference", _MAG),
-    "mean_loss": Expectation("lower", "difference", _LOSS),
+EXPECTED: dict[str, Expectation] = {  # from the catalog: every diagnostic with a direction the paper states
+    name: Expectation(d.direction, d.compare, f"The paper reports: {d.paper}") for name, d in CATALOG.items()
+    if d.direction is not None
 }
 
 

@@ -1,48 +1,59 @@
-"""Headline metrics per window: one value of every metric for each sequence of a trace.
+"""Every diagnostic of the catalog per window: one value for each sequence of a trace.
 
 A *window* is one sequence of a :class:`~attnres_probe.trace.DepthTrace` (one row of its batch):
 a document, or an ``n_ctx``-token piece of one. Windows are the unit of every interval in
-:mod:`attnres_probe.analysis.bootstrap`, so each headline metric is computed here for each
-window on its own, with exactly the definitions of :func:`attnres_probe.metrics.summary` (a
-one-window trace gives the same numbers as ``summary``; a test checks it).
+:mod:`attnres_probe.analysis.bootstrap`, so each diagnostic of
+:data:`~attnres_probe.analysis.catalog.CATALOG` is computed here for each window on its own
+(:func:`window_metric_arrays`), and the pooled value is the same function over every token at
+once (:func:`pooled_metrics`). Routing diagnostics also get their uniform reference per window
+(``{name}@uniform``: the same function of the uniform weights on the model's own source axis).
 
 Per-window parameter gradients need one backward pass per window: a trace of one window has
 them (its ``param_grad``); a trace of several windows recorded with one backward over their
-mean loss does not, and its parameter-gradient metrics are NaN per window (only the pooled
-value of ``summary`` exists).
+mean loss does not, and its parameter-gradient diagnostics are NaN per window (the pooled value,
+from that one backward, exists).
 """
 
 from __future__ import annotations
 
 import hashlib
 import warnings
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from attnres_probe.analysis.catalog import CATALOG, routing_names
 from attnres_probe.trace import DepthTrace
 
-__all__ = ["KEY_COLUMNS", "WINDOW_METRICS", "window_digests", "window_metric_arrays", "window_metrics", "window_profiles"]
+__all__ = [
+    "KEY_COLUMNS",
+    "REFERENCE_COLUMNS",
+    "mixture_rms",
+    "normalised_weights",
+    "profile_values",
+    "source_members",
+    "WINDOW_COLUMNS",
+    "WINDOW_METRICS",
+    "pooled_metrics",
+    "reference_column",
+    "uniform_weights",
+    "window_digests",
+    "window_metric_arrays",
+    "window_metrics",
+    "window_profiles",
+]
 
-# every headline metric, in display order (each is a key of metrics.FORMULAS)
-WINDOW_METRICS = (
-    "locality_distance",
-    "locality_recent_mass",
-    "embed_weight_deep",
-    "embed_contrib_deep",
-    "mean_entropy",
-    "act_grad_cv",
-    "act_grad_max_min",
-    "param_grad_cv",
-    "param_grad_max_min",
-    "rms_in_growth",
-    "rms_in_log_slope",
-    "rms_in_max_min",
-    "rms_in_peak",
-    "rms_out_growth",
-    "rms_out_log_slope",
-    "mean_loss",
-)
+WINDOW_METRICS = tuple(CATALOG)  # every diagnostic, in display order
+
+
+def reference_column(metric: str) -> str:
+    """The column holding a routing diagnostic's uniform reference."""
+    return f"{metric}@uniform"
+
+
+REFERENCE_COLUMNS = tuple(reference_column(n) for n in routing_names())
+WINDOW_COLUMNS = WINDOW_METRICS + REFERENCE_COLUMNS  # what a window table holds besides its keys
 # what identifies a window across models: document index, first token's offset in it, tokens, digest
 KEY_COLUMNS = ("doc", "start", "n_tokens", "digest")
 
@@ -72,111 +83,201 @@ def _spread_rows(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return cv, ratio
 
 
-def _growth_rows(m: np.ndarray) -> dict[str, np.ndarray]:
-    """Per row of m [B, n]: last/first, slope of log m over index, max/min, max; NaN unless all finite and > 0."""
-    B, n = m.shape
-    ok = (n > 0) & np.isfinite(m).all(1) & (m > 0).all(1)
+def _positive_rows(m: np.ndarray) -> np.ndarray:
+    """Rows of m [B, n] whose every entry is finite and positive."""
+    return (m.shape[1] > 0) & np.isfinite(m).all(1) & (m > 0).all(1)
+
+
+def _quarter_ratio(m: np.ndarray, last_over_first: bool = True) -> np.ndarray:
+    """Per row of m [B, n]: mean of the last quarter over the mean of the first (or the reverse); the
+    quarter is max(1, n // 4) entries; NaN unless the row is finite and positive."""
+    n = m.shape[1]
+    q = max(1, n // 4)
+    ok = _positive_rows(m)
     safe = np.where(ok[:, None], m, 1.0)
-    logm = np.log(safe)
-    if n > 1:
-        x = np.arange(n) - (n - 1) / 2
-        slope = (logm * x).sum(1) / (x**2).sum()
-    else:
-        slope = np.full(B, np.nan)
-    nan = np.full(B, np.nan)
-    return {
-        "growth": np.where(ok, safe[:, -1] / safe[:, 0], nan) if n else nan,
-        "slope": np.where(ok, slope, nan),
-        "max_min": np.where(ok, safe.max(1, initial=0) / safe.min(1, initial=np.inf), nan) if n else nan,
-        "peak": np.where(ok, safe.max(1, initial=0), nan) if n else nan,
-    }
+    first, last = safe[:, :q].mean(1), safe[:, n - q :].mean(1) if n else safe[:, :0].sum(1)
+    return np.where(ok, last / first if last_over_first else first / last, np.nan)
 
 
-def _routing_rows(trace: DepthTrace) -> dict[str, np.ndarray]:
-    """Per window and read: mean over tokens of distance, recent mass, entropy ([B, R] each), and k [R]."""
-    from attnres_probe.metrics import resolve_kind
+def _log_slope(m: np.ndarray) -> np.ndarray:
+    """Per row of m [B, n]: least-squares slope of log m over the index; NaN unless finite and positive."""
+    B, n = m.shape
+    ok = _positive_rows(m)
+    if n < 2:
+        return np.full(B, np.nan)
+    logm = np.log(np.where(ok[:, None], m, 1.0))
+    x = np.arange(n) - (n - 1) / 2
+    return np.where(ok, (logm * x).sum(1) / (x**2).sum(), np.nan)
 
-    kind = resolve_kind(trace, "auto")
-    a = np.asarray(trace.cube(kind), np.float64)  # [B, P, R, S]
-    avail = ~np.isnan(a)
+
+def source_members(trace: Any) -> np.ndarray:
+    """[R, S] how many written sources (sublayer outputs, or the embedding) each column of each read
+    sums: 1 for Full and PreNorm, a block's sublayers for Block; NaN where the read sees no column."""
+    axis = trace.axis
+    out = np.full((axis.n_reads, axis.n_sources), np.nan)
+    for r in range(axis.n_reads):
+        members = [len(m) for m in axis.members(r)]
+        out[r, : len(members)] = members
+    return out
+
+
+def uniform_weights(trace: Any) -> np.ndarray:
+    """[R, S] the uniform reference on the trace's own source axis: every written source the read
+    sees gets the same coefficient, so a column of m of them holds m / k_r of the read (k_r
+    counting the embedding and every sublayer output it sees). For Full and PreNorm this is 1/k_r
+    per column; for Block it is PreNorm's implied weights grouped into Block's blocks, and also
+    what a Block read with equal weights on its blocks gives (its members share the block's
+    weight)."""
+    m = source_members(trace)
+    return m / np.nansum(m, axis=-1, keepdims=True)
+
+
+def normalised_weights(trace: Any, coefficients: np.ndarray) -> np.ndarray:
+    """w: a read's coefficients as shares of the read on the trace's own axis, [..., R, S].
+
+    Each written source's coefficient c (the softmax weight of its column for AttnRes, 1 for
+    PreNorm) times the written sources in that column, over their sum: w_i = c_i m_i / sum_j c_j m_j.
+    Full and PreNorm: c / sum(c). Block: a block's members share its weight, so its column holds
+    m_i of them. NaN stays NaN (unavailable)."""
+    mass = np.asarray(coefficients, np.float64) * source_members(trace)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return mass / np.nansum(mass, axis=-1, keepdims=True)
+
+
+def _routing_rows(w: np.ndarray, mask: np.ndarray, R: int) -> dict[str, np.ndarray]:
+    """Per window and read ([B, R] each): the means over tokens of distance, recent mass, entropy, the
+    embedding's weight and the embedding against the other old sources, from the normalised
+    weights w [B, P, R, S] (NaN = unavailable); and k [R]."""
+    avail = ~np.isnan(w)
     k = avail.sum(-1)  # [B, P, R]
     pos = np.cumsum(avail, axis=-1, dtype=np.int32) - 1
-    vals = np.where(avail, a, 0.0)
+    vals = np.where(avail, w, 0.0)
     has = k > 0
     dist = np.where(avail, k[..., None] - 1 - pos, 0)
     distance = np.where(has, (vals * dist).sum(-1), np.nan)
     recent = np.where(has, (vals * (avail & (pos == k[..., None] - 1))).sum(-1), np.nan)
-    p = np.abs(vals) if kind == "contrib" else vals
     with np.errstate(divide="ignore", invalid="ignore"):
-        p = p / p.sum(-1, keepdims=True)
-        logp = np.log(p)
-        logp[~(p > 0)] = 0.0  # 0 log 0 = 0 (and no NaN from cells that are not there)
-        h = -np.einsum("...s,...s->...", np.where(p > 0, p, 0.0), logp)
+        logp = np.log(np.where(vals > 0, vals, 1.0))
+        h = -(np.where(vals > 0, vals, 0.0) * logp).sum(-1)
         h = np.where(k > 1, h / np.log(np.maximum(k, 2)), np.nan)
-    mask = trace.mask
-    k_read = np.where(mask[..., None], k, 0).max(axis=(0, 1)) if mask.any() else np.zeros(a.shape[2], int)
+        old = avail & (pos >= 1) & (pos <= k[..., None] - 2)  # neither the embedding nor the most recent
+        n_old = old.sum(-1)
+        old_mean = np.where(n_old > 0, np.where(old, vals, 0.0).sum(-1) / np.maximum(n_old, 1), np.nan)
+        embed = np.where(has, vals[..., 0], np.nan)
+        embed_vs_old = np.where(k >= 3, embed - old_mean, np.nan)
+    k_read = np.where(mask[..., None], k, 0).max(axis=(0, 1)) if mask.any() else np.zeros(R, int)
     return {
         "distance": _window_mean(distance, mask),
         "recent": _window_mean(recent, mask),
         "entropy": _window_mean(h, mask),
+        "embed": _window_mean(embed, mask),
+        "embed_vs_old": _window_mean(embed_vs_old, mask),
         "k": k_read,
     }
 
 
-def window_metrics(trace: DepthTrace) -> pd.DataFrame:
-    """Every headline metric for each window (sequence) of ``trace``: see :func:`window_metric_arrays`.
+def _routing_values(route: dict[str, np.ndarray], R: int) -> dict[str, np.ndarray]:
+    choice = route["k"] >= 2
+    deep = np.arange(R) >= R // 2
+    return {
+        "locality_distance": _row_nanmean(route["distance"], choice),
+        "locality_recent_mass": _row_nanmean(route["recent"], choice),
+        "mean_entropy": _row_nanmean(route["entropy"], choice),
+        "embed_weight_deep": _row_nanmean(route["embed"], deep),
+        "embed_vs_old_deep": _row_nanmean(route["embed_vs_old"], deep & (route["k"] >= 3)),
+    }
 
-    Returns:
-        DataFrame [B rows, one per window] with columns :data:`WINDOW_METRICS`.
-    """
-    values = window_metric_arrays(trace)
-    return pd.DataFrame({name: values[name] for name in WINDOW_METRICS})
+
+def _metric_arrays(trace: Any, mask: np.ndarray, arrays: dict[str, np.ndarray], param_grad: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Every diagnostic and routing reference for each window of ``arrays`` ([B, P, ...] with ``mask``)."""
+    B = mask.shape[0]
+    R = len(trace.read_labels)
+    L = R - 1
+    c = np.asarray(arrays["depth_weights"], np.float64)
+    w = normalised_weights(trace, c)
+    out: dict[str, np.ndarray] = _routing_values(_routing_rows(w, mask, R), R)
+    uni = np.broadcast_to(uniform_weights(trace), w.shape).copy()
+    uni[np.isnan(w)] = np.nan  # the same sources as the model's own weights
+    for name, value in _routing_values(_routing_rows(uni, mask, R), R).items():
+        out[reference_column(name)] = value
+    deep = slice(R // 2, None)
+    out["embed_contrib_deep"] = _row_nanmean(_window_mean(arrays["contrib"][..., 0], mask), deep)
+    mix = mixture_rms(trace, arrays["rms_in"], c)
+    out.update(profile_values(
+        rms_out=_window_mean(arrays["rms_out"], mask)[:, 1 : L + 1],
+        rms_mix=_window_mean(mix, mask)[:, :L],
+        grad_out=_window_mean(arrays["grad_out"], mask)[:, 1 : L + 1],
+        param_grad=None if param_grad is None else np.asarray(param_grad, np.float64).reshape(-1, L),
+        n=B,
+    ))
+    out["mean_loss"] = _window_mean(arrays["loss"], mask)
+    return {name: np.asarray(out[name], np.float64) for name in WINDOW_COLUMNS}
+
+
+def profile_values(rms_out: np.ndarray, rms_mix: np.ndarray, grad_out: np.ndarray, param_grad: np.ndarray | None,
+                   n: int) -> dict[str, np.ndarray]:
+    """The diagnostics that are functions of depth profiles, for ``n`` rows of profiles:
+    ``rms_out`` [n, L] (sublayer outputs' mean RMS), ``rms_mix`` [n, L] (the sublayer reads' mean
+    mixture RMS), ``grad_out`` [n, L] (mean ||dL/dv_j|| at the sublayer outputs), ``param_grad``
+    [n, L] (per-sublayer parameter-gradient norms; None: not available)."""
+    out = {"rms_out_growth": _quarter_ratio(rms_out), "rms_out_log_slope": _log_slope(rms_out),
+           "rms_mix_growth": _quarter_ratio(rms_mix)}
+    out["act_grad_cv"], out["act_grad_max_min"] = _spread_rows(grad_out)
+    out["act_grad_early_late"] = _quarter_ratio(grad_out, last_over_first=False)
+    if param_grad is not None:
+        attn, mlp = param_grad[:, 0::2], param_grad[:, 1::2]
+        out["param_grad_cv"], out["param_grad_max_min"] = _spread_rows(np.sqrt(attn**2 + mlp**2))
+        out["param_grad_attn_cv"], _ = _spread_rows(attn)
+        out["param_grad_mlp_cv"], _ = _spread_rows(mlp)
+    else:
+        for name in ("param_grad_cv", "param_grad_max_min", "param_grad_attn_cv", "param_grad_mlp_cv"):
+            out[name] = np.full(n, np.nan)
+    return out
+
+
+def mixture_rms(trace: Any, rms_in: np.ndarray, depth_weights: np.ndarray) -> np.ndarray:
+    """rms(h_r / sum_i c_i) per token and read, [..., R]: what a read sees as a mixture (PreNorm: its sum over k)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.asarray(rms_in, np.float64) / np.nansum(np.asarray(depth_weights, np.float64) * source_members(trace), axis=-1)
+
+
+_USED = ("depth_weights", "contrib", "rms_in", "rms_out", "grad_out", "loss")
 
 
 def window_metric_arrays(trace: DepthTrace) -> dict[str, np.ndarray]:
-    """Every headline metric for each window (sequence) of ``trace``.
+    """Every diagnostic of the catalog for each window (sequence) of ``trace``, and each routing
+    diagnostic's uniform reference (:data:`WINDOW_COLUMNS`).
 
-    Definitions are those of :func:`attnres_probe.metrics.summary`, applied to the real tokens
-    of one window: locality, entropy and embedding numbers average per read over the window's
-    tokens, then over reads (reads with k_r >= 2; deepest half for the embedding);
-    gradient uniformity and magnitude growth use the window's per-read means. Parameter-
-    gradient metrics need the window's own parameter gradients, which only a one-window trace
-    has; with several windows they are NaN.
+    Definitions: :data:`~attnres_probe.analysis.catalog.CATALOG`. Parameter-gradient diagnostics
+    need the window's own parameter gradients, which only a one-window trace has; with several
+    windows they are NaN.
 
     Returns:
-        {metric: float64 [B]} for every name of :data:`WINDOW_METRICS`.
+        {column: float64 [B]}.
     """
     B = trace.tokens.shape[0]
-    R = len(trace.read_labels)
-    L = R - 1
-    mask = trace.mask
-    route = _routing_rows(trace)
-    choice = route["k"] >= 2
-    deep = slice(R // 2, None)
-    out: dict[str, np.ndarray] = {
-        "locality_distance": _row_nanmean(route["distance"], choice),
-        "locality_recent_mass": _row_nanmean(route["recent"], choice),
-    }
-    if trace.residual == "prenorm":
-        out["embed_weight_deep"] = np.full(B, np.nan)
-    else:
-        out["embed_weight_deep"] = _row_nanmean(_window_mean(trace.depth_weights[..., 0], mask), deep)
-    out["embed_contrib_deep"] = _row_nanmean(_window_mean(trace.contrib[..., 0], mask), deep)
-    out["mean_entropy"] = _row_nanmean(route["entropy"], choice)
-    act = _window_mean(trace.grad_in, mask)[:, :L]  # [B, L]
-    out["act_grad_cv"], out["act_grad_max_min"] = _spread_rows(act)
-    if B == 1:
-        p_cv, p_ratio = _spread_rows(np.asarray(trace.param_grad, np.float64)[None])
-    else:
-        p_cv, p_ratio = np.full(B, np.nan), np.full(B, np.nan)
-    out["param_grad_cv"], out["param_grad_max_min"] = p_cv, p_ratio
-    g_in = _growth_rows(_window_mean(trace.rms_in, mask)[:, :L])
-    g_out = _growth_rows(_window_mean(trace.rms_out, mask)[:, 1 : L + 1])
-    out["rms_in_growth"], out["rms_in_log_slope"] = g_in["growth"], g_in["slope"]
-    out["rms_in_max_min"], out["rms_in_peak"] = g_in["max_min"], g_in["peak"]
-    out["rms_out_growth"], out["rms_out_log_slope"] = g_out["growth"], g_out["slope"]
-    out["mean_loss"] = _window_mean(trace.loss, mask)
-    return {name: np.asarray(out[name], np.float64) for name in WINDOW_METRICS}
+    pg = np.asarray(trace.param_grad, np.float64)[None] if B == 1 else None
+    return _metric_arrays(trace, trace.mask, {n: getattr(trace, n) for n in _USED}, pg)
+
+
+def pooled_metrics(trace: DepthTrace) -> pd.Series:
+    """Every diagnostic over every real token of ``trace`` at once: the windows' function applied to
+    all their tokens as one window (the parameter gradients are the trace's own, from its one
+    backward pass over every window). A one-window trace gives its window's values."""
+    m = trace.mask
+    arrays = {n: np.asarray(getattr(trace, n))[m][None] for n in _USED}  # [1, N, ...]
+    values = _metric_arrays(trace, np.ones((1, int(m.sum())), bool), arrays, np.asarray(trace.param_grad, np.float64)[None])
+    return pd.Series({n: float(v[0]) for n, v in values.items()}, name=trace.name)
+
+
+def window_metrics(trace: DepthTrace) -> pd.DataFrame:
+    """Every diagnostic (and routing reference) for each window of ``trace``: see :func:`window_metric_arrays`.
+
+    Returns:
+        DataFrame [B rows, one per window] with columns :data:`WINDOW_COLUMNS`.
+    """
+    values = window_metric_arrays(trace)
+    return pd.DataFrame({name: values[name] for name in WINDOW_COLUMNS})
 
 
 def window_profiles(trace: DepthTrace) -> dict[str, np.ndarray]:

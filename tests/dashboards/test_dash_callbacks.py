@@ -231,12 +231,14 @@ def test_metric_cards_show_compare_s_estimates_intervals_and_verdicts_with_formu
     names = _find(cards[0], lambda n: getattr(n, "className", None) == "metric-name")
     assert names[0].title == metrics.FORMULAS["locality_distance"]
     shown = " ".join(texts(cards[0]))
-    row = frame.query("metric == 'locality_distance' and model == 'full' and baseline == 'prenorm'").iloc[0]
-    assert f"{row['estimate']:+.3g} vs prenorm" in shown
-    assert "paper: lower than prenorm" in shown
+    row = frame.query("metric == 'locality_distance' and model == 'full' and baseline == 'uniform'").iloc[0]
+    assert f"{row['estimate']:+.3g} vs uniform" in shown  # routing: against the uniform weights on the model's own sources
+    assert "paper: lower than uniform" in shown
     assert "no interval: 1 window" not in shown  # a prompt is one window: the section says it once, not every cell
-    assert "routing weights" in shown and "contribution shares" in shown  # what each side of locality reads
-    assert "weights vs shares: different quantities" in shown
+    assert "normalised weights" in shown and "uniform: " in shown  # the one quantity, and its reference beside it
+    assert "weights vs shares" not in " ".join(texts(shown_all))
+    gradients = " ".join(texts(cards[2]))
+    assert "vs prenorm" in gradients and "paper: lower than prenorm" in gradients
 
 
 def test_no_text_asserts_the_papers_direction(ex):
@@ -263,7 +265,7 @@ def test_the_corpus_section_leads_with_compare_s_verdicts_for_the_same_stats(mod
     graphs = {g.id: g.figure for g in _find(corpus, lambda n: getattr(n, "figure", None) is not None)}
     assert "95% interval" in graphs["corpus-magnitudes"].layout.title.text and "log scale" in graphs["corpus-magnitudes"].layout.title.text
     notes = " ".join(texts(corpus))
-    assert "PreNorm has no weights" in notes
+    assert "the same quantity, in the same unit, on the same axis" in notes  # what every comparison sets side by side
     assert "Only" not in notes  # twelve documents: no warning
     assert "sd over tokens" in graphs["corpus-contrib"].data[0].hovertemplate
 

@@ -123,13 +123,14 @@ def test_metric_table_matches_compare_against_the_baseline(soup, traces):
     frame = metrics.compare(*traces)
     table = soup.find("section", id="metrics").find("table", class_="metrics")
     header = [th.get_text() for th in table.find("tr").find_all("th")]
-    assert header == ["metric", "prenorm", "full", "block", "full vs prenorm", "block vs prenorm",
-                      "verdict: full vs prenorm", "verdict: block vs prenorm"]
+    assert header == ["metric", "prenorm", "full", "block", "full vs uniform", "block vs uniform", "full vs prenorm",
+                      "block vs prenorm", "verdict: full vs uniform", "verdict: block vs uniform", "verdict: full vs prenorm",
+                      "verdict: block vs prenorm"]
     rows = {tr["data-metric"]: tr for tr in table.select("tr[data-metric]")}
     assert set(rows) == set(frame["metric"])
     assert rows["mean_loss"].find("td")["title"] == metrics.FORMULAS["mean_loss"]
-    for metric, tr in rows.items():
-        want = list(frame[(frame.metric == metric) & (frame.comparison != "value")]["verdict"])
+    for metric, tr in rows.items():  # no verdict where the paper states no direction
+        want = [v for v in frame[(frame.metric == metric) & (frame.comparison != "value")]["verdict"] if v]
         assert [s.get_text() for s in tr.select("span.verdict")] == want
     loss = frame.query("metric == 'mean_loss' and comparison == 'value'")
     cells = [td.get_text() for td in rows["mean_loss"].find_all("td")[1:4]]
@@ -144,7 +145,7 @@ def test_headline_panel_shows_compare_s_verdicts_and_says_why_there_is_no_interv
     for card in headline.select("div.metric-card"):
         for name in card.select("div.metric-name"):
             m = name["data-metric"]
-            want += list(frame[(frame.metric == m) & (frame.comparison != "value")]["verdict"])
+            want += [v for v in frame[(frame.metric == m) & (frame.comparison != "value")]["verdict"] if v]
     assert [s.get_text() for s in headline.select("span.verdict")] == want
     text = soup.find("section", id="metrics").get_text()
     assert "paper: lower than prenorm" in text and "The paper reports" in text
@@ -282,17 +283,17 @@ def test_a_one_model_report_promises_no_baseline_and_says_once_why_there_is_no_i
     assert "no interval:" not in text and "PreNorm has unit coefficients" not in soup.get_text()
 
 
-def test_locality_verdicts_say_they_set_weights_against_shares_and_windows_of_one_text_are_one_document(soup):
-    """#16: AttnRes's routing weights against PreNorm's contribution shares, said where the verdicts are;
-    the fixture text spans several windows of one text: one document, no interval, said once."""
+def test_locality_is_set_against_uniform_weights_on_the_same_sources_and_windows_of_one_text_are_one_document(soup):
+    """#31: every model's normalised weights, each AttnRes model against the uniform weights on its own
+    sources (no comparison of weights with shares remains); the fixture text spans several windows of
+    one text: one document, no interval, said once."""
     section = soup.find("section", id="metrics")
-    assert "routing weights" in soup.find(id="basis-note").get_text() and "contribution shares" in soup.find(id="basis-note").get_text()
-    loc = section.find("table", class_="metrics").find("tr", attrs={"data-metric": "locality_distance"})
-    assert [c.get_text() for c in loc.select(".caveat")] == ["weights vs shares: different quantities"] * 2
-    loss = section.find("table", class_="metrics").find("tr", attrs={"data-metric": "mean_loss"})
-    assert loss.select(".caveat") == []
+    note = soup.find(id="basis-note").get_text()
+    assert "normalised weights" in note and "uniform" in note and "same quantity" in note
+    assert section.select(".caveat") == [] and "weights vs shares" not in soup.get_text()
     headline = soup.find(id="headline")
-    assert {b.get_text() for b in headline.select(".basis")} == {"routing weights", "contribution shares"}
+    assert {b.get_text() for b in headline.select(".basis")} == {"normalised weights", "contribution shares"}
+    assert headline.select(".reference") and all(r.get_text().startswith("uniform: ") for r in headline.select(".reference"))
     assert "Only 1 document" in soup.find(id="few-documents").get_text()
     assert "no interval: 1 document" not in headline.get_text()
 

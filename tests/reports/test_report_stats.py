@@ -35,7 +35,7 @@ def stats_soup(stats_report):
 def _expected(frame, metric_names):
     out = []
     for m in metric_names:
-        out += list(frame[(frame.metric == m) & (frame.comparison != "value")]["verdict"])
+        out += [v for v in frame[(frame.metric == m) & (frame.comparison != "value")]["verdict"] if v]  # none without a direction
     return out
 
 
@@ -90,15 +90,15 @@ def test_corpus_report_from_file_url_draws_and_shows_the_same_verdicts(stats_rep
 
 
 def test_corpus_report_warns_of_few_documents_and_names_what_each_side_measures(stats_soup):
-    """#16: eight documents: intervals are rough, said once at the top; locality verdicts marked as
-    routing weights against contribution shares."""
+    """#16: eight documents: intervals are rough, said once at the top; #31: locality set against the
+    uniform weights on each model's own sources, the same quantity on both sides (no caveat)."""
     warning = stats_soup.find(id="few-documents").get_text()
     assert "Only 8 documents: intervals are rough" in warning
     assert "only 8 documents" not in stats_soup.find(id="headline").get_text()  # not in every cell
     note = stats_soup.find(id="basis-note").get_text()
-    assert "routing weights" in note and "contribution shares" in note and "PreNorm has no weights" in note
+    assert "normalised weights" in note and "uniform" in note and "same quantity" in note
     cards = {m["data-metric"]: m.find_next("table") for m in stats_soup.select("#headline div.metric-name")}
-    assert len(cards["locality_distance"].select(".caveat")) == 2 and cards["embed_contrib_deep"].select(".caveat") == []
+    assert cards["locality_distance"].select(".caveat") == [] and "vs uniform" in cards["locality_distance"].get_text()
 
 
 def test_corpus_profiles_use_the_single_text_report_s_names_and_say_what_the_lines_are(stats_soup, corpus_stats):
