@@ -195,8 +195,8 @@ def _model_specs(models: Sequence[str] | None, demo: Sequence[str] | None, names
         other = folders.setdefault(folder.casefold(), s["name"])
         if other != s["name"]:
             raise CorpusRunError(
-                f"model names {other!r} and {s['name']!r} would both be saved as models/{folder}: names may differ "
-                "only in letters, digits, '.', '_' and '-' (and not in case alone); pass other --names"
+                f"model names {other!r} and {s['name']!r} would both be saved as models/{folder} (a folder name keeps "
+                "letters, digits, '.', '_' and '-', and a file system may ignore case): pass --names that differ there"
             )
     return specs
 
