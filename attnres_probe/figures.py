@@ -529,21 +529,24 @@ def side_by_side(
 def difference_heatmap(
     trace: DepthTrace, baseline: DepthTrace, kind: str = "contrib", token: int | None = None, batch: int = 0
 ) -> go.Figure:
-    """An AttnRes model minus the baseline, cell by cell: reads (y) x sublayer sources (x).
+    """An AttnRes model minus the baseline, cell by cell: reads (y) x sources (x), like from like.
 
-    Both traces are put on the L+1 sublayer axis (:meth:`DepthTrace.expanded`), so Block, Full and
-    PreNorm compare cell for cell; they need the same reads (same depth). ``token=None`` compares
-    the means over real tokens; a token compares that token (the traces should hold the same text).
-    The scale diverges around 0 (red: the model puts more there than the baseline, blue: less).
-    Against a PreNorm baseline only contribution shares compare: PreNorm has no routing weights
-    (its coefficients are all one, not a softmax) and no logits.
+    Both traces are put on one source axis: a Block trace's own (block units), with the other
+    model's shares (or normalised weights) summed into the same blocks, so a row of share
+    differences sums to about 0; Full and PreNorm on sublayers. Logits do not add up over a block:
+    they compare on the sublayer axis (:meth:`DepthTrace.expanded`). They need the same reads
+    (same depth); two Block traces need the same blocks. ``token=None`` compares the means over
+    real tokens; a token compares that token (the traces should hold the same text). The scale
+    diverges around 0 (red: the model puts more there than the baseline, blue: less). Against a
+    PreNorm baseline only contribution shares compare: its normalised weights are uniform by
+    construction (the routing pages set AttnRes against them).
 
     Returns:
-        Figure with one Heatmap: ``z`` [R, L+1] = model − baseline (NaN where either is unavailable),
-        ``customdata`` [R, L+1, 2] = (model, baseline).
+        Figure with one Heatmap: ``z`` [R, S] = model − baseline on the common axis (NaN where
+        either is unavailable), ``customdata`` [R, S, 2] = (model, baseline).
 
     Raises:
-        ValueError: reads that differ, or weights / logits against a PreNorm baseline.
+        ValueError: reads that differ, two Block layouts, or weights / logits against a PreNorm baseline.
     """
     _check_kind(kind)
     if kind != "contrib" and "prenorm" in (trace.residual, baseline.residual):
@@ -556,15 +559,18 @@ def difference_heatmap(
             f"cannot subtract {baseline.name!r} from {trace.name!r}: their reads differ "
             f"({len(trace.read_labels)} vs {len(baseline.read_labels)}); compare models of the same depth"
         )
+    blocks = [t for t in (trace, baseline) if t.residual == "block"]
+    if len(blocks) == 2 and list(trace.block_starts) != list(baseline.block_starts):
+        raise ValueError(
+            f"cannot subtract {baseline.name!r} from {trace.name!r}: their blocks differ "
+            f"(starts {baseline.block_starts} vs {trace.block_starts}); compare Block models of one layout"
+        )
+    axis = blocks[0] if blocks and kind != "logits" else None  # the coarser axis both are put on
     vals = []
     for t in (trace, baseline):
-        if token is None:
-            cells, labels = cell_values(t, expanded=True)
-            vals.append(token_mean(cells[kind][t.mask]))
-        else:
-            pos = t.token_index(token, batch)
-            cells, labels = cell_values(t, expanded=True, index=(batch, pos))
-            vals.append(cells[kind])
+        index = None if token is None else (batch, t.token_index(token, batch))
+        vals.append(_difference_cells(t, kind, index, axis))
+    labels = axis.source_labels if axis is not None else ["embed", *trace.sublayer_labels]
     z = vals[0] - vals[1]
     if token is None:
         what = "mean over tokens"
@@ -584,9 +590,32 @@ def difference_heatmap(
         shapes=_read_block_lines(trace) + _source_block_lines(trace), plot_bgcolor="white",
         annotations=[] if np.isfinite(z).any() else [_note("no cell is available to both models")],
         height=max(320, 24 * len(trace.read_labels) + 120 + 20 * len(parts)),
-        xaxis={"title": {"text": "source (sublayer)"}, "showgrid": False, "tickangle": -45 if len(labels) > 8 else 0},
+        xaxis={"title": {"text": "source (block)" if axis is not None else "source (sublayer)"}, "showgrid": False,
+               "tickangle": -45 if len(labels) > 8 else 0},
         yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
     ))
+
+
+def _difference_cells(t: DepthTrace, kind: str, index: tuple | None, axis: DepthTrace | None) -> np.ndarray:
+    """[R, S] one trace's cells for :func:`difference_heatmap`: the mean over real tokens (``index`` None)
+    or one token; shares or normalised weights on ``axis``'s block columns (summed over each block's
+    members when ``t`` has sublayer sources), else on the sublayer axis."""
+    from attnres_probe.analysis.windows import normalised_weights
+
+    if axis is None:  # the sublayer axis
+        cells, _ = cell_values(t, expanded=True, index=index)
+        arr = cells[kind]
+        return token_mean(arr[t.mask]) if index is None else arr
+    arr = np.asarray(t.contrib if kind == "contrib" else normalised_weights(t, t.depth_weights), np.float64)
+    arr = token_mean(arr[t.mask]) if index is None else arr[index]  # [R, S_t]
+    if t.residual == "block":
+        return arr
+    column = {label: i for i, label in enumerate(t.source_labels)}
+    out = np.full((len(axis.read_labels), len(axis.source_labels)), np.nan)
+    for r in range(len(axis.read_labels)):  # each block column: the sum of its members' cells (shares add up)
+        for j, members in enumerate(axis.axis.members(r)):
+            out[r, j] = sum(arr[r, column[m]] for m in members)
+    return out
 
 
 def difference_side_by_side(

@@ -397,8 +397,9 @@ def _corpus(ex: Explorer) -> html.Section | None:
 def corpus_difference_caption(models: list[str], baseline: str) -> str:
     """What the corpus difference chart shows: which model minus which, and how the colours read."""
     return (f"Each cell is the AttnRes model's mean contribution share over every token of the corpus minus "
-            f"{baseline}'s ({', '.join(models)} minus {baseline}), on the sublayer axis (a Block model's block columns "
-            f"are repeated on each of their sublayers). The scale diverges around zero: red, the model takes more from "
+            f"{baseline}'s ({', '.join(models)} minus {baseline}), like from like: a Block model on its blocks (with "
+            f"{baseline}'s shares summed into the same blocks), the others on sublayers, so a row sums to about zero. "
+            f"The scale diverges around zero: red, the model takes more from "
             f"that source than {baseline}; blue, less; white, the same. Hover a cell for both values.")
 
 

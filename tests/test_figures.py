@@ -432,3 +432,26 @@ def test_the_study_writes_each_image_at_its_figures_height(tmp_path, monkeypatch
     plain = figures.go.Figure()
     study._write_figures({"over_training": tall, "plain": plain}, tmp_path, "png")
     assert sizes == {"over_training.png": (1100, 1070), "plain.png": (1100, 520)}
+
+
+def test_difference_views_subtract_like_from_like_and_a_share_row_sums_to_zero():
+    """#31 item 4: Block against PreNorm on Block's axis (PreNorm's shares summed into the same blocks),
+    Full against PreNorm on sublayers; each row of share differences sums to about 0."""
+    from attnres_probe import Probe
+    from helpers import sample_tokens, tiny_model
+
+    tokens = sample_tokens(12, batch=2)
+    pre = Probe(tiny_model("prenorm", n_layers=2), name="prenorm").run(tokens)
+    for residual, sources in (("block", ["embed", "block1", "block2"]), ("full", ["embed", "L0.attn", "L0.mlp", "L1.attn", "L1.mlp"])):
+        model = Probe(tiny_model(residual, n_layers=2), name=residual).run(tokens)
+        for token in (None, 3):
+            fig = figures.difference_heatmap(model, pre, token=token)
+            z = np.asarray(fig.data[0].z, dtype=float)
+            assert list(fig.data[0].x) == sources
+            np.testing.assert_allclose(np.nansum(z, axis=1), 0.0, atol=1e-5)  # shares of one read add up to 1 on both sides
+    block = Probe(tiny_model("block", n_layers=2), name="block").run(tokens)
+    fig = figures.difference_heatmap(block, pre)
+    both = np.asarray(fig.data[0].customdata, dtype=float)
+    pre_blocks = both[..., 1]  # PreNorm's shares summed into Block's blocks: block1 = L0.attn + L0.mlp at the final read
+    shares = np.nanmean(np.where(pre.mask[..., None, None], pre.contrib, np.nan), axis=(0, 1))
+    assert pre_blocks[-1, 1] == pytest.approx(shares[-1, 1] + shares[-1, 2], abs=1e-6)
