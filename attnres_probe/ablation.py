@@ -12,8 +12,15 @@ so the weights still sum to one, with the target t_i given by the mode:
 - ``"mean"``: t_i = the source's mean weight over the text's tokens at that read, the source
   loses its token dependence.
 
-The result sits beside each source's routing mass (mean weight) and contribution share, so mass
-and causal importance can be compared.
+A PreNorm read has no weights to edit; its matched removal (``"zero"`` only) takes the source
+out of the read's sum and rescales the rest as the renormalisation does, h' = (h - sum_{i in A}
+v_i) k / (k - |A|), at that read alone (its sublayer's input; the residual stream goes on
+unchanged).
+
+The result sits beside each source's routing mass (its mean normalised weight, the catalog's
+routing quantity) and contribution share, so mass and causal importance can be compared
+(:func:`weight_beside_effect`: weight does not predict effect, arXiv 2606.13168, so pages show
+both).
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ import numpy as np
 import pandas as pd
 import torch
 
+from attnres_probe.analysis.windows import normalised_weights
 from attnres_probe.losses import next_token_loss
 
-__all__ = ["FAMILIES", "MODES", "ablate"]
+__all__ = ["FAMILIES", "MODES", "ablate", "weight_beside_effect"]
 
 MODES = ("zero", "uniform", "mean")
 FAMILIES = ("embed", "completed", "partial", "recent")
@@ -80,13 +88,14 @@ def ablate(
             read, or a text shorter than two tokens.
     """
     spec = probe.spec
-    if spec.residual == "prenorm" or not spec.weight_hooks:
-        raise ValueError(
-            f"routing ablation edits softmax depth weights; {probe.name!r} is a PreNorm model whose sources "
-            "all enter with coefficient 1 (use a Full or Block AttnRes model)"
-        )
     if mode not in MODES:
         raise ValueError(f"mode is {mode!r}; accepted values are {', '.join(MODES)}")
+    prenorm = spec.residual == "prenorm" or not spec.weight_hooks
+    if prenorm and mode != "zero":
+        raise ValueError(
+            f"{probe.name!r} is a PreNorm model: its sources all enter with coefficient 1, so only mode 'zero' "
+            "(the source taken out of the read's sum) applies"
+        )
     tokens, str_tokens = probe.tokenize(text_or_tokens, truncate=truncate)
     if tokens.shape[1] < 2:
         raise ValueError("ablation measures the next-token loss, which needs at least two tokens")
@@ -94,7 +103,7 @@ def ablate(
     base_loss = base.meta["mean_loss"]
     counts = spec.axis.counts
     read_ids = _resolve_reads(reads, spec, counts)
-    mass = base.weights().to_numpy()  # (R, S) mean weight over tokens
+    mass = _mean(base, normalised_weights(base, base.depth_weights))  # (R, S) mean normalised weight over tokens
     share = base.weights(kind="contrib").to_numpy()
 
     rows = []
@@ -109,8 +118,12 @@ def ablate(
                     f"read {spec.read_labels[r]!r}: mode 'zero' cannot remove all {k} of its sources; "
                     "keep at least one"
                 )
-            targets = {c: 0.0 if mode == "zero" else 1.0 / k if mode == "uniform" else float(mass[r, c]) for c in cols}
-            loss = _loss_with(probe, tokens, spec.weight_hooks[r], k, targets)
+            if prenorm:
+                loss = _loss_without(probe, tokens, r, k, cols)
+            else:
+                raw = base.weights().to_numpy()  # the softmax weights the edit works on
+                targets = {c: 0.0 if mode == "zero" else 1.0 / k if mode == "uniform" else float(raw[r, c]) for c in cols}
+                loss = _loss_with(probe, tokens, spec.weight_hooks[r], k, targets)
             rows.append(
                 {
                     "read": spec.read_labels[r],
@@ -124,6 +137,83 @@ def ablate(
                 }
             )
     return pd.DataFrame(rows, columns=["read", "source", "mode", "mass", "contrib", "base_loss", "loss", "delta_loss"])
+
+
+def _mean(trace: Any, arr: np.ndarray) -> np.ndarray:
+    """Mean over a trace's real tokens of a [B, P, R, S] array (NaN where no token has a value)."""
+    from attnres_probe.numeric import token_mean
+
+    return token_mean(np.asarray(arr, np.float64)[np.asarray(trace.mask, bool)])
+
+
+def _loss_without(probe, tokens: torch.Tensor, r: int, k: int, cols: list[int]) -> float:
+    """The loss with sources ``cols`` taken out of PreNorm read ``r``'s sum (the rest rescaled by k / (k - |A|))."""
+    spec = probe.spec
+    owner = threading.get_ident()
+    sources: dict[int, torch.Tensor] = {}
+
+    def keep(index: int):
+        def hook(x: torch.Tensor, hook: Any = None) -> None:
+            if threading.get_ident() == owner:
+                sources[index] = x + sources[index] if index == 0 and 0 in sources else x  # token + position
+            return None
+
+        return hook
+
+    def edit(h: torch.Tensor, hook: Any = None) -> torch.Tensor | None:
+        if threading.get_ident() != owner:
+            return None
+        removed = sum(sources[c] for c in cols)
+        return (h - removed) * (k / (k - len(cols)))
+
+    plan = [("hook_embed", keep(0))] + ([("hook_pos_embed", keep(0))] if spec.pos_embed else [])
+    plan += [(name, keep(j + 1)) for j, name in enumerate(spec.output_hooks)]
+    if spec.read_hooks[r] is None:
+        raise ValueError(f"read {spec.read_labels[r]!r} of {probe.name!r} has no hook point to edit")
+    plan.append((spec.read_hooks[r], edit))
+    handles = []
+    try:
+        for name, fn in plan:
+            hp = probe.model.hook_dict[name]
+            handles.append((hp, hp.add_hook(fn, dir="fwd")))
+        with torch.no_grad():
+            ce = next_token_loss(probe.logits(tokens), tokens)
+    finally:
+        for hp, handle in handles:
+            handle.hook.remove()
+            if handle in hp.fwd_hooks:
+                hp.fwd_hooks.remove(handle)
+    return float(ce)
+
+
+def weight_beside_effect(probe: Any, text_or_tokens: Any, truncate: bool = False) -> pd.DataFrame:
+    """Routing weight beside causal effect in the deep half of reads (r >= floor(R/2)), one row per read.
+
+    Each source is removed from the read on its own (``mode="zero"``: AttnRes its weight zeroed and
+    the rest renormalised; PreNorm the source taken out of the sum, rescaled the same way) and the
+    loss change is set beside its mean normalised weight.
+
+    Returns:
+        DataFrame indexed by read: ``embed_weight``, ``embed_delta`` (the embedding's weight and
+        loss change), ``recent_weight``, ``recent_delta`` (the most recent source's),
+        ``rank_correlation`` (Spearman's, over the read's sources, of weight against loss change;
+        NaN where the weights are all equal, as PreNorm's are), ``sources``. ``attrs["summary"]``
+        holds their means over the deep reads.
+    """
+    spec = probe.spec
+    R = len(spec.read_labels)
+    deep = [r for r in range(R // 2, R) if spec.axis.counts[r] > 1]
+    frame = ablate(probe, text_or_tokens, sources="all", reads=deep, mode="zero", truncate=truncate)
+    rows = {}
+    for read, group in frame.groupby("read", sort=False):
+        w, d = group["mass"].to_numpy(float), group["delta_loss"].to_numpy(float)
+        rank = pd.Series(w).rank().corr(pd.Series(d).rank()) if np.ptp(w) > 1e-9 and np.ptp(d) > 0 else float("nan")
+        rows[read] = {"embed_weight": w[0], "embed_delta": d[0], "recent_weight": w[-1], "recent_delta": d[-1],
+                      "rank_correlation": rank, "sources": len(w)}
+    out = pd.DataFrame.from_dict(rows, orient="index")
+    out.index.name = "read"
+    out.attrs["summary"] = {c: float(out[c].mean()) for c in out.columns if c != "sources"} if len(out) else {}
+    return out
 
 
 def _resolve_reads(reads: Any, spec, counts: list[int]) -> list[int]:

@@ -370,8 +370,8 @@ def test_ablation_modes_and_errors():
         probe.ablate(TEXT, mode="drop")
     with pytest.raises(ValueError, match="cannot remove all"):
         probe.ablate(TEXT, sources=["embed", "L0.attn"], reads="L0.mlp", joint=True)
-    with pytest.raises(ValueError, match="PreNorm"):
-        Probe(tiny_model("prenorm")).ablate(TEXT)
+    with pytest.raises(ValueError, match="PreNorm model: .* only mode 'zero'"):
+        Probe(tiny_model("prenorm")).ablate(TEXT, mode="mean")
 
 
 def test_corpus_aggregates_equal_individual_traces():
@@ -484,3 +484,38 @@ def test_every_trace_records_the_kernels_and_schedule_that_computed_it(tmp_path,
     assert "numba kernels, sequential schedule" in Probe(block).run(TEXT, backward=False)._repr_html_()
     trace.save(tmp_path / "t")
     assert DepthTrace.load(tmp_path / "t").meta["backend"] is None
+
+
+def test_a_prenorm_read_loses_a_source_from_its_sum_alone_and_a_silent_source_changes_nothing():
+    """#31 item 3: PreNorm's matched removal takes the source out of the read's sum (the rest rescaled
+    as renormalised weights would be); a sublayer whose output is exactly zero changes no loss."""
+    model = tiny_model("prenorm", n_layers=2)
+    with torch.no_grad():
+        model.blocks[0].mlp.W_out.weight.zero_()  # L0.mlp writes nothing
+        if model.blocks[0].mlp.W_out.bias is not None:
+            model.blocks[0].mlp.W_out.bias.zero_()
+    probe = Probe(model, name="prenorm")
+    frame = probe.ablate("the quick brown fox", reads=["final"])
+    deltas = frame.set_index("source")["delta_loss"]
+    assert abs(deltas["L0.mlp"]) < 1e-6 and deltas.drop("L0.mlp").abs().max() > 1e-4
+    np.testing.assert_allclose(frame["mass"], 1 / 5)  # PreNorm's normalised weights: uniform over the five sources
+    with pytest.raises(ValueError, match="only mode 'zero'"):
+        probe.ablate("the quick brown fox", mode="uniform")
+
+
+@pytest.mark.parametrize("residual", ["prenorm", "full", "block"])
+def test_weight_beside_effect_sets_each_deep_reads_weights_beside_the_loss_change_of_removing_them(residual):
+    from attnres_probe.ablation import weight_beside_effect
+
+    probe = Probe(tiny_model(residual, n_layers=2), name=residual)
+    text = "the quick brown fox"
+    table = weight_beside_effect(probe, text)
+    assert list(table.index) == ["L1.attn", "L1.mlp", "final"]  # the deep half of the five reads
+    alone = probe.ablate(text, sources="embed", reads=["final"]).iloc[0]
+    assert table.loc["final", "embed_delta"] == pytest.approx(alone["delta_loss"])
+    assert table.loc["final", "embed_weight"] == pytest.approx(alone["mass"])
+    if residual == "prenorm":  # equal weights: no rank to correlate
+        assert table["rank_correlation"].isna().all()
+    else:
+        assert table["rank_correlation"].between(-1, 1).all()
+    assert set(table.attrs["summary"]) == {"embed_weight", "embed_delta", "recent_weight", "recent_delta", "rank_correlation"}
