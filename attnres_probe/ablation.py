@@ -105,6 +105,7 @@ def ablate(
     read_ids = _resolve_reads(reads, spec, counts)
     mass = _mean(base, normalised_weights(base, base.depth_weights))  # (R, S) mean normalised weight over tokens
     share = base.weights(kind="contrib").to_numpy()
+    raw = None if prenorm else base.weights().to_numpy()  # the softmax weights the edit works on
 
     rows = []
     for r in read_ids:
@@ -121,7 +122,6 @@ def ablate(
             if prenorm:
                 loss = _loss_without(probe, tokens, r, k, cols)
             else:
-                raw = base.weights().to_numpy()  # the softmax weights the edit works on
                 targets = {c: 0.0 if mode == "zero" else 1.0 / k if mode == "uniform" else float(raw[r, c]) for c in cols}
                 loss = _loss_with(probe, tokens, spec.weight_hooks[r], k, targets)
             rows.append(
