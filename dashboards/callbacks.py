@@ -416,6 +416,7 @@ def headline_cards(frame, colors: dict[str, str]) -> list:
             blocks.append(html.Div(
                 [html.Div([m["label"], html.Span("i", className="formula info-icon", **{"aria-label": "formula"})], title=metrics.FORMULAS.get(m["metric"], ""),
                           className="metric-name", **{"data-metric": m["metric"]}),
+                 html.Div(f"unit: {m['unit']} · {m['reference']}", className="metric-unit help") if m["unit"] else None,
                  html.Table([html.Thead(head), html.Tbody(body)], className="metric-table")],
                 className="metric-block",
             ))
@@ -434,9 +435,10 @@ def metric_table(frame) -> html.Table:
     estimate [interval] and verdict."""
     t = table_rows(frame)
     n_models = len(t["models"])
-    head = html.Tr([html.Th("metric"), *[html.Th(c) for c in t["columns"]], *[html.Th(f"verdict: {c}") for c in t["comparisons"]]])
+    head = html.Tr([html.Th("metric"), html.Th("unit"), *[html.Th(c) for c in t["columns"]],
+                    *[html.Th(f"verdict: {c}") for c in t["comparisons"]]])
     body = []
-    width = 1 + len(t["columns"]) + len(t["comparisons"])
+    width = 2 + len(t["columns"]) + len(t["comparisons"])
     rows = []
     for g in t["groups"]:
         rows.append(g["title"])
@@ -445,7 +447,8 @@ def metric_table(frame) -> html.Table:
         if isinstance(r, str):  # a group's plain name
             body.append(html.Tr(html.Th(r, colSpan=width), className="group"))
             continue
-        cells = [html.Td(LABELS.get(r["metric"], r["metric"]), title=metrics.FORMULAS.get(r["metric"], ""), className="metric-name")]
+        cells = [html.Td(LABELS.get(r["metric"], r["metric"]), title=metrics.FORMULAS.get(r["metric"], ""), className="metric-name"),
+                 html.Td(r["unit"], title=r["reference"], className="unit")]
         cells += [html.Td(c, className="num") for c in r["cells"][:n_models]]
         cells += [html.Td(c, className="num") for c in r["cells"][n_models:]]
         cells += [html.Td([_verdict_badge(v), html.Div(c, className="vs caveat") if c else None] if v else "")

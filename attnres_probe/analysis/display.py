@@ -34,6 +34,8 @@ __all__ = [
     "readable",
     "interval_text",
     "table_rows",
+    "reference_text",
+    "unit_text",
 ]
 
 # said once wherever comparisons are shown
@@ -232,6 +234,8 @@ def headline(frame: pd.DataFrame) -> list[dict[str, Any]]:
             rows.append({
                 "metric": m,
                 "label": LABELS.get(m, m),
+                "unit": unit_text(m),
+                "reference": reference_text(m),
                 "values": values,
                 "comparisons": comps,
                 # one row per model: its value and, for every model but the baseline, its comparison
@@ -265,7 +269,8 @@ def table_rows(frame: pd.DataFrame) -> dict[str, Any]:
         cells += [_cell(r) if r is not None else "" for r in found]
         verdicts = [str(r["verdict"]) if r is not None else "" for r in found]
         caveats = [basis_caveat(r) if r is not None else "" for r in found]
-        rows.append({"metric": metric, "label": LABELS.get(metric, metric), "cells": cells, "verdicts": verdicts,
+        rows.append({"metric": metric, "label": LABELS.get(metric, metric), "unit": unit_text(metric),
+                     "reference": reference_text(metric), "cells": cells, "verdicts": verdicts,
                      "caveats": caveats, "n_models": len(models)})
     return {"columns": columns, "models": models, "comparisons": [f"{m} vs {b}" for m, b in comps], "rows": rows,
             "groups": group_rows(rows)}
@@ -289,6 +294,22 @@ def group_rows(rows: list[dict]) -> list[dict[str, Any]]:
     return [{"title": t, "rows": by[t]} for t in order if by[t]]
 
 
+def unit_text(metric: str) -> str:
+    """The unit of one value of ``metric`` (the catalog's), "" for a metric the catalog lacks."""
+    d = CATALOG.get(metric)
+    return d.unit if d is not None else ""
+
+
+def reference_text(metric: str) -> str:
+    """What ``metric`` is set against, in words: "uniform weights on the same sources" or "the baseline's
+    same quantity", and how ("difference" / "ratio"); "" for a metric the catalog lacks."""
+    d = CATALOG.get(metric)
+    if d is None:
+        return ""
+    against = "uniform weights on the same sources" if d.reference == "uniform" else "the baseline's same quantity"
+    return f"{d.compare} against {against}"
+
+
 def _cell(r: pd.Series | dict) -> str:
     est = fmt_estimate(r)
     iv = fmt_interval(r)
@@ -305,8 +326,8 @@ def readable(frame: pd.DataFrame) -> pd.DataFrame:
     for g in t["groups"]:
         for r in g["rows"]:
             index.append((g["title"], r["label"]))
-            rows.append([*r["cells"], *(f"{v} ({c})" if c else v for v, c in zip(r["verdicts"], r["caveats"]))])
-    columns = [*t["columns"], *(f"verdict: {c}" for c in t["comparisons"])]
+            rows.append([r["unit"], *r["cells"], *(f"{v} ({c})" if c else v for v, c in zip(r["verdicts"], r["caveats"]))])
+    columns = ["unit", *t["columns"], *(f"verdict: {c}" for c in t["comparisons"])]
     out = pd.DataFrame(rows, index=pd.MultiIndex.from_tuples(index, names=["group", "metric"]), columns=columns)
     notes = [n for n in (documents_warning(frame),) if n]
     out.attrs["notes"] = notes  # what a page says once above the table

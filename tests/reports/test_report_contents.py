@@ -123,7 +123,7 @@ def test_metric_table_matches_compare_against_the_baseline(soup, traces):
     frame = metrics.compare(*traces)
     table = soup.find("section", id="metrics").find("table", class_="metrics")
     header = [th.get_text() for th in table.find("tr").find_all("th")]
-    assert header == ["metric", "prenorm", "full", "block", "full vs uniform", "block vs uniform", "full vs prenorm",
+    assert header == ["metric", "unit", "prenorm", "full", "block", "full vs uniform", "block vs uniform", "full vs prenorm",
                       "block vs prenorm", "verdict: full vs uniform", "verdict: block vs uniform", "verdict: full vs prenorm",
                       "verdict: block vs prenorm"]
     rows = {tr["data-metric"]: tr for tr in table.select("tr[data-metric]")}
@@ -133,7 +133,7 @@ def test_metric_table_matches_compare_against_the_baseline(soup, traces):
         want = [v for v in frame[(frame.metric == metric) & (frame.comparison != "value")]["verdict"] if v]
         assert [s.get_text() for s in tr.select("span.verdict")] == want
     loss = frame.query("metric == 'mean_loss' and comparison == 'value'")
-    cells = [td.get_text() for td in rows["mean_loss"].find_all("td")[1:4]]
+    cells = [td.get_text() for td in rows["mean_loss"].find_all("td")[2:5]]
     assert [c.split(" ")[0] for c in cells] == [f"{v:.4g}" for v in loss["estimate"]]
 
 
