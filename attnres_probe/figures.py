@@ -28,7 +28,7 @@ import functools
 import html
 import json
 import math
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -64,6 +64,7 @@ __all__ = [
     "token_heatmap",
     "token_ticks",
     "trace_summary_html",
+    "weight_effect_chart",
 ]
 
 # -- the project's colours, defined once ------------------------------------------------------
@@ -1071,6 +1072,55 @@ def ablation_chart(frame: pd.DataFrame, read: str | None = None) -> go.Figure:
         title={"text": f"Ablation at read {read}: Δloss per source vs routing mass and contribution share"},
         barmode="group", height=520,
     )
+    return go.Figure(data=data, layout=layout)
+
+
+WEIGHT_EFFECT_COLUMNS = ("embed_weight", "embed_delta", "recent_weight", "recent_delta", "sources")
+
+
+def weight_effect_chart(effects: Mapping[str, pd.DataFrame], colors: Mapping[str, str] | None = None) -> go.Figure:
+    """Routing weight beside causal effect in the deep reads, for every model on one chart.
+
+    Each point is one deep read of one model and one source (the embedding: circles; the most recent
+    source: triangles): x its mean normalised weight over its uniform share 1/k (1 = what uniform
+    weights give it, a dashed line), y the loss change when that source alone is removed from the
+    read. Weight predicts effect where points rise to the right.
+
+    Args:
+        effects: model name -> :func:`attnres_probe.ablation.weight_beside_effect` (one row per deep read).
+        colors: model name -> colour (default :func:`model_colors`).
+    """
+    for name, frame in effects.items():
+        missing = [c for c in WEIGHT_EFFECT_COLUMNS if c not in frame.columns]
+        if missing:
+            raise ValueError(f"weight-effect frame of {name!r} lacks columns {missing}; pass what "
+                             "ablation.weight_beside_effect returns")
+    colors = dict(colors or model_colors(list(effects)))
+    data = []
+    for name, frame in effects.items():
+        k = frame["sources"].to_numpy(float)
+        reads = [str(r) for r in frame.index]
+        for col, label, symbol in (("embed", "embedding", "circle"), ("recent", "most recent source", "triangle-up")):
+            w = frame[f"{col}_weight"].to_numpy(float)
+            data.append(go.Scatter(
+                x=w * k, y=frame[f"{col}_delta"].to_numpy(float), mode="markers", name=f"{name} · {label}",
+                legendgroup=name, marker={"color": colors.get(name), "symbol": symbol, "size": 10, "opacity": 0.85},
+                customdata=np.stack([w, 1.0 / k], axis=-1), text=reads,
+                hovertemplate=(f"{name} · {label} at read %{{text}}<br>weight %{{customdata[0]:.3f}} "
+                               "(uniform %{customdata[1]:.3f}; ×%{x:.2f})<br>Δloss when removed %{y:+.4~g} nats<extra></extra>"),
+            ))
+    layout = {
+        "title": {"text": "Weight beside effect in the deep reads: routing weight vs loss change when the source is removed"},
+        "xaxis": {"title": {"text": "normalised weight ÷ uniform share 1/k (1 = uniform)"}, "zeroline": False},
+        "yaxis": {"title": {"text": "Δloss when removed (nats per token)"}, "zeroline": True, "zerolinecolor": "#999",
+                  "tickformat": ".3~g"},
+        "shapes": [{"type": "line", "x0": 1, "x1": 1, "y0": 0, "y1": 1, "yref": "paper", "line": {"dash": "dash", "color": "#888"}}],
+        "annotations": [{"text": "uniform", "x": 1, "y": 1, "yref": "paper", "showarrow": False, "yanchor": "bottom",
+                         "font": {"size": 11, "color": "#555"}}],
+        "height": 420, "legend": {"orientation": "h", "y": -0.25},
+    }
+    if not data:
+        layout["annotations"].append(_note("no weight-effect results", "paper", "paper"))
     return go.Figure(data=data, layout=layout)
 
 

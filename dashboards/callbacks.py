@@ -23,7 +23,15 @@ import numpy as np
 from dash import ALL, ClientsideFunction, Input, Output, State, html, no_update
 
 from attnres_probe import figures, metrics
-from attnres_probe.analysis.display import BASIS_NOTE, HEADLINE, LABELS, documents_warning, headline, table_rows
+from attnres_probe.analysis.display import (
+    BASIS_NOTE,
+    HEADLINE,
+    LABELS,
+    documents_warning,
+    headline,
+    table_rows,
+    weight_effect_rows,
+)
 from attnres_probe.dashboards import layout as ids
 from attnres_probe.dashboards.state import Explorer, PromptError, UnknownKeyError
 
@@ -31,6 +39,7 @@ __all__ = [
     "CARD_GROUPS",
     "ablation_reads",
     "ablation_view",
+    "weight_effect_view",
     "comparison_notes",
     "difference_caption",
     "headline_cards",
@@ -497,6 +506,36 @@ def ablation_view(ex: Explorer, n_clicks: Any, key: Any, model: Any, read: Any, 
     return {"figure": figures.ablation_chart(frame, read=read), "status": status}
 
 
+WEIGHT_EFFECT_HEADER = ("model", "deep reads", "embedding weight", "embedding Δloss", "recent weight", "recent Δloss",
+                        "uniform 1/k", "rank correlation")
+
+
+def weight_effect_view(ex: Explorer, n_clicks: Any, key: Any, pressed: bool = True) -> dict:
+    """Weight beside effect of every live model on the current text, on the button (it costs one
+    forward pass per source of every deep read): a summary table and the chart. A new text
+    (``pressed`` False) clears the last one's results.
+
+    Returns:
+        {"table": children, "figure": Figure or no_update, "graph_style": style, "status": message}
+    """
+    if not pressed or not n_clicks:
+        return {"table": [], "figure": no_update, "graph_style": {"display": "none"},
+                "status": "Press the button to measure it on the current text."}
+    try:
+        effects = ex.weight_effect(key)
+    except (PromptError, UnknownKeyError) as exc:
+        return {"table": [], "figure": no_update, "graph_style": {"display": "none"}, "status": str(exc)}
+    rows = weight_effect_rows(effects)
+    keys = ("model", "reads", "embed_weight", "embed_delta", "recent_weight", "recent_delta", "uniform", "rank_correlation")
+    table = html.Table([html.Thead(html.Tr([html.Th(h) for h in WEIGHT_EFFECT_HEADER])),
+                        html.Tbody([html.Tr([html.Td(r[k], className="num" if k != "model" else "model") for k in keys])
+                                    for r in rows])], className="metric-table weight-effect-table")
+    note = html.P("Weights are normalised weights (fraction of the read, 0-1), beside the uniform share 1/k; Δloss in "
+                  "nats per token, the mean over the deep reads.", className="help")
+    return {"table": [table, note], "figure": figures.weight_effect_chart(effects, ex.colors), "graph_style": {},
+            "status": f"measured on {next(iter(ex.result(key).traces.values())).n_tokens} tokens."}
+
+
 def _empty_ablation():
     import pandas as pd
 
@@ -520,6 +559,11 @@ def register(app, ex: Explorer) -> None:
     """Register every callback of the dashboard on ``app`` (bound to ``ex``)."""
     n = len(ex.names)
     if ex.live:
+        def _weight_effect(n_clicks, key):
+            from dash import ctx
+
+            return weight_effect_view(ex, n_clicks, key, pressed=ctx.triggered_id == ids.WE_RUN)
+
         app.callback(
             output={"key": Output(ids.KEY, "data"), "status": Output(ids.PROMPT_STATUS, "children"),
                     "status_class": Output(ids.PROMPT_STATUS, "className")},
@@ -574,6 +618,12 @@ def register(app, ex: Explorer) -> None:
             inputs=[Input(ids.ABL_RUN, "n_clicks"), Input(ids.KEY, "data"), Input(ids.ABL_MODEL, "value"),
                     Input(ids.ABL_READ, "value"), Input(ids.ABL_MODE, "value")],
         )(_ablation)
+    if ex.live:
+        app.callback(
+            output={"table": Output(ids.WE_TABLE, "children"), "figure": Output(ids.WE_GRAPH, "figure"),
+                    "graph_style": Output(ids.WE_GRAPH, "style"), "status": Output(ids.WE_STATUS, "children")},
+            inputs=[Input(ids.WE_RUN, "n_clicks"), Input(ids.KEY, "data")],
+        )(_weight_effect)
     # browser-side: a chip click or a click on a one-source heatmap selects a token; the chip is highlighted
     app.clientside_callback(
         ClientsideFunction("attnres", "pick_token"),

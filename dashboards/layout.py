@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dash import dcc, html
 
+from attnres_probe.analysis.display import WEIGHT_EFFECT_NOTE
 from attnres_probe.dashboards.state import ABLATION_MODES, Explorer
 
 __all__ = ["build_layout", "panel_id", "KIND_OPTIONS"]
@@ -35,6 +36,10 @@ ABL_MODE = "ablation-mode"
 ABL_RUN = "ablation-run"
 ABL_GRAPH = "ablation-graph"
 ABL_STATUS = "ablation-status"
+WE_RUN = "weight-effect-run"
+WE_STATUS = "weight-effect-status"
+WE_TABLE = "weight-effect-table"
+WE_GRAPH = "weight-effect-graph"
 CORPUS = "corpus"
 CORPUS_HEADLINE = "corpus-headline"
 CORPUS_WEIGHTS = "corpus-weights"
@@ -463,6 +468,24 @@ def _ablation(ex: Explorer) -> html.Section:
     )
 
 
+def _weight_effect(ex: Explorer) -> html.Section | None:
+    if not ex.live:
+        return None
+    return html.Section(
+        [
+            html.H2("Weight beside effect"),
+            _help(WEIGHT_EFFECT_NOTE),
+            html.Div([html.Button("Measure weight beside effect", id=WE_RUN, n_clicks=0),
+                      html.Span(" every deep read of every live model: one forward pass per source and read",
+                                className="help")], className="row controls"),
+            html.Div(id=WE_STATUS, className="status", role="status"),
+            dcc.Loading(html.Div([html.Div(id=WE_TABLE), dcc.Graph(id=WE_GRAPH, config=GRAPH_CONFIG, className="graph",
+                                                                   style={"display": "none"})]), type="dot", delay_show=300),
+        ],
+        className="card", id="weight-effect",
+    )
+
+
 def build_layout(ex: Explorer) -> html.Div:
     """The whole page for an :class:`Explorer` (stores hold the result key and the selected token only)."""
     return html.Div(
@@ -482,6 +505,7 @@ def build_layout(ex: Explorer) -> html.Div:
             _over_training(ex),
             _cards(ex),
             _ablation(ex),
+            _weight_effect(ex),
             html.Footer("attnres-probe · charts from attnres_probe.figures · traces stay on the server", className="help"),
         ],
         className="page",

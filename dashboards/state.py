@@ -28,6 +28,7 @@ import torch
 
 from attnres_probe import figures
 from attnres_probe.ablation import MODES as ABLATION_MODES
+from attnres_probe.ablation import weight_beside_effect
 from attnres_probe.probe import Probe
 from attnres_probe.trace import DepthTrace
 
@@ -370,6 +371,35 @@ class Explorer:
             while len(result.ablations) > 32:
                 result.ablations.popitem(last=False)
         return frame
+
+
+    def weight_effect(self, key: Any) -> dict[str, pd.DataFrame]:
+        """Weight beside effect (:func:`attnres_probe.ablation.weight_beside_effect`) of every live
+        model on the result's tokens (cached per result): model name -> one row per deep read.
+
+        Raises:
+            PromptError: no live model, or the text is shorter than two tokens.
+        """
+        if not self.probes:
+            raise PromptError("weight beside effect needs a live model; this dashboard has saved traces only")
+        result = self.result(key)
+        out: dict[str, pd.DataFrame] = {}
+        for name, probe in self.probes.items():
+            ck = ("weight-effect", name)
+            with self._cache_lock:
+                if ck in result.ablations:
+                    out[name] = result.ablations[ck]
+                    continue
+            if result.traces[name].n_tokens < 2:
+                raise PromptError("weight beside effect measures the next-token loss: the text needs at least two tokens")
+            tokens = torch.from_numpy(result.traces[name].tokens.copy())
+            with self._model_lock:
+                frame = weight_beside_effect(probe, tokens)
+            with self._cache_lock:
+                result.ablations[ck] = out[name] = frame
+                while len(result.ablations) > 32:
+                    result.ablations.popitem(last=False)
+        return out
 
 
 _ARRAYS = ("tokens", "mask", "loss", "depth_weights", "logits", "contrib", "rms_in", "grad_in", "rms_out", "grad_out",

@@ -59,6 +59,7 @@ SECTIONS: dict[str, str] = {
     "gradients": "Gradient norms by depth",  # the chart's own title, and the corpus report's heading
     "explorer": "Per-token explorer",
     "ablation": "Ablation",
+    "weight-effect": "Weight beside effect",
     "formulas": "Metric formulas",
     "reproduce": "Reproduce: versions and provenance",
 }
@@ -90,6 +91,7 @@ def build_report(
     command: str | None = None,
     readings: Mapping[str, dict] | None = None,
     histories: Mapping[str, Sequence[dict]] | None = None,
+    weight_effects: Mapping[str, pd.DataFrame] | None = None,
 ) -> Path:
     """Write one self-contained HTML report on ``traces`` to ``path``, atomically.
 
@@ -117,6 +119,9 @@ def build_report(
             them the explorer says that saved traces hold no activations.
         histories: run name -> routing probes of its training (``train --probe-every``), drawn
             by :func:`attnres_probe.figures.over_training`.
+        weight_effects: model name -> :func:`attnres_probe.ablation.weight_beside_effect` (routing
+            weight beside the loss change of removing each source, deep reads): a section with a
+            summary row per model and :func:`attnres_probe.figures.weight_effect_chart`.
 
     Returns:
         The path written.
@@ -139,6 +144,7 @@ def build_report(
         command=command,
         readings=readings,
         histories=histories,
+        weight_effects=weight_effects,
     )
     _write(path, page)
     return path
@@ -157,6 +163,7 @@ def render_report(
     command: str | None = None,
     readings: Mapping[str, dict] | None = None,
     histories: Mapping[str, Sequence[dict]] | None = None,
+    weight_effects: Mapping[str, pd.DataFrame] | None = None,
 ) -> str:
     """The report's HTML as a string (what :func:`build_report` writes); same arguments."""
     traces = list(traces)
@@ -176,7 +183,8 @@ def render_report(
     models = [_model_row(t, n) for t, n in zip(traces, names)]
     shown_text = text if text is not None else _text_of(traces[0])
     ablation = _ablation_context(ablations, plots, ablation_read)
-    sections = {k: v for k, v in SECTIONS.items() if k != "ablation" or ablation}
+    effect = _weight_effect_context(weight_effects, plots)
+    sections = {k: v for k, v in SECTIONS.items() if (k != "ablation" or ablation) and (k != "weight-effect" or effect)}
     if not any(t.residual == "prenorm" for t in traces):  # nothing is compared with a baseline
         sections["metrics"] = "Metrics"
     provenance = {
@@ -211,6 +219,7 @@ def render_report(
         "vocab_note": figures.VOCAB_ID_NOTE,
         "explorer_kinds": EXPLORER_KINDS,
         "ablation": ablation,
+        "weight_effect": effect,
         "formulas": metrics.FORMULAS,
         "metric_labels": _metric_labels(),
         "versions": vers,
@@ -643,6 +652,18 @@ def _ablation_context(ablations: Any, plots: _Plots, read: str | None) -> list[d
         body = [[figures.format_value(v) for v in rec] for rec in frame.itertuples(index=False)]
         out.append({"name": name, "read": chosen, "plot": plots.add(fig), "columns": cols, "rows": body})
     return out
+
+
+def _weight_effect_context(effects: Mapping[str, pd.DataFrame] | None, plots: _Plots) -> dict[str, Any] | None:
+    if not effects:
+        return None
+    from attnres_probe.analysis.display import WEIGHT_EFFECT_NOTE, weight_effect_rows
+
+    if not isinstance(effects, Mapping):
+        raise TypeError(f"weight_effects must be a {{model name: DataFrame}} mapping; got {type(effects).__name__}")
+    frames = {str(k): v for k, v in effects.items()}
+    return {"note": WEIGHT_EFFECT_NOTE, "rows": weight_effect_rows(frames),
+            "plot": plots.add(figures.weight_effect_chart(frames))}
 
 
 # -- per-token explorer ---------------------------------------------------------------------

@@ -61,6 +61,9 @@ def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         help="also ablate these sources in every AttnRes model (on its first context window) and add the results",
     )
     p.add_argument("--ablate-mode", choices=MODES, default="zero", help="ablation mode (default: %(default)s)")
+    p.add_argument("--weight-effect", action="store_true",
+                   help="also remove each source from each deep read of every model (PreNorm too) and show the loss "
+                        "change beside the routing weight (one forward pass per source and read)")
     p.add_argument("--explorer-tokens", type=int, default=1024, metavar="N", help="tokens in the per-token explorer (default: %(default)s)")
     p.set_defaults(func=run_report)
     return p
@@ -141,6 +144,7 @@ def run_report(args: argparse.Namespace) -> int:
     readings, histories = _readings_and_histories(args, traces)
     t_record = time.perf_counter() - t0
     ablations = _ablations(args, traces, text, models) if args.ablate else None
+    effects = _weight_effects(args, traces, text, models) if args.weight_effect else None
     title = args.title or f"attnres-probe report: {', '.join(t.name for t in traces)}"
     command = _command(args)
     t1 = time.perf_counter()
@@ -151,7 +155,7 @@ def run_report(args: argparse.Namespace) -> int:
             _check_out(out, args.force)
             path = build_report(
                 traces, out, title=title, ablations=ablations, explorer_tokens=args.explorer_tokens, command=command,
-                readings=readings, histories=histories,
+                readings=readings, histories=histories, weight_effects=effects,
             )
     except ReportWriteError as exc:
         raise _user_error(str(exc)) from None
@@ -197,7 +201,7 @@ def _run_stats_report(args: argparse.Namespace) -> int:
     from attnres_probe.reports import ReportWriteError
     from attnres_probe.reports.builder import build_stats_report
 
-    for flag in ("text", "text_file", "ablate", "names"):
+    for flag in ("text", "text_file", "ablate", "weight_effect", "names"):
         if getattr(args, flag, None):
             raise _user_error(f"--{flag.replace('_', '-')} does not apply to --stats (the corpus run holds its own data and names)")
     if args.resamples < 1:
@@ -248,6 +252,8 @@ def _command(args: argparse.Namespace) -> str:
         parts.append("--no-backward")
     if args.ablate:
         parts += ["--ablate", args.ablate, "--ablate-mode", args.ablate_mode]
+    if args.weight_effect:
+        parts += ["--weight-effect"]
     if args.title:
         parts += ["--title", args.title]
     parts += ["--explorer-tokens", str(args.explorer_tokens), "--out", public_path(args.out)]
@@ -272,18 +278,35 @@ def _load_traces(dirs: list[str], names: list[str] | None):
     return traces
 
 
-def _ablations(args: argparse.Namespace, traces, text: str | None, model_dirs: list[str] | None):
-    """Ablation frames {model name: frame} for the AttnRes models (first context window of the text)."""
+def _live_models(args: argparse.Namespace, traces, model_dirs: list[str] | None, flag: str):
+    """(trace, Probe) of every model the traces were recorded from (--demo or --models)."""
     if args.traces:
-        raise _user_error("--ablate needs the models: use it with --models or --demo, not --traces")
+        raise _user_error(f"{flag} needs the models: use it with --models or --demo, not --traces")
     from attnres_probe.demo import load_demo
     from attnres_probe.pretrained import load_model_folder
     from attnres_probe.probe import Probe
 
-    out = {}
     for i, t in enumerate(traces):
+        model, tokenizer = (load_demo(t.name)[0], None) if args.demo is not None else load_model_folder(model_dirs[i])
+        yield t, Probe(model, tokenizer=tokenizer, name=t.name)
+
+
+def _weight_effects(args: argparse.Namespace, traces, text: str | None, model_dirs: list[str] | None):
+    """{model name: ablation.weight_beside_effect} for every model (first context window of the text)."""
+    from attnres_probe.ablation import weight_beside_effect
+
+    out = {}
+    for t, probe in _live_models(args, traces, model_dirs, "--weight-effect"):
+        print(f"weight beside effect: {t.name} ...", file=sys.stderr, flush=True)
+        out[t.name] = weight_beside_effect(probe, text, truncate=True)
+    return out
+
+
+def _ablations(args: argparse.Namespace, traces, text: str | None, model_dirs: list[str] | None):
+    """Ablation frames {model name: frame} for the AttnRes models (first context window of the text)."""
+    out = {}
+    for t, probe in _live_models(args, traces, model_dirs, "--ablate"):
         if t.residual == "prenorm":
             continue  # no softmax weights to ablate
-        model, tokenizer = (load_demo(t.name)[0], None) if args.demo is not None else load_model_folder(model_dirs[i])
-        out[t.name] = Probe(model, tokenizer=tokenizer, name=t.name).ablate(text, sources=args.ablate, mode=args.ablate_mode, truncate=True)
+        out[t.name] = probe.ablate(text, sources=args.ablate, mode=args.ablate_mode, truncate=True)
     return out

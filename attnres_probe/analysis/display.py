@@ -36,6 +36,7 @@ __all__ = [
     "table_rows",
     "reference_text",
     "unit_text",
+    "weight_effect_rows",
 ]
 
 # said once wherever comparisons are shown
@@ -334,3 +335,42 @@ def readable(frame: pd.DataFrame) -> pd.DataFrame:
     for note in notes:  # a notebook shows the frame, not its attrs: say it as a warning too
         warnings.warn(note, UserWarning, stacklevel=2)
     return out
+
+
+WEIGHT_EFFECT_NOTE = (
+    "Weight beside effect: in each deep read (the second half of reads) every source is removed on its own (AttnRes: "
+    "its weight zeroed and the rest renormalised; PreNorm: the source taken out of the sum, rescaled the same way) "
+    "and the change in next-token loss is set beside the source's mean normalised weight. Routing weight is not "
+    "causal importance (arXiv 2606.13168): a source with much weight may matter little, and the other way round. "
+    "The rank correlation is Spearman's, over a read's sources, of weight against loss change (none where the "
+    "weights are all equal, as PreNorm's uniform ones are), averaged over the deep reads."
+)
+
+
+def weight_effect_rows(effects: Any) -> list[dict[str, str]]:
+    """One row of display strings per model from ``{model: ablation.weight_beside_effect(...)}``: the
+    means over the deep reads of the embedding's and the most recent source's weight (with the uniform
+    share 1/k beside it) and loss change, and the rank correlation of weight with effect."""
+    rows = []
+    for name, frame in effects.items():
+        if frame is None or len(frame) == 0:
+            rows.append({"model": str(name), "reads": "0", "embed_weight": "—", "embed_delta": "—", "recent_weight": "—",
+                         "recent_delta": "—", "uniform": "—", "rank_correlation": "—"})
+            continue
+        uniform = float((1.0 / frame["sources"].astype(float)).mean())
+        rank = frame["rank_correlation"].astype(float)
+        rows.append({
+            "model": str(name),
+            "reads": str(len(frame)),
+            "embed_weight": fmt_number(frame["embed_weight"].mean(), 3),
+            "embed_delta": _signed(frame["embed_delta"].mean()),
+            "recent_weight": fmt_number(frame["recent_weight"].mean(), 3),
+            "recent_delta": _signed(frame["recent_delta"].mean()),
+            "uniform": fmt_number(uniform, 3),
+            "rank_correlation": _signed(rank.mean()) if rank.notna().any() else "— (equal weights)",
+        })
+    return rows
+
+
+def _signed(x: Any) -> str:
+    return f"{float(x):+.3g}" if _finite(x) else "—"

@@ -321,6 +321,32 @@ def test_ablation_read_options_skip_the_one_source_read(ex):
     assert out["options"][0]["value"] == "L0.mlp" and out["value"] == "final"
 
 
+def test_weight_effect_waits_for_the_button_then_shows_every_live_model(ex):
+    """#31 item 3 in the dashboard: nothing runs until the button; then one summary row per live model
+    (PreNorm included) from ablation.weight_beside_effect, and the chart; a new text clears it."""
+    from attnres_probe.ablation import weight_beside_effect
+
+    idle = callbacks.weight_effect_view(ex, 0, ex.initial.key, pressed=False)
+    assert idle["table"] == [] and idle["graph_style"] == {"display": "none"} and "Press" in idle["status"]
+    out = callbacks.weight_effect_view(ex, 1, ex.initial.key)
+    table = out["table"][0]
+    rows = _find(table, lambda n: isinstance(n, html.Tr))[1:]
+    assert [r.children[0].children for r in rows] == list(NAMES)
+    want = weight_beside_effect(Probe(ex.probes["full"].model, name="full"), TEXT)
+    full = rows[list(NAMES).index("full")]
+    assert full.children[2].children == f"{want['embed_weight'].mean():.3g}"
+    assert full.children[3].children == f"{want['embed_delta'].mean():+.3g}"
+    assert {t.name for t in out["figure"].data} == {f"{n} · {s}" for n in NAMES for s in ("embedding", "most recent source")}
+    assert out["graph_style"] == {} and "nats per token" in " ".join(texts(out["table"]))
+    again = callbacks.weight_effect_view(ex, 1, ex.initial.key, pressed=False)
+    assert again["table"] == []
+
+
+def test_weight_effect_on_an_unknown_key_says_so(ex):
+    out = callbacks.weight_effect_view(ex, 1, "no-such-key")
+    assert out["table"] == [] and out["status"]
+
+
 # -- traces-only and mixed modes ----------------------------------------------------------------
 def test_traces_only_mode_shows_saved_traces_and_refuses_new_prompts(ex):
     saved = dict(ex.initial.traces)

@@ -30,9 +30,18 @@ def ablations(tiny_models):
 
 
 @pytest.fixture(scope="session")
-def report_path(traces, ablations, tmp_path_factory):
+def weight_effects(tiny_models):
+    from attnres_probe import Probe
+    from attnres_probe.ablation import weight_beside_effect
+
+    return {r: weight_beside_effect(Probe(m, name=r), XSS_TEXT, truncate=True) for r, m in tiny_models.items()}
+
+
+@pytest.fixture(scope="session")
+def report_path(traces, ablations, weight_effects, tmp_path_factory):
     path = tmp_path_factory.mktemp("report") / "report.html"
-    build_report(traces, path, title='Study <b>"bold"</b> & co', ablations=ablations, description="tiny <i>models</i>")
+    build_report(traces, path, title='Study <b>"bold"</b> & co', ablations=ablations, description="tiny <i>models</i>",
+                 weight_effects=weight_effects)
     return path
 
 

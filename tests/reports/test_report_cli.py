@@ -33,6 +33,21 @@ def test_report_with_ablation_adds_the_ablation_section(checkpoints, tmp_path):
     assert 'id="ablation"' in out.read_text()
 
 
+def test_report_with_weight_effect_adds_its_section_for_every_model(checkpoints, tmp_path, capsys):
+    out = tmp_path / "r.html"
+    argv = ["report", "--models", *checkpoints, "--text", "abc abc abc abc", "--weight-effect", "--out", str(out)]
+    assert main(argv) == 0
+    html = out.read_text()
+    assert 'id="weight-effect"' in html and "--weight-effect" in html  # the section, and the reproducing command
+    assert capsys.readouterr().err.count("weight beside effect:") == len(checkpoints)
+
+
+def test_weight_effect_with_traces_exits_2(tmp_path, capsys):
+    d = record_text(tiny_model("full"), "abc", name="full").save(tmp_path / "t")
+    assert main(["report", "--traces", str(d), "--weight-effect", "--out", str(tmp_path / "r.html")]) == 2
+    assert "--weight-effect needs the models" in capsys.readouterr().err
+
+
 def test_report_from_saved_traces(tmp_path):
     dirs = []
     for r in ("prenorm", "full"):

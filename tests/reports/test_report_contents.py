@@ -226,6 +226,25 @@ def test_ablation_section_has_a_chart_and_a_table_per_model(soup, ablations):
     assert "Ablation at read final" in chart["layout"]["title"]["text"]
 
 
+def test_weight_effect_section_sets_each_models_weights_beside_their_loss_change(soup, weight_effects):
+    """#31 item 3: per model (PreNorm too) the embedding's and the most recent source's weight in the deep
+    reads beside the loss change of removing it, and the rank correlation, with units; one chart."""
+    section = soup.find("section", id="weight-effect")
+    rows = section.find("table", class_="weight-effect").find_all("tr")[1:]
+    assert [r.find("td").get_text() for r in rows] == list(weight_effects)
+    for tr, (name, frame) in zip(rows, weight_effects.items()):
+        cells = [td.get_text() for td in tr.find_all("td")]
+        assert cells[1] == str(len(frame))
+        assert cells[2] == f"{frame['embed_weight'].mean():.3g}" and cells[3] == f"{frame['embed_delta'].mean():+.3g}"
+        assert cells[5] == f"{frame['recent_delta'].mean():+.3g}"
+        if name == "prenorm":  # uniform weights: no rank correlation, and the weight is the uniform share
+            assert cells[7].startswith("—") and cells[2] == cells[6]
+    text = section.get_text(" ", strip=True)
+    assert "nats per token" in text and "2606.13168" in text and "uniform share 1/k" in text
+    chart = _plot_specs(soup)[section.select_one("div.plot")["id"]]
+    assert {t["name"] for t in chart["data"]} == {f"{n} · {s}" for n in weight_effects for s in ("embedding", "most recent source")}
+
+
 def test_formulas_section_lists_every_metric_formula(soup):
     section = soup.find("section", id="formulas")
     terms = [dt.find("code").get_text() for dt in section.find_all("dt")]
