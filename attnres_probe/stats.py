@@ -34,6 +34,7 @@ from attnres_probe._version import __version__
 from attnres_probe.analysis.catalog import CATALOG
 from attnres_probe.analysis.windows import (
     KEY_COLUMNS,
+    LATER_COLUMNS,
     WINDOW_COLUMNS,
     mixture_rms,
     pooled_metrics,
@@ -461,6 +462,9 @@ class CorpusStats:
                               np.asarray(arrays[f"{name}.m2"], np.float64))
             (out.stats if prefix == "token" else out.profiles)[stat] = rs
         if table is not None:
+            for c in LATER_COLUMNS:  # a table written before these diagnostics existed: not measured then
+                if c not in table.columns:
+                    table[c] = np.nan
             missing = [c for c in (*KEY_COLUMNS, *WINDOW_COLUMNS) if c not in table.columns]
             if missing:
                 raise StatsError(f"the window table lacks columns {missing}")

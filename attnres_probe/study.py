@@ -186,7 +186,7 @@ def evaluate_findings(
         raise ValueError(f"{len(docs)} document labels for {n} windows")
     keys = pd.DataFrame({"doc": docs, "start": np.arange(n, dtype=np.int64), "n_tokens": np.ones(n, np.int64),
                          "digest": [f"w{i}" for i in range(n)]})
-    items = [Windows(name, name, pd.concat([keys, t[list(WINDOW_COLUMNS)].reset_index(drop=True)], axis=1),
+    items = [Windows(name, name, pd.concat([keys, t.reindex(columns=list(WINDOW_COLUMNS)).reset_index(drop=True)], axis=1),
                      pd.Series(pooled[name])) for name, t in windows.items()]
     frame = compare_windows(items, n_resamples=n_resamples, seed=seed, level=level, baseline="prenorm")
     rows = {(r["model"], r["metric"]): r for r in frame[frame["comparison"] != "value"].to_dict("records")}

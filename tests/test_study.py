@@ -25,7 +25,7 @@ def test_the_study_page_compares_like_with_like_and_warns_of_few_documents():
         t = t.reset_index(drop=True).iloc[:12]
         keys = pd.DataFrame({"doc": np.arange(len(t)) // 4, "start": np.arange(len(t)) % 4 * 128,
                              "n_tokens": 128, "digest": [f"w{i}" for i in range(len(t))]})
-        items.append(Windows(name, name, pd.concat([keys, t[list(WINDOW_COLUMNS)]], axis=1), t[list(WINDOW_COLUMNS)].mean()))
+        items.append(Windows(name, name, pd.concat([keys, t.reindex(columns=list(WINDOW_COLUMNS))], axis=1), t.reindex(columns=list(WINDOW_COLUMNS)).mean()))
     frame = compare_windows(items, n_resamples=200)  # twelve windows from three documents
     page = _page(results, frame, {})
     every = page[page.index("## Every metric"):]

@@ -119,6 +119,16 @@ CATALOG: dict[str, Diagnostic] = {d.name: d for d in (
         "w_0 - mean(w_1 .. w_{k_r - 2}) at reads r >= floor(R/2) with k_r >= 3; mean over tokens, then reads",
         UNIFORM, "difference", "higher", _EMBED, pooling="tokens"),
     Diagnostic(
+        "embed_weight_deep_attn", "embedding", "embedding weight, deep attention reads",
+        f"the embedding's share of the deep reads before attention, {_AXIS}", "fraction of the read (0-1)",
+        "w_0 at reads r >= floor(R/2) that feed an attention sublayer; mean over tokens, then over those reads",
+        UNIFORM, "difference", None, "", pooling="tokens"),
+    Diagnostic(
+        "embed_weight_deep_mlp", "embedding", "embedding weight, deep MLP reads",
+        f"the embedding's share of the deep reads before the MLP, {_AXIS}", "fraction of the read (0-1)",
+        "w_0 at reads r >= floor(R/2) that feed an MLP sublayer; mean over tokens, then over those reads",
+        UNIFORM, "difference", None, "", pooling="tokens"),
+    Diagnostic(
         "embed_contrib_deep", "embedding", "embedding share c₀, deep half",
         "the embedding's contribution share of the deep reads' input (the same definition for every model)",
         "fraction of |h|^2", "c_0 = <c_0 v_0, h> / |h|^2 at reads r >= floor(R/2); mean over tokens, then reads",

@@ -33,6 +33,7 @@ __all__ = [
     "normalised_weights",
     "profile_values",
     "source_members",
+    "LATER_COLUMNS",
     "WINDOW_COLUMNS",
     "WINDOW_METRICS",
     "pooled_metrics",
@@ -54,6 +55,8 @@ def reference_column(metric: str) -> str:
 
 REFERENCE_COLUMNS = tuple(reference_column(n) for n in routing_names())
 WINDOW_COLUMNS = WINDOW_METRICS + REFERENCE_COLUMNS  # what a window table holds besides its keys
+# columns added after stats schema 2 was written: a table saved before them lacks them (they read as NaN)
+LATER_COLUMNS = tuple(c for n in ("embed_weight_deep_attn", "embed_weight_deep_mlp") for c in (n, reference_column(n)))
 # what identifies a window across models: document index, first token's offset in it, tokens, digest
 KEY_COLUMNS = ("doc", "start", "n_tokens", "digest")
 
@@ -176,15 +179,20 @@ def _routing_rows(w: np.ndarray, mask: np.ndarray, R: int) -> dict[str, np.ndarr
     }
 
 
-def _routing_values(route: dict[str, np.ndarray], R: int) -> dict[str, np.ndarray]:
+def _routing_values(route: dict[str, np.ndarray], read_labels: list[str]) -> dict[str, np.ndarray]:
+    R = len(read_labels)
     choice = route["k"] >= 2
     deep = np.arange(R) >= R // 2
+    attn = np.array([str(lab).endswith(".attn") for lab in read_labels])  # the read feeds an attention sublayer
+    mlp = np.array([str(lab).endswith(".mlp") for lab in read_labels])
     return {
         "locality_distance": _row_nanmean(route["distance"], choice),
         "locality_recent_mass": _row_nanmean(route["recent"], choice),
         "mean_entropy": _row_nanmean(route["entropy"], choice),
         "embed_weight_deep": _row_nanmean(route["embed"], deep),
         "embed_vs_old_deep": _row_nanmean(route["embed_vs_old"], deep & (route["k"] >= 3)),
+        "embed_weight_deep_attn": _row_nanmean(route["embed"], deep & attn),
+        "embed_weight_deep_mlp": _row_nanmean(route["embed"], deep & mlp),
     }
 
 
@@ -195,10 +203,10 @@ def _metric_arrays(trace: Any, mask: np.ndarray, arrays: dict[str, np.ndarray], 
     L = R - 1
     c = np.asarray(arrays["depth_weights"], np.float64)
     w = normalised_weights(trace, c)
-    out: dict[str, np.ndarray] = _routing_values(_routing_rows(w, mask, R), R)
+    out: dict[str, np.ndarray] = _routing_values(_routing_rows(w, mask, R), list(trace.read_labels))
     uni = np.broadcast_to(uniform_weights(trace), w.shape).copy()
     uni[np.isnan(w)] = np.nan  # the same sources as the model's own weights
-    for name, value in _routing_values(_routing_rows(uni, mask, R), R).items():
+    for name, value in _routing_values(_routing_rows(uni, mask, R), list(trace.read_labels)).items():
         out[reference_column(name)] = value
     deep = slice(R // 2, None)
     out["embed_contrib_deep"] = _row_nanmean(_window_mean(arrays["contrib"][..., 0], mask), deep)
