@@ -27,7 +27,7 @@ SUBCOMMANDS: list[tuple[str, str, str, str]] = [
     ("corpus", "attnres_probe.corpus", "add_corpus_parser", "record a corpus through models: per-window metrics, intervals, verdicts"),
     ("demo", "attnres_probe.commands", "add_demo_parser", "open the dashboard on the bundled demo models"),
     ("demo-models", "attnres_probe.demo", "add_demo_models_parser", "regenerate the bundled demo models (PreNorm, Full, Block)"),
-    ("study", "attnres_probe.study", "add_study_parser", "run the reproduction study on the bundled demo models"),
+    ("study", "attnres_probe.study", "add_study_parser", "regenerate the study pages (v3: the seeds of docs/study/v3/runs)"),
 ]
 
 

@@ -547,12 +547,21 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
 
 
 def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("study", help="run the reproduction study on the bundled demo models")
-    p.add_argument("--out", default="docs/study", help="output folder (default: %(default)s)")
+    p = subparsers.add_parser(
+        "study", help="run the reproduction study (v3: the seeds of docs/study/v3/runs; or the demo models)",
+        description="Study v3 (docs/study/plan-v3.md): `attnres-probe study --runs docs/study/v3/runs` measures every "
+                    "finished run on the held-out plays and writes results.json, windows.csv and study.md (primary "
+                    "endpoints over seeds with Holm's correction, per-play tables, exploratory diagnostics). Without "
+                    "--runs: the earlier single-model study of the demo models.")
+    p.add_argument("--runs", metavar="DIR", help="the runs of plan-v3 (DIR/{prenorm,full,block}/seed{s}, written by "
+                   "docs/study/v3/train_runs.sh); the pages go to --out (default docs/study/v3)")
+    p.add_argument("--out", default=None, help="output folder (default: docs/study/v3 with --runs, else docs/study)")
     p.add_argument("--windows", type=int, default=N_WINDOWS, help="validation windows per model (default: %(default)s, all)")
     p.add_argument("--resamples", type=int, default=N_RESAMPLES, help="bootstrap resamples (default: %(default)s)")
     p.add_argument("--seed", type=int, default=SEED, help="bootstrap seed (default: %(default)s)")
-    p.add_argument("--images", choices=("auto", "png", "html"), default="auto")
+    p.add_argument("--images", choices=("auto", "png", "html"), default="auto",
+                   help="figure format of the demo-model study: png (needs kaleido and Chromium), html, or auto (png "
+                        "when it can be written)")
     p.add_argument("--models", metavar="DIR", help="study the demo models in DIR (written by `attnres-probe demo-models --out DIR`, "
                    "e.g. another seed's) instead of the shipped ones")
     p.add_argument("--seeds", nargs="+", metavar="FOLDER", help="combine the study folders of several seeds of one recipe "
@@ -562,6 +571,18 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.runs:
+        from attnres_probe.seed_study import run_v3_study
+
+        out = Path(args.out or "docs/study/v3")
+        results = run_v3_study(args.runs, out)
+        for p in results["primaries"]:
+            print(f"{p['verdict']:<13} {p['key']} {p['title']}: mean {p['mean']:+.3g} {p['unit']}, "
+                  f"{p['paper_way']} of {p['n']} seeds on the paper's side, Holm p {p['p_holm']:.2g}"
+                  if p["p_holm"] is not None else f"{p['verdict']:<13} {p['key']} {p['title']}: not enough seeds")
+        print(f"wrote {out / 'study.md'}")
+        return 0
+    args.out = args.out or "docs/study"
     if args.seeds:
         summary = run_seed_study(args.out, args.seeds, args.resamples, args.seed)
         width = max(len(f["key"]) for f in summary["findings"])
