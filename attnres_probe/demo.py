@@ -63,9 +63,10 @@ DEMO_TRAIN = dict(
     eval_batches=8,
     seed=0,
     corpus="shakespeare",
+    split="plays",  # whole plays held out (docs/study/plan-v3.md): the shipped models are seed 0 of study v3
     probe_every=250,  # routing over training (the over-training view)
 )
-DEMO_THREADS = 1  # part of what makes a rebuild bit-exact (docs/study/plan.md says why one)
+DEMO_THREADS = 1  # part of what makes a rebuild bit-exact (docs/study/plan-v3.md says why one)
 
 
 def demo_config(name: str) -> ModelConfig:
@@ -143,7 +144,7 @@ def build_demo_models(
     names: tuple[str, ...] = DEMO_NAMES,
     threads: int = DEMO_THREADS,
     progress: bool = True,
-    backend: str = "torch",
+    backend: str = "numba",
     seed: int = 0,
     work: str | Path | None = None,
     **overrides: Any,
@@ -165,7 +166,7 @@ def build_demo_models(
     Returns:
         name -> validation loss of the shipped fp16 weights.
     """
-    from attnres_probe.training import TrainConfig, evaluate, train
+    from attnres_probe.training import TrainConfig, train
     from attnres_probe.training.state import STATE_FILE
 
     torch.set_num_threads(threads)
@@ -179,26 +180,46 @@ def build_demo_models(
         t0 = time.perf_counter()
         result = train(replace(demo_config(name), seed=seed), tcfg, run_dir, resume=(run_dir / STATE_FILE).is_file(),
                        progress=progress, backend=backend)
-        log = json.loads((run_dir / "train_log.json").read_text())
-        # the package ships this log: it names the corpus's package or file, not this machine's folders
-        log["corpus"]["source"] = Path(log["corpus"]["source"]).name
-        dest = out / name
-        staging = out / f".{name}.staging"
-        shutil.rmtree(staging, ignore_errors=True)
-        result.model.save(staging, dtype=torch.float16)
-        shipped = AttnResTransformer.load(staging, backend=backend).eval()
-        val_loss = evaluate(shipped, demo_validation_batches(log))
-        log["shipped"] = {
-            "dtype": "float16",
-            "val_loss": val_loss,
-            "threads": threads,
-            "build_seconds": round(time.perf_counter() - t0, 1),
-        }
-        atomic_write(staging / "train_log.json", lambda p: p.write_text(json.dumps(log, indent=1) + "\n"))
-        shutil.rmtree(dest, ignore_errors=True)
-        staging.rename(dest)
-        losses[name] = val_loss
+        losses[name] = ship_run(run_dir, out / name, backend=backend, threads=threads, model=result.model,
+                                build_seconds=round(time.perf_counter() - t0, 1))
     return losses
+
+
+def ship_run(run_dir: str | Path, dest: str | Path, backend: str | None = None, threads: int = DEMO_THREADS,
+             model: AttnResTransformer | None = None, build_seconds: float | None = None) -> float:
+    """Write the finished training run in ``run_dir`` as a demo model into ``dest``: fp16 weights,
+    config, and the run's log with the validation loss of the fp16 weights (``shipped``).
+
+    Args:
+        backend: of the shipped loss (default: the run's own, from its log).
+        model: the run's model when the caller has it (default: loaded from ``run_dir``).
+
+    Returns:
+        the validation loss of the shipped fp16 weights.
+    """
+    from attnres_probe.training import evaluate
+
+    run_dir, dest = Path(run_dir), Path(dest)
+    log = json.loads((run_dir / "train_log.json").read_text())
+    if not log.get("finished"):
+        raise ValueError(f"{run_dir}: the run has not finished (step {log.get('step')}); only a finished run is shipped")
+    backend = backend or log.get("backend")
+    # the package ships this log: it names the corpus's package or file, not this machine's folders
+    log["corpus"]["source"] = Path(log["corpus"]["source"]).name
+    model = model if model is not None else AttnResTransformer.load(run_dir, backend=backend)
+    torch.set_num_threads(threads)
+    staging = dest.with_name(f".{dest.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save(staging, dtype=torch.float16)
+    shipped = AttnResTransformer.load(staging, backend=backend).eval()
+    val_loss = evaluate(shipped, demo_validation_batches(log))
+    log["shipped"] = {"dtype": "float16", "val_loss": val_loss, "threads": threads, "backend": backend,
+                      "build_seconds": build_seconds if build_seconds is not None else log.get("wall_time_s"),
+                      "from_run": f"{run_dir.parent.name}/{run_dir.name}"}
+    atomic_write(staging / "train_log.json", lambda p: p.write_text(json.dumps(log, indent=1) + "\n"))
+    shutil.rmtree(dest, ignore_errors=True)
+    staging.rename(dest)
+    return val_loss
 
 
 def add_demo_models_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -217,9 +238,13 @@ def add_demo_models_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument(
         "--backend",
         choices=BACKENDS,
-        default="torch",
-        help="depth-attention backend; the shipped models were built with the reference (default: %(default)s)",
+        default="numba",
+        help="depth-attention backend; the shipped models (study v3's seed 0) were trained with Numba at one thread "
+             "(default: %(default)s)",
     )
+    p.add_argument("--from-runs", metavar="DIR",
+                   help="ship finished runs instead of training: DIR/<name>/seed<seed> (e.g. docs/study/v3/runs, whose "
+                        "seed 0 the shipped models are)")
     p.set_defaults(func=_run_demo_models)
     return p
 
@@ -254,6 +279,19 @@ def _run_demo_models(args: argparse.Namespace) -> int:
                 overrides[key] = 0
     if args.seed < 0:
         raise UserError(f"--seed is {args.seed}; it must be 0 or more")
+    if args.from_runs:
+        losses = {}
+        for name in args.only:
+            run = Path(args.from_runs) / name / f"seed{args.seed}"
+            if not (run / "train_log.json").is_file():
+                raise UserError(f"--from-runs {args.from_runs}: {run} holds no training run (train_log.json)")
+            try:
+                losses[name] = ship_run(run, Path(args.out) / name, backend=args.backend, threads=args.threads)
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
+        for name, loss in losses.items():
+            print(f"{name:8s} val loss of the fp16 weights {loss:.4f}  -> {Path(args.out) / name}")
+        return 0
     losses = build_demo_models(args.out, tuple(args.only), threads=args.threads, backend=args.backend, seed=args.seed,
                                work=args.work, **overrides)
     for name, loss in losses.items():

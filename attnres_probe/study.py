@@ -18,9 +18,12 @@ number points the paper's way but the windows do not bear it out. It writes into
 - figures (PNG when kaleido is installed, else self-contained HTML): magnitudes and gradients by
   depth with bands over windows, mean routing heatmaps, the embedding's weight per token.
 
-    attnres-probe study --out docs/study
-    attnres-probe study --models study_models/seed1 --out docs/study/seed1     # another seed's models
-    attnres-probe study --seeds docs/study/seed0 docs/study/seed1 docs/study/seed2 --out docs/study/seeds
+    attnres-probe study --demo --out study-demo                               # the shipped demo models
+    attnres-probe study --models study_models/seed1 --out study-seed1         # another seed's models
+    attnres-probe study --seeds study-seed0 study-seed1 study-seed2 --out study-seeds
+
+The study the repository's pages hold is study v3 (:mod:`attnres_probe.seed_study`, ``attnres-probe
+study``): five seeds as the unit, pre-registered endpoints.
 """
 
 from __future__ import annotations
@@ -463,9 +466,9 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         "the same windows.",
         "",
         f"**One training run per architecture{' (seed ' + str(tr['seed']) + ')' if tr else ''}**: the intervals cover the "
-        "texts, not the training seed. Another seed of the same recipe can turn a verdict; the study across seeds "
-        "(`attnres-probe study --seeds`, in the repository `docs/study/seeds/seeds.md`, with the write-up "
-        "`docs/study/findings.md`) draws seeds and texts together.",
+        "texts, not the training seed. Another seed of the same recipe can turn a verdict; study v3 (`attnres-probe "
+        "study`, in the repository `docs/study/v3/study.md`) takes five training seeds as the unit, with pre-registered "
+        "endpoints.",
         "",
         "A verdict sets the interval against the paper's direction: **consistent** (the interval excludes no difference, "
         "on the paper's side), **contrary** (it excludes it, on the other side), **inconclusive** (it does not exclude "
@@ -548,14 +551,18 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
 
 def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "study", help="run the reproduction study (v3: the seeds of docs/study/v3/runs; or the demo models)",
+        "study", help="regenerate the study pages (v3: the seeds of docs/study/v3/runs)",
         description="Study v3 (docs/study/plan-v3.md): `attnres-probe study --runs docs/study/v3/runs` measures every "
                     "finished run on the held-out plays and writes results.json, windows.csv and study.md (primary "
                     "endpoints over seeds with Holm's correction, per-play tables, exploratory diagnostics). Without "
                     "--runs: the earlier single-model study of the demo models.")
-    p.add_argument("--runs", metavar="DIR", help="the runs of plan-v3 (DIR/{prenorm,full,block}/seed{s}, written by "
-                   "docs/study/v3/train_runs.sh); the pages go to --out (default docs/study/v3)")
-    p.add_argument("--out", default=None, help="output folder (default: docs/study/v3 with --runs, else docs/study)")
+    p.add_argument("--runs", metavar="DIR", default=None,
+                   help="the runs of plan-v3 (DIR/{prenorm,full,block}/seed{s}, written by docs/study/v3/train_runs.sh; "
+                        "default docs/study/v3/runs); the pages go to --out (default docs/study/v3)")
+    p.add_argument("--demo", action="store_true",
+                   help="instead: the single-model study of the shipped demo models (or --models DIR), intervals over "
+                        "texts only; needs --out")
+    p.add_argument("--out", default=None, help="output folder (default with the runs: docs/study/v3)")
     p.add_argument("--windows", type=int, default=N_WINDOWS, help="validation windows per model (default: %(default)s, all)")
     p.add_argument("--resamples", type=int, default=N_RESAMPLES, help="bootstrap resamples (default: %(default)s)")
     p.add_argument("--seed", type=int, default=SEED, help="bootstrap seed (default: %(default)s)")
@@ -571,18 +578,27 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.runs:
+    from attnres_probe.cli import UserError
+
+    single = args.demo or args.models or args.seeds
+    if single and args.runs:
+        raise UserError("--runs is the study over seeds; --demo, --models and --seeds are the single-model study: pick one")
+    if not single:
         from attnres_probe.seed_study import run_v3_study
 
         out = Path(args.out or "docs/study/v3")
-        results = run_v3_study(args.runs, out)
+        try:
+            results = run_v3_study(args.runs or "docs/study/v3/runs", out)
+        except (FileNotFoundError, ValueError) as exc:
+            raise UserError(str(exc)) from None
         for p in results["primaries"]:
             print(f"{p['verdict']:<13} {p['key']} {p['title']}: mean {p['mean']:+.3g} {p['unit']}, "
                   f"{p['paper_way']} of {p['n']} seeds on the paper's side, Holm p {p['p_holm']:.2g}"
                   if p["p_holm"] is not None else f"{p['verdict']:<13} {p['key']} {p['title']}: not enough seeds")
         print(f"wrote {out / 'study.md'}")
         return 0
-    args.out = args.out or "docs/study"
+    if not args.out:
+        raise UserError("the single-model study needs --out FOLDER (docs/study holds study v3: `attnres-probe study`)")
     if args.seeds:
         summary = run_seed_study(args.out, args.seeds, args.resamples, args.seed)
         width = max(len(f["key"]) for f in summary["findings"])

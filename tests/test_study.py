@@ -17,15 +17,19 @@ from attnres_probe.study import FINDINGS, _page, run_seed_study, run_study, stud
 STUDY = Path(__file__).resolve().parents[1] / "docs" / "study"
 
 
-def test_the_study_page_compares_like_with_like_and_warns_of_few_documents():
-    results = json.loads((STUDY / "results.json").read_text())
-    table = pd.read_csv(STUDY / "windows.csv")
+def test_the_study_page_compares_like_with_like_and_warns_of_few_documents(seed_studies):
+    """The demo-model study's page (``study --demo``): twelve windows of v3's seed-0 runs from three
+    documents, set side by side by the one comparison engine."""
+    _, (one, _) = seed_studies
+    results = json.loads((one / "results.json").read_text())
+    table = pd.read_csv(STUDY / "v3" / "windows.csv")
     items = []
-    for name, t in table.groupby("model", sort=False):
+    for name, t in table[table["seed"] == 0].groupby("model", sort=False):
         t = t.reset_index(drop=True).iloc[:12]
         keys = pd.DataFrame({"doc": np.arange(len(t)) // 4, "start": np.arange(len(t)) % 4 * 128,
                              "n_tokens": 128, "digest": [f"w{i}" for i in range(len(t))]})
-        items.append(Windows(name, name, pd.concat([keys, t.reindex(columns=list(WINDOW_COLUMNS))], axis=1), t.reindex(columns=list(WINDOW_COLUMNS)).mean()))
+        cols = t.reindex(columns=list(WINDOW_COLUMNS))
+        items.append(Windows(name, name, pd.concat([keys, cols], axis=1), cols.mean()))
     frame = compare_windows(items, n_resamples=200)  # twelve windows from three documents
     page = _page(results, frame, {})
     every = page[page.index("## Every metric"):]
