@@ -136,7 +136,9 @@ def ablate(
                     "delta_loss": loss - base_loss,
                 }
             )
-    return pd.DataFrame(rows, columns=["read", "source", "mode", "mass", "contrib", "base_loss", "loss", "delta_loss"])
+    out = pd.DataFrame(rows, columns=["read", "source", "mode", "mass", "contrib", "base_loss", "loss", "delta_loss"])
+    out.attrs["n_tokens"] = int(tokens.shape[1])  # the tokens the losses are over (after truncate)
+    return out
 
 
 def _mean(trace: Any, arr: np.ndarray) -> np.ndarray:
@@ -197,21 +199,30 @@ def weight_beside_effect(probe: Any, text_or_tokens: Any, truncate: bool = False
         DataFrame indexed by read: ``embed_weight``, ``embed_delta`` (the embedding's weight and
         loss change), ``recent_weight``, ``recent_delta`` (the most recent source's),
         ``rank_correlation`` (Spearman's, over the read's sources, of weight against loss change;
-        NaN where the weights are all equal, as PreNorm's are), ``sources``. ``attrs["summary"]``
-        holds their means over the deep reads.
+        NaN where the weights are all equal, as PreNorm's are), ``sources`` (the read's columns),
+        ``embed_uniform``, ``recent_uniform`` (their shares under the uniform reference on the
+        model's own axis, :func:`~attnres_probe.analysis.windows.uniform_weights`: 1/k for Full and
+        PreNorm, a block's members over k for Block). ``attrs["summary"]`` holds their means over
+        the deep reads, ``attrs["n_tokens"]`` the tokens the losses are over.
     """
+    from attnres_probe.analysis.windows import uniform_weights
+
     spec = probe.spec
     R = len(spec.read_labels)
     deep = [r for r in range(R // 2, R) if spec.axis.counts[r] > 1]
     frame = ablate(probe, text_or_tokens, sources="all", reads=deep, mode="zero", truncate=truncate)
+    uniform = uniform_weights(spec)
     rows = {}
     for read, group in frame.groupby("read", sort=False):
+        r = spec.read_labels.index(read)
         w, d = group["mass"].to_numpy(float), group["delta_loss"].to_numpy(float)
         rank = pd.Series(w).rank().corr(pd.Series(d).rank()) if np.ptp(w) > 1e-9 and np.ptp(d) > 0 else float("nan")
         rows[read] = {"embed_weight": w[0], "embed_delta": d[0], "recent_weight": w[-1], "recent_delta": d[-1],
-                      "rank_correlation": rank, "sources": len(w)}
+                      "rank_correlation": rank, "sources": len(w), "embed_uniform": float(uniform[r, 0]),
+                      "recent_uniform": float(uniform[r, len(w) - 1])}
     out = pd.DataFrame.from_dict(rows, orient="index")
     out.index.name = "read"
+    out.attrs["n_tokens"] = frame.attrs.get("n_tokens")
     out.attrs["summary"] = {c: float(out[c].mean()) for c in out.columns if c != "sources"} if len(out) else {}
     return out
 

@@ -82,10 +82,15 @@ def _check_name(name: str) -> None:
         raise ValueError(f"demo model {name!r} does not exist; choose one of {', '.join(DEMO_NAMES)}")
 
 
+def demo_root() -> Path:
+    """The folder of the shipped demo models inside the installed package."""
+    return Path(str(resources.files("attnres_probe") / "demo_models"))
+
+
 def demo_dir(name: str) -> Path:
     """Folder of the shipped demo model ``name`` inside the installed package."""
     _check_name(name)
-    return Path(str(resources.files("attnres_probe") / "demo_models" / name))
+    return demo_root() / name
 
 
 def load_demo(name: str = "block", device: str | torch.device = "cpu") -> tuple[AttnResTransformer, ByteTokenizer]:

@@ -588,7 +588,8 @@ def difference_heatmap(
     )
     return go.Figure(data=[heat], layout=dict(
         title=_title_layout(parts), meta={"title_parts": parts}, margin=_title_margin(parts),
-        shapes=_read_block_lines(trace) + _source_block_lines(trace), plot_bgcolor="white",
+        # on Block's own axis each column is a block: no sublayer boundaries to draw across the sources
+        shapes=_read_block_lines(trace) + (_source_block_lines(trace) if axis is None else []), plot_bgcolor="white",
         annotations=[] if np.isfinite(z).any() else [_note("no cell is available to both models")],
         height=max(320, 24 * len(trace.read_labels) + 120 + 20 * len(parts)),
         xaxis={"title": {"text": "source (block)" if axis is not None else "source (sublayer)"}, "showgrid": False,
@@ -1075,16 +1076,17 @@ def ablation_chart(frame: pd.DataFrame, read: str | None = None) -> go.Figure:
     return go.Figure(data=data, layout=layout)
 
 
-WEIGHT_EFFECT_COLUMNS = ("embed_weight", "embed_delta", "recent_weight", "recent_delta", "sources")
+WEIGHT_EFFECT_COLUMNS = ("embed_weight", "embed_delta", "recent_weight", "recent_delta", "embed_uniform", "recent_uniform")
 
 
 def weight_effect_chart(effects: Mapping[str, pd.DataFrame], colors: Mapping[str, str] | None = None) -> go.Figure:
     """Routing weight beside causal effect in the deep reads, for every model on one chart.
 
     Each point is one deep read of one model and one source (the embedding: circles; the most recent
-    source: triangles): x its mean normalised weight over its uniform share 1/k (1 = what uniform
-    weights give it, a dashed line), y the loss change when that source alone is removed from the
-    read. Weight predicts effect where points rise to the right.
+    source: triangles): x its mean normalised weight over its share under the uniform reference on
+    the model's own axis (1 = what uniform weights give it, a dashed line; Block's blocks count their
+    sublayers, as everywhere), y the loss change when that source alone is removed from the read.
+    Weight predicts effect where points rise to the right.
 
     Args:
         effects: model name -> :func:`attnres_probe.ablation.weight_beside_effect` (one row per deep read).
@@ -1098,26 +1100,27 @@ def weight_effect_chart(effects: Mapping[str, pd.DataFrame], colors: Mapping[str
     colors = dict(colors or model_colors(list(effects)))
     data = []
     for name, frame in effects.items():
-        k = frame["sources"].to_numpy(float)
         reads = [str(r) for r in frame.index]
         for col, label, symbol in (("embed", "embedding", "circle"), ("recent", "most recent source", "triangle-up")):
             w = frame[f"{col}_weight"].to_numpy(float)
+            u = frame[f"{col}_uniform"].to_numpy(float)
             data.append(go.Scatter(
-                x=w * k, y=frame[f"{col}_delta"].to_numpy(float), mode="markers", name=f"{name} · {label}",
+                x=w / u, y=frame[f"{col}_delta"].to_numpy(float), mode="markers", name=f"{name} · {label}",
                 legendgroup=name, marker={"color": colors.get(name), "symbol": symbol, "size": 10, "opacity": 0.85},
-                customdata=np.stack([w, 1.0 / k], axis=-1), text=reads,
+                customdata=np.stack([w, u], axis=-1), text=reads,
                 hovertemplate=(f"{name} · {label} at read %{{text}}<br>weight %{{customdata[0]:.3f}} "
                                "(uniform %{customdata[1]:.3f}; ×%{x:.2f})<br>Δloss when removed %{y:+.4~g} nats<extra></extra>"),
             ))
     layout = {
         "title": {"text": "Weight beside effect in the deep reads: routing weight vs loss change when the source is removed"},
-        "xaxis": {"title": {"text": "normalised weight ÷ uniform share 1/k (1 = uniform)"}, "zeroline": False},
+        "xaxis": {"title": {"text": "normalised weight ÷ its uniform share (1 = uniform)"}, "zeroline": False},
         "yaxis": {"title": {"text": "Δloss when removed (nats per token)"}, "zeroline": True, "zerolinecolor": "#999",
                   "tickformat": ".3~g"},
-        "shapes": [{"type": "line", "x0": 1, "x1": 1, "y0": 0, "y1": 1, "yref": "paper", "line": {"dash": "dash", "color": "#888"}}],
+        "shapes": [{"type": "line", "x0": 1, "x1": 1, "y0": 0, "y1": 1, "yref": "paper", "layer": "below",
+                    "line": {"dash": "dash", "color": "#888"}}],
         "annotations": [{"text": "uniform", "x": 1, "y": 1, "yref": "paper", "showarrow": False, "yanchor": "bottom",
                          "font": {"size": 11, "color": "#555"}}],
-        "height": 420, "legend": {"orientation": "h", "y": -0.25},
+        "height": 460, "legend": {"orientation": "h", "y": -0.22, "yanchor": "top"}, "margin": {"b": 140},
     }
     if not data:
         layout["annotations"].append(_note("no weight-effect results", "paper", "paper"))

@@ -33,13 +33,15 @@ from attnres_probe.analysis.seed_tests import holm, holm_verdict, seed_test, t_i
 from attnres_probe.analysis.windows import reference_column
 from attnres_probe.io import atomic_write
 
-__all__ = ["MODELS", "PRIMARIES", "Primary", "find_runs", "measure_run", "render_page", "run_v3_study", "seed_values"]
+__all__ = ["MODELS", "PRIMARIES", "Primary", "SUMMARY_FILE", "demo_summary", "find_runs", "load_demo_summary", "measure_run",
+           "render_page", "run_v3_study", "seed_values"]
 
 MODELS = ("prenorm", "full", "block")
 STEPS = 8000  # the plan's recipe: a run counts once its log says it finished at this step
 PLAN = "docs/study/plan-v3.md"
 COMMAND = "attnres-probe study --runs docs/study/v3/runs --out docs/study/v3"
 WINDOWS_FILE = "windows.csv"
+SUMMARY_FILE = "study_v3.json"  # beside the shipped demo models (seed 0 of the runs): what the dashboard shows
 LEVEL = 0.95
 ALPHA = 0.05
 
@@ -273,10 +275,29 @@ def _exploratory(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # -- the study ---------------------------------------------------------------------------------
+def demo_summary(results: dict[str, Any]) -> dict[str, Any]:
+    """The primary endpoints of results.json, as the dashboard's study card shows them beside the demo models."""
+    keep = ("key", "title", "model", "unit", "expected", "per_seed", "mean", "low", "high", "p", "p_holm", "paper_way", "n",
+            "sign_p", "verdict")
+    return {"plan": results["plan"], "command": results["command"], "seeds": results["seeds"], "missing": results["missing"],
+            "level": results["level"], "primaries": [{k: p[k] for k in keep} for p in results["primaries"]]}
+
+
+def load_demo_summary() -> dict[str, Any] | None:
+    """The study-v3 summary shipped beside the demo models, or None when this installation lacks it."""
+    from attnres_probe.demo import demo_root
+
+    try:
+        return json.loads((demo_root() / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def run_v3_study(runs_dir: str | Path, out: str | Path, progress: Callable[[str], None] | None = print,
-                 steps: int = STEPS) -> dict[str, Any]:
+                 steps: int = STEPS, summary_to: str | Path | None = None) -> dict[str, Any]:
     """Measure every finished run of ``runs_dir`` and write results.json, windows.csv and study.md to
-    ``out`` (``steps``: the length of a finished run, the plan's 8,000).
+    ``out`` (``steps``: the length of a finished run, the plan's 8,000); ``summary_to``: also write
+    :func:`demo_summary` there (the shipped demo models' folder, for the dashboard).
 
     Raises:
         FileNotFoundError / ValueError: no runs folder, no finished run, or runs of different
@@ -330,6 +351,8 @@ def run_v3_study(runs_dir: str | Path, out: str | Path, progress: Callable[[str]
     atomic_write(out / WINDOWS_FILE, lambda p: frame.to_csv(p, index=False, float_format="%.9g"))
     atomic_write(out / "results.json", lambda p: p.write_text(json.dumps(results, indent=1) + "\n"))
     atomic_write(out / "study.md", lambda p: p.write_text(render_page(results)))
+    if summary_to is not None:
+        atomic_write(Path(summary_to), lambda p: p.write_text(json.dumps(demo_summary(results), indent=1) + "\n"))
     return results
 
 

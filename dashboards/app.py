@@ -86,6 +86,7 @@ def create_app(
     allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
     title: str = "attnres-probe · depth routing",
     stats: Mapping[str, Any] | None = None,
+    study: Mapping[str, Any] | None = None,
 ) -> dash.Dash:
     """Build the dashboard.
 
@@ -103,12 +104,19 @@ def create_app(
         stats: name -> CorpusStats of a recorded corpus (``attnres-probe corpus``); the page then
             leads with their comparisons: headline panel, metric table with intervals and
             verdicts, mean heatmaps with spread, profiles with bands.
+        study: a study-v3 summary (:func:`attnres_probe.seed_study.demo_summary`) for the card
+            "What five seeds show"; with the demo models (None) the one shipped beside them.
 
     Returns:
         The ``dash.Dash`` app; ``app.explorer`` is its :class:`Explorer` (models, cache).
     """
     entries = demo_entries() if models_or_traces is None else models_or_traces
     explorer = Explorer(entries, text=text, cache_size=cache_size, stats=stats)
+    if study is None and models_or_traces is None:  # the demo models are seed 0 of study v3: show what five seeds say
+        from attnres_probe.seed_study import load_demo_summary
+
+        study = load_demo_summary()
+    explorer.study = dict(study) if study else None
     app = dash.Dash(
         "attnres_probe.dashboards",
         assets_folder=str(ASSETS),

@@ -406,15 +406,15 @@ def headline_cards(frame, colors: dict[str, str]) -> list:
             comps = {c["model"]: c for c in m["comparisons"]}
             head = html.Tr([html.Th("model"), html.Th("value"), html.Th("against its reference"), html.Th("verdict")])
             body = []
-            for v in m["values"]:
+            for v in m["rows"]:
                 c = comps.get(v["model"])
                 name = html.Td(v["model"], style={"color": colors.get(v["model"])}, className="model")
                 value = html.Td([html.Div(v["estimate"], className="value"), html.Div(v["interval"], className="vs interval"),
                                  html.Div(f"uniform: {v['reference']}", className="vs reference") if v["reference"] else None,
                                  html.Div(v["basis"], className="vs basis") if v["basis"] else None])
                 if c is None:
-                    body.append(html.Tr([name, value, html.Td("baseline" if any(x["baseline"] == v["model"] for x in comps.values()) else "",
-                                                              className="vs"), html.Td("")]))
+                    body.append(html.Tr([name, value, html.Td("baseline" if v["is_baseline"] else v["own"], className="vs"),
+                                         html.Td("")]))
                     continue
                 against = html.Td([html.Div(f"{c['estimate']} vs {c['baseline']}", className="value"),
                                    html.Div(c["interval"], className="vs interval"),
@@ -506,8 +506,10 @@ def ablation_view(ex: Explorer, n_clicks: Any, key: Any, model: Any, read: Any, 
     return {"figure": figures.ablation_chart(frame, read=read), "status": status}
 
 
-WEIGHT_EFFECT_HEADER = ("model", "deep reads", "embedding weight", "embedding Δloss", "recent weight", "recent Δloss",
-                        "uniform 1/k", "rank correlation")
+WEIGHT_EFFECT_HEADER = ("model", "deep reads", "embedding weight", "its uniform share", "embedding Δloss", "recent weight",
+                        "its uniform share", "recent Δloss", "rank correlation")
+WEIGHT_EFFECT_KEYS = ("model", "reads", "embed_weight", "uniform", "embed_delta", "recent_weight", "recent_uniform",
+                      "recent_delta", "rank_correlation")
 
 
 def weight_effect_view(ex: Explorer, n_clicks: Any, key: Any, pressed: bool = True) -> dict:
@@ -526,12 +528,13 @@ def weight_effect_view(ex: Explorer, n_clicks: Any, key: Any, pressed: bool = Tr
     except (PromptError, UnknownKeyError) as exc:
         return {"table": [], "figure": no_update, "graph_style": {"display": "none"}, "status": str(exc)}
     rows = weight_effect_rows(effects)
-    keys = ("model", "reads", "embed_weight", "embed_delta", "recent_weight", "recent_delta", "uniform", "rank_correlation")
+    keys = WEIGHT_EFFECT_KEYS
     table = html.Table([html.Thead(html.Tr([html.Th(h) for h in WEIGHT_EFFECT_HEADER])),
                         html.Tbody([html.Tr([html.Td(r[k], className="num" if k != "model" else "model") for k in keys])
                                     for r in rows])], className="metric-table weight-effect-table")
-    note = html.P("Weights are normalised weights (fraction of the read, 0-1), beside the uniform share 1/k; Δloss in "
-                  "nats per token, the mean over the deep reads.", className="help")
+    note = html.P("Weights are normalised weights (fraction of the read, 0-1), each beside its share under the uniform "
+                  "reference on the model's own axis (a block counts its sublayers); Δloss in nats per token; means over "
+                  "the deep reads.", className="help")
     return {"table": [table, note], "figure": figures.weight_effect_chart(effects, ex.colors), "graph_style": {},
             "status": f"measured on {next(iter(ex.result(key).traces.values())).n_tokens} tokens."}
 

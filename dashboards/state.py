@@ -122,6 +122,7 @@ class Explorer:
         seed: int = 0,
     ):
         named = _name_entries(entries)
+        self.study: dict[str, Any] | None = None  # a study-v3 summary shown beside the models (create_app sets it)
         self.names: list[str] = list(named)
         self.probes: dict[str, Probe] = {}
         self.saved: dict[str, DepthTrace] = {}

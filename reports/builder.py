@@ -662,7 +662,10 @@ def _weight_effect_context(effects: Mapping[str, pd.DataFrame] | None, plots: _P
     if not isinstance(effects, Mapping):
         raise TypeError(f"weight_effects must be a {{model name: DataFrame}} mapping; got {type(effects).__name__}")
     frames = {str(k): v for k, v in effects.items()}
-    return {"note": WEIGHT_EFFECT_NOTE, "rows": weight_effect_rows(frames),
+    tokens = sorted({int(n) for f in frames.values() if (n := f.attrs.get("n_tokens"))})
+    said = ("the first " + (f"{tokens[0]} tokens" if len(tokens) == 1 else " / ".join(map(str, tokens)) + " tokens")
+            + " of the text (one context window)") if tokens else ""
+    return {"note": WEIGHT_EFFECT_NOTE, "rows": weight_effect_rows(frames), "tokens": said,
             "plot": plots.add(figures.weight_effect_chart(frames))}
 
 

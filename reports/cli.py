@@ -144,7 +144,9 @@ def run_report(args: argparse.Namespace) -> int:
     readings, histories = _readings_and_histories(args, traces)
     t_record = time.perf_counter() - t0
     ablations = _ablations(args, traces, text, models) if args.ablate else None
+    t_effect = time.perf_counter()
     effects = _weight_effects(args, traces, text, models) if args.weight_effect else None
+    t_effect = time.perf_counter() - t_effect
     title = args.title or f"attnres-probe report: {', '.join(t.name for t in traces)}"
     command = _command(args)
     t1 = time.perf_counter()
@@ -160,7 +162,8 @@ def run_report(args: argparse.Namespace) -> int:
     except ReportWriteError as exc:
         raise _user_error(str(exc)) from None
     size = path.stat().st_size / 1e6
-    print(f"wrote {path} ({size:.2f} MB; recorded in {t_record:.1f} s, built in {time.perf_counter() - t1:.1f} s)")
+    effect = f", weight beside effect in {t_effect:.1f} s" if effects else ""
+    print(f"wrote {path} ({size:.2f} MB; recorded in {t_record:.1f} s{effect}, built in {time.perf_counter() - t1:.1f} s)")
     return 0
 
 

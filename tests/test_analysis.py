@@ -495,3 +495,21 @@ def test_a_window_table_saved_before_the_attention_mlp_split_loads_with_those_co
     back = CorpusStats.load(folder)
     t = back.window_table()
     assert t[list(LATER_COLUMNS)].isna().all().all() and t["embed_weight_deep"].notna().all()
+
+
+def test_display_snaps_float_roundoff_to_zero_and_prints_a_reference_as_precisely_as_its_value():
+    """#31 walkthrough: PreNorm's embedding-against-old-sources printed as 3.084e-18; a value 0.08019
+    beside "uniform: 0.0802" looked like a difference that is not there."""
+    from attnres_probe.analysis.display import fmt_estimate, fmt_interval, headline, table_rows
+
+    row = {"estimate": 3.084e-18, "comparison": "value", "pooled": 3.084e-18, "low": 3.084e-18, "high": 3.1e-18}
+    assert fmt_estimate(row) == "0" and fmt_interval(row) == "[0, 0]"
+    assert fmt_estimate({**row, "estimate": -0.0123}) == "-0.0123"  # real values untouched
+    tokens = sample_tokens(24, batch=6, seed=3)
+    frame = metrics.compare(Probe(tiny_model("prenorm"), name="prenorm").run(tokens, backward=True),
+                            Probe(tiny_model("block", n_layers=4), name="block").run(tokens, backward=True), n_resamples=100)
+    loc = next(m for g in headline(frame) for m in g["metrics"] if m["metric"] == "locality_distance")
+    pre = next(r for r in loc["rows"] if r["model"] == "prenorm")
+    assert pre["own"] == "is the uniform reference (implied weights)" and pre["estimate"] == pre["reference"]
+    cells = next(r for r in table_rows(frame)["rows"] if r["metric"] == "locality_distance")["cells"]
+    assert all("(uniform " in c for c in cells[:2])  # each model's value with its own uniform reference

@@ -449,6 +449,10 @@ def test_difference_views_subtract_like_from_like_and_a_share_row_sums_to_zero()
             z = np.asarray(fig.data[0].z, dtype=float)
             assert list(fig.data[0].x) == sources
             np.testing.assert_allclose(np.nansum(z, axis=1), 0.0, atol=1e-5)  # shares of one read add up to 1 on both sides
+            vertical = [sh for sh in fig.layout.shapes if sh.xref == "x"]  # lines across the sources stay on the axis
+            assert all(-0.5 <= sh.x0 <= len(sources) - 0.5 for sh in vertical)
+            if residual == "block":
+                assert not vertical  # each column is a block already
     block = Probe(tiny_model("block", n_layers=2), name="block").run(tokens)
     fig = figures.difference_heatmap(block, pre)
     both = np.asarray(fig.data[0].customdata, dtype=float)

@@ -176,3 +176,40 @@ def test_a_runs_folder_without_finished_runs_is_refused_with_the_reason(tmp_path
         find_runs(tmp_path)
     with pytest.raises(FileNotFoundError, match="no such folder"):
         find_runs(tmp_path / "nothing")
+
+
+# -- the summary beside the demo models, and the dashboard's card ------------------------------
+def test_the_summary_shipped_beside_the_demo_models_is_the_primaries_of_results_json():
+    from attnres_probe.seed_study import demo_summary, load_demo_summary
+
+    assert load_demo_summary() == json.loads(json.dumps(demo_summary(_results())))
+
+
+def test_the_dashboard_shows_the_study_card_with_every_primary_and_its_verdict():
+    from dash import html
+
+    from attnres_probe.dashboards import create_app
+    from attnres_probe.seed_study import demo_summary
+    from helpers import tiny_model
+
+    summary = demo_summary(_results())
+    app = create_app({"prenorm": tiny_model("prenorm"), "full": tiny_model("full")}, text="abc", study=summary)
+
+    def find(node, pred, out):
+        if isinstance(node, (list, tuple)):
+            for x in node:
+                find(x, pred, out)
+            return out
+        if pred(node):
+            out.append(node)
+        if hasattr(node, "children"):
+            find(node.children, pred, out)
+        return out
+
+    card = find(app.layout, lambda n: getattr(n, "id", None) == "study-v3", [])[0]
+    rows = find(card, lambda n: isinstance(n, html.Tr) and "data-endpoint" in n.to_plotly_json()["props"], [])
+    assert [r.to_plotly_json()["props"]["data-endpoint"] for r in rows] == [p["key"] for p in summary["primaries"]]
+    badges = [b.children for b in find(card, lambda n: isinstance(n, html.Span) and "verdict" in (n.className or ""), [])]
+    assert badges == [p["verdict"] for p in summary["primaries"]]
+    plain = create_app({"full": tiny_model("full")}, text="abc")  # models of one's own: no study card
+    assert not find(plain.layout, lambda n: getattr(n, "id", None) == "study-v3", [])

@@ -67,9 +67,18 @@ def _finite(x: Any) -> bool:
         return False
 
 
+ROUNDOFF = 1e-12  # every diagnostic is of order 1e-3 or more: a smaller magnitude is float roundoff of 0
+
+
+def _clean(x: Any) -> float:
+    """``x`` as a float, with float roundoff of zero (below :data:`ROUNDOFF`) shown as 0."""
+    v = float(x)
+    return 0.0 if abs(v) < ROUNDOFF else v
+
+
 def fmt_number(x: Any, digits: int = 4) -> str:
     """A number to ``digits`` significant digits; "—" when missing."""
-    return f"{float(x):.{digits}g}" if _finite(x) else "—"
+    return f"{_clean(x):.{digits}g}" if _finite(x) else "—"
 
 
 def fmt_estimate(row: pd.Series | dict, digits: int = 3) -> str:
@@ -80,7 +89,8 @@ def fmt_estimate(row: pd.Series | dict, digits: int = 3) -> str:
     x = row["pooled"] if pooled else est
     if not _finite(x):
         return "—"
-    text = f"×{float(x):.{digits}g}" if kind == "ratio" else (f"{float(x):+.{digits}g}" if kind == "difference" else f"{float(x):.{digits + 1}g}")
+    x = _clean(x)
+    text = f"×{x:.{digits}g}" if kind == "ratio" else (f"{x:+.{digits}g}" if kind == "difference" else f"{x:.{digits + 1}g}")
     return f"{text} (pooled)" if pooled else text
 
 
@@ -89,6 +99,7 @@ def fmt_interval(row: pd.Series | dict, digits: int = 3) -> str:
     lo, hi = row["low"], row["high"]
     if not (_finite(lo) and _finite(hi)):
         return ""
+    lo, hi = _clean(lo), _clean(hi)
     if row["comparison"] == "ratio":
         return f"[×{float(lo):.{digits}g}, ×{float(hi):.{digits}g}]"
     if row["comparison"] == "difference":
@@ -227,7 +238,7 @@ def headline(frame: pd.DataFrame) -> list[dict[str, Any]]:
         for m in names:
             values = [{"model": r["model"], "estimate": fmt_estimate(r), "interval": interval_text(r, level, said),
                        "basis": str(r.get("basis") or ""), "unit": str(r.get("unit") or ""),
-                       "reference": fmt_number(r.get("reference"), 3) if _finite(r.get("reference")) else ""}
+                       "reference": fmt_number(r.get("reference"), 4) if _finite(r.get("reference")) else ""}
                       for r in records if r["metric"] == m and r["comparison"] == "value"]
             comps = comparison_rows(records, m, level, said)
             by_model = {c["model"]: c for c in comps}
@@ -240,7 +251,11 @@ def headline(frame: pd.DataFrame) -> list[dict[str, Any]]:
                 "values": values,
                 "comparisons": comps,
                 # one row per model: its value and, for every model but the baseline, its comparison
-                "rows": [{**v, "comparison": by_model.get(v["model"]), "is_baseline": v["model"] in baselines} for v in values],
+                "rows": [{**v, "comparison": by_model.get(v["model"]), "is_baseline": v["model"] in baselines,
+                          # PreNorm's routing is its implied weights: it *is* the uniform reference, nothing to compare
+                          "own": "is the uniform reference (implied weights)" if v["model"] not in by_model
+                          and CATALOG.get(m) is not None and CATALOG[m].reference == "uniform" and v["reference"] else ""}
+                         for v in values],
             })
         claim = next((EXPECTED[m].claim for m in names if m in EXPECTED), "")
         groups.append({"title": title, "help": help_text, "claim": claim, "metrics": rows})
@@ -265,7 +280,7 @@ def table_rows(frame: pd.DataFrame) -> dict[str, Any]:
         by_metric.setdefault(r["metric"], {}).setdefault(key, r)
     rows = []
     for metric, sub in by_metric.items():
-        cells = [_cell(sub[(m, None)]) if (m, None) in sub else "" for m in models]
+        cells = [_cell(sub[(m, None)], with_reference=True) if (m, None) in sub else "" for m in models]
         found = [sub.get(c) for c in comps]
         cells += [_cell(r) if r is not None else "" for r in found]
         verdicts = [str(r["verdict"]) if r is not None else "" for r in found]
@@ -311,10 +326,14 @@ def reference_text(metric: str) -> str:
     return f"{d.compare} against {against}"
 
 
-def _cell(r: pd.Series | dict) -> str:
+def _cell(r: pd.Series | dict, with_reference: bool = False) -> str:
+    """"estimate [interval]"; a value's uniform reference after it ("(uniform 0.25)") with ``with_reference``."""
     est = fmt_estimate(r)
     iv = fmt_interval(r)
-    return f"{est} {iv}" if iv else est
+    text = f"{est} {iv}" if iv else est
+    if with_reference and _finite(r.get("reference")):
+        text += f" (uniform {fmt_number(r['reference'], 4)})"
+    return text
 
 
 def readable(frame: pd.DataFrame) -> pd.DataFrame:
@@ -355,9 +374,9 @@ def weight_effect_rows(effects: Any) -> list[dict[str, str]]:
     for name, frame in effects.items():
         if frame is None or len(frame) == 0:
             rows.append({"model": str(name), "reads": "0", "embed_weight": "—", "embed_delta": "—", "recent_weight": "—",
-                         "recent_delta": "—", "uniform": "—", "rank_correlation": "—"})
+                         "recent_delta": "—", "uniform": "—", "recent_uniform": "—", "rank_correlation": "—", "tokens": ""})
             continue
-        uniform = float((1.0 / frame["sources"].astype(float)).mean())
+        uniform = float(frame["embed_uniform"].astype(float).mean())
         rank = frame["rank_correlation"].astype(float)
         rows.append({
             "model": str(name),
@@ -367,6 +386,8 @@ def weight_effect_rows(effects: Any) -> list[dict[str, str]]:
             "recent_weight": fmt_number(frame["recent_weight"].mean(), 3),
             "recent_delta": _signed(frame["recent_delta"].mean()),
             "uniform": fmt_number(uniform, 3),
+            "recent_uniform": fmt_number(float(frame["recent_uniform"].astype(float).mean()), 3),
+            "tokens": str(frame.attrs.get("n_tokens") or ""),
             "rank_correlation": _signed(rank.mean()) if rank.notna().any() else "— (equal weights)",
         })
     return rows

@@ -335,7 +335,12 @@ def test_weight_effect_waits_for_the_button_then_shows_every_live_model(ex):
     want = weight_beside_effect(Probe(ex.probes["full"].model, name="full"), TEXT)
     full = rows[list(NAMES).index("full")]
     assert full.children[2].children == f"{want['embed_weight'].mean():.3g}"
-    assert full.children[3].children == f"{want['embed_delta'].mean():+.3g}"
+    assert full.children[3].children == f"{want['embed_uniform'].mean():.3g}"
+    assert full.children[4].children == f"{want['embed_delta'].mean():+.3g}"
+    block = rows[list(NAMES).index("block")]  # Block's uniform share counts a block's sublayers (not 1 / blocks)
+    wb = weight_beside_effect(Probe(ex.probes["block"].model, name="block"), TEXT)
+    assert block.children[3].children == f"{wb['embed_uniform'].mean():.3g}"
+    assert (wb["embed_uniform"] < 1.0 / wb["sources"]).all()
     assert {t.name for t in out["figure"].data} == {f"{n} · {s}" for n in NAMES for s in ("embedding", "most recent source")}
     assert out["graph_style"] == {} and "nats per token" in " ".join(texts(out["table"]))
     again = callbacks.weight_effect_view(ex, 1, ex.initial.key, pressed=False)

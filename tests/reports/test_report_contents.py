@@ -235,12 +235,13 @@ def test_weight_effect_section_sets_each_models_weights_beside_their_loss_change
     for tr, (name, frame) in zip(rows, weight_effects.items()):
         cells = [td.get_text() for td in tr.find_all("td")]
         assert cells[1] == str(len(frame))
-        assert cells[2] == f"{frame['embed_weight'].mean():.3g}" and cells[3] == f"{frame['embed_delta'].mean():+.3g}"
-        assert cells[5] == f"{frame['recent_delta'].mean():+.3g}"
-        if name == "prenorm":  # uniform weights: no rank correlation, and the weight is the uniform share
-            assert cells[7].startswith("—") and cells[2] == cells[6]
+        assert cells[2] == f"{frame['embed_weight'].mean():.3g}" and cells[4] == f"{frame['embed_delta'].mean():+.3g}"
+        assert cells[3] == f"{frame['embed_uniform'].mean():.3g}" and cells[7] == f"{frame['recent_delta'].mean():+.3g}"
+        if name == "prenorm":  # uniform weights: no rank correlation, and each weight is its uniform share
+            assert cells[8].startswith("—") and cells[2] == cells[3] and cells[5] == cells[6]
     text = section.get_text(" ", strip=True)
-    assert "nats per token" in text and "2606.13168" in text and "uniform share 1/k" in text
+    assert "nats per token" in text and "2606.13168" in text and "share under the uniform reference" in text
+    assert f"the first {weight_effects['full'].attrs['n_tokens']} tokens" in text
     chart = _plot_specs(soup)[section.select_one("div.plot")["id"]]
     assert {t["name"] for t in chart["data"]} == {f"{n} · {s}" for n in weight_effects for s in ("embedding", "most recent source")}
 
