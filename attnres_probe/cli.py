@@ -127,4 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m attnres_probe.cli` (the form torchrun takes) runs this file as __main__, whose UserError
+    # is another class than the commands' attnres_probe.cli.UserError: run the package's main instead,
+    # so every user error is one line here too
+    from attnres_probe.cli import main as package_main
+
+    sys.exit(package_main())

@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from attnres_probe.validate import arg_range
+
 # Short enough (under 128 bytes) for the demo models' context; with another model the default
 # is cut to its context, while a text the user gives is never cut without --truncate.
 DEFAULT_TEXT = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
@@ -40,15 +42,26 @@ def _load(args: argparse.Namespace):
     return Probe(model, tokenizer=tokenizer, name=name)
 
 
-def _text(args: argparse.Namespace) -> str:
+TRUNCATE_READ = 1 << 20  # bytes of --file read with --truncate: far more than any context holds (64 bytes a token)
+
+
+def _text(args: argparse.Namespace, n_ctx: int | None = None) -> str:
     if getattr(args, "file", None):
         path = Path(args.file)
         if not path.is_file():
             raise FileNotFoundError(f"--file {path} does not exist or is not a file")
+        # with --truncate only the start is kept: read no more of the file than the context can hold
+        limit = max(TRUNCATE_READ, 64 * n_ctx) if (getattr(args, "truncate", False) and n_ctx) else None
+        with path.open("rb") as f:
+            raw = f.read() if limit is None else f.read(limit)
+        cut = limit is not None and len(raw) == limit
         try:
-            return path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise ValueError(f"--file {path} is not UTF-8 text") from None
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            if cut and exc.start >= len(raw) - 3:  # the read stopped inside a character
+                return raw[: exc.start].decode("utf-8")
+            raise ValueError(f"--file {path} is not UTF-8 text: {exc.reason} at byte {exc.start}; convert it first, e.g. "
+                             f"`iconv -f latin1 -t utf-8 {path} > converted.txt`") from None
     from attnres_probe.cli import unescape_text
 
     return unescape_text(args.text) if args.text is not None else DEFAULT_TEXT
@@ -83,7 +96,7 @@ def _run_record(args: argparse.Namespace) -> int:
 
     check_save_target(args.out, overwrite=args.force)  # before the model runs: fail fast
     probe = _load(args)
-    trace = probe.run(_text(args), backward=not args.no_backward, truncate=_truncate(args))
+    trace = probe.run(_text(args, probe.spec.n_ctx), backward=not args.no_backward, truncate=_truncate(args))
     out = trace.save(args.out, overwrite=args.force)
     print(repr(trace))
     print(f"saved to {out}")
@@ -92,7 +105,7 @@ def _run_record(args: argparse.Namespace) -> int:
 
 def _run_summary(args: argparse.Namespace) -> int:
     probe = _load(args)
-    trace = probe.run(_text(args), backward=not args.no_backward, truncate=_truncate(args))
+    trace = probe.run(_text(args, probe.spec.n_ctx), backward=not args.no_backward, truncate=_truncate(args))
     print(repr(trace))
     with pd.option_context("display.width", 120, "display.float_format", "{:.4g}".format):
         print(layer_summary(trace).to_string())
@@ -150,7 +163,7 @@ def add_summary_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
 def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("demo", help="open the dashboard on the bundled demo models")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=8050, help="port to serve on (default: %(default)s)")
+    p.add_argument("--port", type=arg_range("int", 0, 65535), default=8050, help="port to serve on (default: %(default)s)")
     p.add_argument("--open", action="store_true", help="also open the page in a browser")
     p.add_argument("--summary", action="store_true", help="print per-layer summaries and metrics instead")
     p.set_defaults(func=_run_demo)

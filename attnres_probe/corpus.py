@@ -38,6 +38,7 @@ from typing import Any
 
 from attnres_probe._version import __version__
 from attnres_probe.io import atomic_write, clear_leftovers, exclusive_lock, set_aside
+from attnres_probe.validate import MAX_RESAMPLES, arg_range
 
 __all__ = [
     "CORPUS_FILE",
@@ -224,15 +225,35 @@ def _read_manifest(out: Path) -> dict[str, Any] | None:
     path = out / CORPUS_FILE
     if not path.is_file():
         return None
-    try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CorpusRunError(f"{path} is not valid JSON ({exc}); it is not a corpus run") from None
+    from attnres_probe.io import read_json
+
+    doc = read_json(path, CorpusRunError, max_bytes=16 * 2**20)
     if not isinstance(doc, dict) or not isinstance(doc.get("schema_version"), int):
         raise CorpusRunError(f"{path} has no integer schema_version; it is not a corpus run")
     if doc["schema_version"] > CORPUS_SCHEMA_VERSION:
         raise CorpusRunError(f"{path} is a schema-version {doc['schema_version']} corpus run; upgrade attnres-probe")
+    _check_manifest(doc, out, str(path))
     return doc
+
+
+def _check_manifest(doc: dict[str, Any], out: Path, where: str) -> None:
+    """The manifest's models: a list of {name, dir, complete, source}, names unique, each dir inside ``out``."""
+    from attnres_probe.validate import field, inside
+
+    field(doc, "complete", "bool", where, CorpusRunError, required=False)
+    models = field(doc, "models", "list", where, CorpusRunError, lo=1, hi=64)
+    seen = set()
+    for i, m in enumerate(models):
+        at = f"{where} models[{i}]"
+        name = field(m, "name", "str", at, CorpusRunError, lo=1, hi=256)
+        field(m, "dir", "str", at, CorpusRunError, lo=1, hi=1024)
+        field(m, "complete", "bool", at, CorpusRunError, required=False)
+        field(m, "source", "str", at, CorpusRunError, lo=1)
+        if name in seen:
+            raise CorpusRunError(f"{at}: the name {name!r} is given twice; each model of a run has its own name")
+        seen.add(name)
+        inside(out, m["dir"], f"{at} 'dir'", CorpusRunError)
+    field(doc, "data", "dict", where, CorpusRunError)
 
 
 def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
@@ -499,12 +520,25 @@ def load_stats_dir(directory: str | Path, allow_incomplete: bool = False) -> tup
             f"--stats {directory}: the corpus run is unfinished ({done}); run the same `attnres-probe corpus` command "
             "again to complete it (it resumes)"
         )
+    from attnres_probe.stats import StatsError
+
     stats = {}
     for m in manifest["models"]:
-        if (directory / m["dir"] / "stats.json").is_file():
-            s = CorpusStats.load(directory / m["dir"])
-            s.meta["name"] = m["name"]
-            stats[m["name"]] = s
+        folder = directory / m["dir"]
+        if not (folder / "stats.json").is_file():
+            if m.get("complete") or manifest.get("complete"):
+                raise CorpusRunError(f"--stats {directory}: {CORPUS_FILE} says {m['name']!r} is complete, but {folder} holds "
+                                     "no stats: the run folder is damaged (record the corpus again)")
+            continue
+        try:
+            s = CorpusStats.load(folder)
+        except StatsError as exc:
+            raise CorpusRunError(f"--stats {directory}: the stats of {m['name']!r} cannot be used: {exc}") from None
+        if (m.get("complete") or manifest.get("complete")) and s.meta.get("progress"):
+            raise CorpusRunError(f"--stats {directory}: {CORPUS_FILE} says {m['name']!r} is complete, but its stats are a "
+                                 "save from the middle of the run: the run folder is damaged (run the corpus command again)")
+        s.meta["name"] = m["name"]
+        stats[m["name"]] = s
     return manifest, stats
 
 
@@ -546,11 +580,11 @@ def add_corpus_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--data", required=True, metavar="FILE|DIR", help="a UTF-8 text file, or a folder of them (one document per file)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the run (new, empty, or an unfinished run to resume)")
     p.add_argument("--names", nargs="+", metavar="NAME", help="one label per model (default: folder names)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass without gradients (default: %(default)s)")
+    p.add_argument("--batch-size", type=arg_range("int", 1, 4096), default=8, help="windows per forward pass without gradients (default: %(default)s)")
     p.add_argument("--no-backward", action="store_true", help="skip the backward passes (no gradient metrics)")
-    p.add_argument("--save-every", type=float, default=30.0, metavar="SECONDS", help="save progress this often (default: %(default)s)")
-    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples of comparison.csv (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
+    p.add_argument("--save-every", type=arg_range("float", 0.1, 1e6), default=30.0, metavar="SECONDS", help="save progress this often (default: %(default)s)")
+    p.add_argument("--resamples", type=arg_range("int", 1, MAX_RESAMPLES), default=1000, help="bootstrap resamples of comparison.csv (default: %(default)s)")
+    p.add_argument("--seed", type=arg_range("int", 0, 2**32 - 1), default=0, help="bootstrap seed (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out (running the same command again does too; this flag also refuses to start a new one)")

@@ -38,6 +38,7 @@ from attnres_probe.io import atomic_write
 from attnres_probe.kernels import BACKENDS
 from attnres_probe.model import AttnResTransformer
 from attnres_probe.tokenizer import ByteTokenizer
+from attnres_probe.validate import arg_range
 
 __all__ = ["DEMO_MODEL", "DEMO_NAMES", "DEMO_TRAIN", "build_demo_models", "demo_dir", "demo_validation_batches", "demo_validation_documents", "load_demo"]
 
@@ -235,7 +236,7 @@ def add_demo_models_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     )
     p.add_argument("--out", default="attnres_probe/demo_models", help="destination folder (default: %(default)s)")
     p.add_argument("--only", nargs="+", choices=DEMO_NAMES, default=list(DEMO_NAMES), help="build only these")
-    p.add_argument("--threads", type=int, default=DEMO_THREADS, help="torch CPU threads (default: %(default)s)")
+    p.add_argument("--threads", type=arg_range("int", 1, 256), default=DEMO_THREADS, help="torch CPU threads (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="another step count (the study's 2000, or a smoke run)")
     p.add_argument("--seed", type=int, default=0, help="model and run seed (default: %(default)s, the shipped models)")
     p.add_argument("--work", default=".demo-work", metavar="DIR",

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -71,6 +72,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
         write: writes the whole content to the path it is given.
     """
     path = Path(path)
+    refuse_special(path)
     remove_stale_temps(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=TMP_SUFFIX, dir=path.parent)
     os.close(fd)
@@ -84,6 +86,30 @@ def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def special_kind(path: str | Path) -> str | None:
+    """What ``path`` is when it exists and is neither a regular file nor a symlink (which a rename
+    replaces without touching its target): "folder", "character device", "block device", "FIFO",
+    "socket"; None otherwise."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    for test, name in ((stat.S_ISDIR, "folder"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return None
+
+
+def refuse_special(path: str | Path) -> None:
+    """Refuse to replace anything at ``path`` but a regular file (or a symlink, itself): never a device,
+    FIFO, socket or folder, even when the caller was told to overwrite (``--force``)."""
+    kind = special_kind(path)
+    if kind is not None:
+        raise FileExistsError(errno.EEXIST, f"{path} is a {kind}, not a regular file; it is never replaced "
+                                            "(choose a file path)", str(path))
 
 
 def remove_stale_temps(path: str | Path) -> list[Path]:

@@ -34,6 +34,7 @@ training loss and are accepted.
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,13 @@ from typing import Any
 import torch
 
 from attnres_probe.config import ConfigError, ModelConfig
+from attnres_probe.validate import check_bytes, field, inside
 
 __all__ = ["PretrainedError", "PretrainedTokenizer", "is_fla_folder", "load_model_folder", "load_pretrained", "not_a_model_folder"]
 
 CONFIG_LIMIT = 1 << 20  # bytes: a config.json larger than this is not a model config
+# the largest sizes a config may give (beyond every public fla model; bounds what is built from the config alone)
+MAX_WIDTH, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB = 1 << 16, 1024, 1 << 20, 1 << 22
 # keys of fla's TransformerConfig that this loader reads
 _READ = {
     "model_type", "hidden_size", "num_hidden_layers", "num_heads", "num_kv_heads", "qkv_bias", "qk_norm",
@@ -79,18 +83,26 @@ def is_fla_folder(directory: str | Path) -> bool:
 
 
 def _read_config(directory: Path) -> dict[str, Any]:
+    from attnres_probe.io import read_json
+
     path = directory / "config.json"
     if not path.is_file():
         raise PretrainedError(f"{directory} has no config.json; an fla checkpoint folder holds config.json, weights and tokenizer files")
-    if path.stat().st_size > CONFIG_LIMIT:
-        raise PretrainedError(f"{path} is {path.stat().st_size} bytes; a model config is at most {CONFIG_LIMIT}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise PretrainedError(f"{path} is not valid JSON: {exc}") from None
+    data = read_json(path, PretrainedError, max_bytes=CONFIG_LIMIT)
     if not isinstance(data, dict):
         raise PretrainedError(f"{path} must hold a JSON object; got {type(data).__name__}")
+    _refuse_code(data, path)
     return data
+
+
+def _refuse_code(data: Any, path: Path) -> None:
+    """A config asking for code shipped in the folder (``auto_map``) is refused: a folder's code never runs."""
+    if isinstance(data, dict) and data.get("auto_map"):
+        raise PretrainedError(
+            f"{path} names custom code to run ('auto_map': {json.dumps(data['auto_map'])[:80]}); attnres-probe never "
+            "runs code from a model folder (transformers' trust_remote_code stays False): remove 'auto_map' if the "
+            "model is a standard fla 'transformer'"
+        )
 
 
 def _mlp_width(d: int, hidden_ratio: Any, intermediate_size: Any) -> int:
@@ -129,9 +141,25 @@ def config_from_fla(data: dict[str, Any], where: str = "config.json") -> ModelCo
     unknown = sorted(set(data) - _READ - _HARMLESS)
     if unknown:
         warnings.warn(f"{where}: keys {unknown} are not read (they do not change what load_pretrained builds)", stacklevel=3)
+    where_ = where
+    get = lambda key, kind, default, lo=None, hi=None: field(  # noqa: E731
+        data if data.get(key) is not None else {}, key, kind, where_, PretrainedError, lo=lo, hi=hi, required=False,
+        default=default)
+    d = get("hidden_size", "int", 2048, 1, MAX_WIDTH)
+    heads = get("num_heads", "int", 32, 1, 1024)
+    n_layers = get("num_hidden_layers", "int", 24, 1, MAX_LAYERS)
+    kv_heads = get("num_kv_heads", "int", heads, 1, heads)
+    n_ctx = get("max_position_embeddings", "int", 2048, 1, MAX_POSITIONS)
+    vocab = get("vocab_size", "int", 32000, 1, MAX_VOCAB)
+    inter = get("intermediate_size", "int", None, 1, 64 * MAX_WIDTH)
+    ratio = get("hidden_ratio", "number", None, 1e-3, 64)
+    norm_eps = get("norm_eps", "number", 1e-6, 0, 1)
+    theta = get("rope_theta", "number", 10000.0, 1e-6, 1e12)
+    if d % heads:
+        raise PretrainedError(f"{where}: 'hidden_size' {d} is not a multiple of 'num_heads' {heads}")
+    # the rotary table is sized by the config alone (not stored in the file): bound it before building it
+    check_bytes(2 * 4 * n_ctx * (d // heads), f"the rotary table for 'max_position_embeddings' {n_ctx}", where, PretrainedError)
     try:
-        d, heads = int(data.get("hidden_size", 2048)), int(data.get("num_heads", 32))
-        n_layers = int(data.get("num_hidden_layers", 24))
         if block is None:
             residual, block_kw = "prenorm", {}
         elif block == 1:
@@ -142,15 +170,15 @@ def config_from_fla(data: dict[str, Any], where: str = "config.json") -> ModelCo
             d_model=d,
             n_layers=n_layers,
             n_heads=heads,
-            n_kv_heads=data.get("num_kv_heads") or heads,
-            d_head=d // heads if heads and d % heads == 0 else None,
-            d_mlp=_mlp_width(d, data.get("hidden_ratio"), data.get("intermediate_size")),
-            n_ctx=int(data.get("max_position_embeddings", 2048)),
-            d_vocab=int(data.get("vocab_size", 32000)),
+            n_kv_heads=kv_heads,
+            d_head=d // heads,
+            d_mlp=_mlp_width(d, ratio, inter),
+            n_ctx=n_ctx,
+            d_vocab=vocab,
             residual=residual,
-            norm_eps=float(data.get("norm_eps", 1e-6)),
+            norm_eps=float(norm_eps),
             positional="rope",
-            rope_theta=float(data["rope_theta"] if data.get("rope_theta") is not None else 10000.0),
+            rope_theta=float(theta),
             mlp="swiglu",
             qk_norm=bool(data.get("qk_norm", False)),
             qk_norm_eps=QK_NORM_EPS,
@@ -163,21 +191,27 @@ def config_from_fla(data: dict[str, Any], where: str = "config.json") -> ModelCo
         raise PretrainedError(f"{where}: {exc}") from None
 
 
-def _weight_files(directory: Path) -> list[Path]:
+def _weight_files(directory: Path) -> tuple[list[Path], dict[str, Path] | None]:
+    """The weight files, and for a sharded checkpoint the index's key -> file map (each file inside
+    the folder: no absolute path, no ``..``, no link leading out)."""
+    from attnres_probe.io import read_json
+
     single = directory / "model.safetensors"
     if single.is_file():
-        return [single]
+        return [single], None
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            files = sorted({directory / str(f) for f in weight_map.values()})
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise PretrainedError(f"{index} is not a safetensors index: {exc}") from None
+        doc = read_json(index, PretrainedError, max_bytes=CONFIG_LIMIT)
+        weight_map = field(doc, "weight_map", "dict", str(index), PretrainedError, lo=1)
+        where = f"{index} 'weight_map'"
+        mapping = {}
+        for key, name in weight_map.items():
+            mapping[key] = inside(directory, name, where, PretrainedError)
+        files = sorted(set(mapping.values()))
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise PretrainedError(f"{index} names weight files that are missing: {missing}")
-        return files
+        return files, mapping
     if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
         raise PretrainedError(f"{directory} holds pickled weights (.bin/.pt), which are never loaded; save the model with safetensors")
     raise PretrainedError(f"{directory} has no model.safetensors (or model.safetensors.index.json)")
@@ -209,8 +243,13 @@ def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _read_weights(files: list[Path], expected: dict[str, tuple[int, ...]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Check every file's header against ``expected`` (names and shapes) before reading a tensor."""
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # weights are floats: an integer or bool tensor is not a weight
+
+
+def _read_weights(files: list[Path], expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                  mapping: dict[str, Path] | None = None) -> dict[str, torch.Tensor]:
+    """Check every file's header against ``expected`` (names, shapes, float dtypes; for a sharded
+    checkpoint, each tensor in exactly the file the index maps it to) before reading a tensor."""
     from safetensors import SafetensorError, safe_open
 
     found: dict[str, tuple[Path, tuple[int, ...]]] = {}
@@ -218,9 +257,23 @@ def _read_weights(files: list[Path], expected: dict[str, tuple[int, ...]], dtype
         for f in files:
             with safe_open(str(f), framework="pt") as handle:
                 for name in handle.keys():
-                    found[name] = (f, tuple(handle.get_slice(name).get_shape()))
+                    sl = handle.get_slice(name)
+                    if name in found:
+                        raise PretrainedError(f"tensor {name!r} is stored twice, in {found[name][0].name} and {f.name}")
+                    if mapping is not None and mapping.get(name) != f:
+                        raise PretrainedError(
+                            f"tensor {name!r} is in {f.name}, but the shard index maps it to "
+                            f"{mapping[name].name if name in mapping else 'no file'}: the index and the shards disagree")
+                    if str(sl.get_dtype()) not in FLOAT_DTYPES:
+                        raise PretrainedError(f"tensor {name!r} in {f.name} is {sl.get_dtype()}; weights are floating point "
+                                              f"({', '.join(FLOAT_DTYPES)})")
+                    found[name] = (f, tuple(sl.get_shape()))
     except (SafetensorError, OSError) as exc:
         raise PretrainedError(f"cannot read the safetensors header of {f}: {exc}") from None
+    if mapping is not None:
+        absent = sorted(k for k in mapping if k not in found)
+        if absent:
+            raise PretrainedError(f"the shard index maps {len(absent)} tensor(s) that no shard holds, e.g. {absent[:3]}")
     missing = [n for n in expected if n not in found]
     if missing:
         raise PretrainedError(f"the weights lack {len(missing)} tensor(s) the config implies, e.g. {missing[:3]} (config/weights mismatch)")
@@ -296,10 +349,18 @@ def _tokenizer(directory: Path) -> PretrainedTokenizer:
         raise PretrainedError(f"reading the tokenizer needs transformers ({exc}); pip install 'attnres-probe[fla]'") from None
     from transformers.utils import logging as hf_logging
 
+    for name in ("tokenizer_config.json", "config.json"):  # a folder asking for its own code is refused before transformers reads it
+        path = directory / name
+        if path.is_file():
+            from attnres_probe.io import read_json
+
+            _refuse_code(read_json(path, PretrainedError, max_bytes=CONFIG_LIMIT), path)
+
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its "model of type `transformer`" notice is about its own model registry, not this load
     try:
-        return PretrainedTokenizer(AutoTokenizer.from_pretrained(str(directory), local_files_only=True))
+        return PretrainedTokenizer(AutoTokenizer.from_pretrained(str(directory), local_files_only=True,
+                                                                 trust_remote_code=False))
     except Exception as exc:  # transformers raises many types for unreadable files
         raise PretrainedError(f"cannot read the tokenizer in {directory}: {type(exc).__name__}: {exc}") from None
     finally:
@@ -337,7 +398,16 @@ def load_pretrained(
     if not directory.is_dir():
         raise PretrainedError(f"{directory} is not a folder")
     cfg = config_from_fla(_read_config(directory), where=str(directory / "config.json"))
-    weights = _read_weights(_weight_files(directory), _expected(cfg), dtype)  # headers checked first
+    files, mapping = _weight_files(directory)
+    expected = _expected(cfg)
+    n_params = sum(math.prod(s) for s in expected.values())
+    stored = sum(f.stat().st_size for f in files)
+    if 2 * n_params > stored:  # every tensor is stored, in at least 2 bytes per value
+        raise PretrainedError(f"{directory / 'config.json'} implies {n_params:,} parameters ({2 * n_params:,} bytes at "
+                              f"least), but the weight files hold {stored:,} bytes: config/weights mismatch")
+    check_bytes(n_params * torch.finfo(dtype).bits // 8 * 2, f"the model ({n_params:,} parameters, loaded and copied)",
+                str(directory), PretrainedError)
+    weights = _read_weights(files, expected, dtype, mapping)  # headers checked first
     tok = _tokenizer(directory) if tokenizer else None
     model = AttnResTransformer(cfg, backend=backend)
     model.load_state_dict(_state_dict(cfg, weights), strict=True)

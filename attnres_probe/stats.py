@@ -43,7 +43,9 @@ from attnres_probe.analysis.windows import (
     window_metric_arrays,
     window_profiles,
 )
-from attnres_probe.io import clear_leftovers, exclusive_lock, fault_point, set_aside, sha256_file, write_directory
+from attnres_probe.io import clear_leftovers, exclusive_lock, fault_point, read_json, set_aside, sha256_file, write_directory
+from attnres_probe.validate import check_bytes, npz_inflated_bytes
+from attnres_probe.validate import field as check_field
 from attnres_probe.trace import DepthTrace
 
 __all__ = ["CorpusStats", "RunningStats", "StatsError", "STATS_SCHEMA_VERSION"]
@@ -541,10 +543,7 @@ class CorpusStats:
         path = directory / STATS_FILE
         if not path.is_file():
             raise StatsError(f"{path} is missing: {directory} is not a saved CorpusStats folder")
-        try:
-            doc = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise StatsError(f"{path} is not valid JSON ({exc})") from None
+        doc = read_json(path, StatsError, max_bytes=MAX_STATS_JSON)
         version = doc.get("schema_version") if isinstance(doc, dict) else None
         if not isinstance(version, int):
             raise StatsError(f"{path} has no integer schema_version")
@@ -564,13 +563,110 @@ class CorpusStats:
                 raise StatsError(f"{directory / name} is missing")
             if doc.get("files", {}).get(name) != sha256_file(directory / name):
                 raise StatsError(f"{directory / name} does not match the checksum in {STATS_FILE}: the stats are corrupt")
+        _check_doc(doc, str(path))
+        try:  # sizes first: the arrays once inflated, the table's rows against the document
+            check_bytes(npz_inflated_bytes(directory / ARRAYS_FILE), "the arrays once inflated", str(directory / ARRAYS_FILE),
+                        StatsError)
+            import pyarrow.parquet as pq
+
+            rows = pq.ParquetFile(directory / WINDOWS_FILE).metadata.num_rows
+        except StatsError:
+            raise
+        except Exception as exc:  # zipfile / pyarrow raise several types for damaged files
+            raise StatsError(f"{directory}: the stats files cannot be read ({exc})") from None
+        if rows != doc["n_windows"]:
+            raise StatsError(f"{directory / WINDOWS_FILE} holds {rows} rows, but {STATS_FILE} says {doc['n_windows']} "
+                             "windows: the stats are corrupt")
         try:
             with np.load(directory / ARRAYS_FILE, allow_pickle=False) as npz:
                 arrays = {k: npz[k] for k in npz.files}
             table = pd.read_parquet(directory / WINDOWS_FILE)
         except Exception as exc:  # numpy / pyarrow raise several types for damaged files
             raise StatsError(f"{directory}: the stats files cannot be read ({exc})") from None
-        return cls.from_state(doc, arrays, table)
+        _check_arrays(arrays, doc["meta"], str(directory / ARRAYS_FILE))
+        try:
+            return cls.from_state(doc, arrays, table)
+        except StatsError:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError) as exc:  # a table of the wrong types, ...
+            raise StatsError(f"{directory}: the stats cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+MAX_STATS_JSON = 64 * 2**20
+MAX_LABELS = 4097  # reads of the deepest model a config may describe (2 x 2048 sublayers + 1)
+_STATS = ("count", "mean", "m2")
+
+
+def _check_doc(doc: Any, where: str) -> None:
+    """The document of a stats folder, before anything is allocated from it (one-line StatsError)."""
+    meta = check_field(doc, "meta", "dict", where, StatsError)
+    for key in ("n_tokens", "n_sequences", "n_batches", "n_skipped", "n_windows"):
+        check_field(doc, key, "int", where, StatsError, lo=0, required=key == "n_windows", default=0)
+    doc["n_windows"] = int(doc["n_windows"])
+    where = f"{where} 'meta'"
+    check_field(meta, "residual", "str", where, StatsError, lo=1, hi=64)
+    for key in ("read_labels", "source_labels"):
+        labels = check_field(meta, key, "list", where, StatsError, lo=1, hi=MAX_LABELS)
+        if not all(isinstance(x, str) for x in labels):
+            raise StatsError(f"{where}: {key!r} must be a list of strings")
+    if len(meta["source_labels"]) > len(meta["read_labels"]):
+        raise StatsError(f"{where}: {len(meta['source_labels'])} source labels for {len(meta['read_labels'])} reads; a read "
+                         "sees at most one source per read before it")
+    starts = check_field(meta, "block_starts", "list", where, StatsError, required=False, default=None, hi=MAX_LABELS)
+    if starts is not None and not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < len(meta["read_labels"])
+                                      for x in starts):
+        raise StatsError(f"{where}: 'block_starts' must be a list of sublayer indices 0..{len(meta['read_labels']) - 2}")
+    if "name" in meta:
+        check_field(meta, "name", "str", where, StatsError, lo=1, hi=256)
+    R = len(meta["read_labels"])
+    if R % 2 != 1 or R < 3:
+        raise StatsError(f"{where}: {R} read labels; a model of n layers has 2n + 1 reads")
+    cfg = meta.get("config")
+    if cfg is not None:
+        n = check_field(cfg, "n_layers", "int", f"{where} 'config'", StatsError, lo=1, hi=MAX_LABELS // 2, required=False,
+                        default=(R - 1) // 2)
+        if n != (R - 1) // 2:
+            raise StatsError(f"{where}: 'config' says {n} layers, the read labels {(R - 1) // 2}")
+    from attnres_probe.axis import SourceAxis
+
+    try:
+        axis = SourceAxis.from_meta(meta)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise StatsError(f"{where}: the model's source axis is inconsistent ({exc})") from None
+    if axis.n_sources != len(meta["source_labels"]) or axis.n_reads != R:
+        raise StatsError(f"{where}: {len(meta['source_labels'])} source labels and {R} read labels; a {meta['residual']} "
+                         f"model of {axis.n_layers} layers has {axis.n_sources} sources and {axis.n_reads} reads")
+
+
+def _check_arrays(arrays: dict[str, np.ndarray], meta: dict[str, Any], where: str) -> None:
+    """Every aggregate complete (count, mean, m2), of one shape, finite where counted, counts >= 0."""
+    groups: dict[str, set[str]] = {}
+    for key in arrays:
+        prefix, _, rest = key.partition(".")
+        name, _, stat = rest.rpartition(".")
+        if prefix not in ("token", "window") or not name or stat not in _STATS:
+            raise StatsError(f"{where}: array {key!r} is not an aggregate (token.<name>.count/mean/m2 or window.<name>...)")
+        groups.setdefault(f"{prefix}.{name}", set()).add(stat)
+    for name, stats in groups.items():
+        if stats != set(_STATS):
+            raise StatsError(f"{where}: aggregate {name!r} lacks {sorted(set(_STATS) - stats)}")
+        count, mean, m2 = (arrays[f"{name}.{s}"] for s in _STATS)
+        if not (count.shape == mean.shape == m2.shape):
+            raise StatsError(f"{where}: aggregate {name!r} has count, mean and m2 of different shapes")
+        if count.dtype.kind not in "iu" or mean.dtype.kind != "f" or m2.dtype.kind != "f":
+            raise StatsError(f"{where}: aggregate {name!r} must hold integer counts and float means")
+        if (count < 0).any() or (m2 < -1e-6 * np.abs(m2).max(initial=1.0)).any():
+            raise StatsError(f"{where}: aggregate {name!r} holds negative counts or variances")
+    R, S = len(meta["read_labels"]), len(meta["source_labels"])
+    shapes = {"depth_weights": (R, S), "logits": (R, S), "contrib": (R, S), "rms_in": (R,), "grad_in": (R,), "rms_out": (R,),
+              "grad_out": (R,), "rms_mix": (R,), "mixer_grad": (R,), "loss": (), "param_grad": (R - 1,)}
+    for name in groups:
+        stat = name.split(".", 1)[1]
+        if stat not in shapes:
+            raise StatsError(f"{where}: aggregate {name!r} is not one a corpus run records ({', '.join(shapes)})")
+        if arrays[f"{name}.mean"].shape != shapes[stat]:
+            raise StatsError(f"{where}: aggregate {name!r} has shape {list(arrays[name + '.mean'].shape)}; a model of "
+                             f"{R} reads x {S} sources gives {list(shapes[stat])}")
 
 
 def _copy(s: RunningStats) -> RunningStats:

@@ -48,6 +48,7 @@ from attnres_probe.demo import DEMO_NAMES, demo_log, demo_validation_batches, de
 from attnres_probe.io import atomic_write
 from attnres_probe.probe import Probe
 from attnres_probe.trace import DepthTrace
+from attnres_probe.validate import MAX_RESAMPLES, arg_range
 
 __all__ = [
     "FINDINGS",
@@ -564,8 +565,8 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "texts only; needs --out")
     p.add_argument("--out", default=None, help="output folder (default with the runs: docs/study/v3)")
     p.add_argument("--windows", type=int, default=N_WINDOWS, help="validation windows per model (default: %(default)s, all)")
-    p.add_argument("--resamples", type=int, default=N_RESAMPLES, help="bootstrap resamples (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=SEED, help="bootstrap seed (default: %(default)s)")
+    p.add_argument("--resamples", type=arg_range("int", 1, MAX_RESAMPLES), default=N_RESAMPLES, help="bootstrap resamples (default: %(default)s)")
+    p.add_argument("--seed", type=arg_range("int", 0, 2**32 - 1), default=SEED, help="bootstrap seed (default: %(default)s)")
     p.add_argument("--images", choices=("auto", "png", "html"), default="auto",
                    help="figure format of the demo-model study: png (needs kaleido and Chromium), html, or auto (png "
                         "when it can be written)")

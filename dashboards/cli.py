@@ -21,6 +21,7 @@ from typing import Any
 
 from attnres_probe.cli import unescape_text
 from attnres_probe.dashboards.app import allowed_hosts_for, create_app, demo_entries, is_loopback
+from attnres_probe.validate import arg_range
 
 __all__ = ["add_dash_parser", "load_entries", "load_with_stats", "run_demo", "serve"]
 
@@ -177,7 +178,7 @@ def add_dash_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
         "Binds to 127.0.0.1 by default; with no --models/--traces it loads the bundled demo models.",
     )
     p.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s, this machine only)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
+    p.add_argument("--port", type=arg_range("int", 0, 65535), default=DEFAULT_PORT, help="port (default: %(default)s)")
     p.add_argument("--models", nargs="+", metavar="DIR", help="model folders, ours or flash-linear-attention checkpoints (default: the bundled demo models)")
     p.add_argument("--traces", nargs="+", metavar="DIR", help="saved DepthTrace folders (alone: traces-only mode)")
     p.add_argument("--stats", metavar="DIR",
@@ -186,9 +187,9 @@ def add_dash_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--names", nargs="+", metavar="NAME",
                    help="panel names, one per folder: --models first, then --traces (default: folder or trace names)")
     p.add_argument("--text", help="initial prompt (default: a short sentence); \\n and \\t stand for a newline and a tab")
-    p.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="waitress worker threads (default: %(default)s)")
-    p.add_argument("--cache-size", type=int, default=16, help="recorded prompts kept on the server (default: %(default)s)")
-    p.add_argument("--torch-threads", type=int, default=DEFAULT_TORCH_THREADS,
+    p.add_argument("--threads", type=arg_range("int", 1, 256), default=DEFAULT_THREADS, help="waitress worker threads (default: %(default)s)")
+    p.add_argument("--cache-size", type=arg_range("int", 1, 1024), default=16, help="recorded prompts kept on the server (default: %(default)s)")
+    p.add_argument("--torch-threads", type=arg_range("int", 1, 256), default=DEFAULT_TORCH_THREADS,
                    help="torch intra-op threads (default: %(default)s; more only helps large models on an idle CPU)")
     p.add_argument("--open", action="store_true", help="open a browser tab")
     p.set_defaults(func=_run_dash)

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from attnres_probe.validate import MAX_RESAMPLES, arg_range
+
 __all__ = ["add_report_parser"]
 
 ABLATE_CHOICES = ("all", "embed", "completed", "partial", "recent")
@@ -45,8 +47,8 @@ def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     src.add_argument("--stats", metavar="DIR",
                      help="a corpus run (attnres-probe corpus --out DIR): comparisons with intervals and verdicts, "
                           "mean heatmaps with spread, profiles with bands")
-    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples with --stats (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="bootstrap seed with --stats (default: %(default)s)")
+    p.add_argument("--resamples", type=arg_range("int", 1, MAX_RESAMPLES), default=1000, help="bootstrap resamples with --stats (default: %(default)s)")
+    p.add_argument("--seed", type=arg_range("int", 0, 2**32 - 1), default=0, help="bootstrap seed with --stats (default: %(default)s)")
     text = p.add_mutually_exclusive_group()
     text.add_argument("--text", help="the text to record (with --models / --demo; --demo defaults to a 256-token sample); \\n and \\t stand for a newline and a tab")
     text.add_argument("--text-file", "--file", dest="text_file", metavar="FILE",
@@ -64,7 +66,7 @@ def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--weight-effect", action="store_true",
                    help="also remove each source from each deep read of every model (PreNorm too) and show the loss "
                         "change beside the routing weight (one forward pass per source and read)")
-    p.add_argument("--explorer-tokens", type=int, default=1024, metavar="N", help="tokens in the per-token explorer (default: %(default)s)")
+    p.add_argument("--explorer-tokens", type=arg_range("int", 1, 10**6), default=1024, metavar="N", help="tokens in the per-token explorer (default: %(default)s)")
     p.set_defaults(func=run_report)
     return p
 
@@ -101,8 +103,14 @@ def _text(args: argparse.Namespace) -> str | None:
 
 def _check_out(out: Path, force: bool) -> None:
     """Refuse an --out that exists (without --force) or whose folder is missing, before any recording."""
-    if out.is_dir():
+    from attnres_probe.io import special_kind
+
+    kind = special_kind(out)
+    if kind == "folder":
         raise _user_error(f"--out {out} is a folder; pass a file path such as {out / 'report.html'}")
+    if kind is not None:
+        raise _user_error(f"--out {out} is a {kind}, not a regular file; --force replaces only a regular file "
+                          "(choose a file path)")
     if out.exists() and not force:
         raise _user_error(
             f"--out {out} already exists; pass --force to replace it, or choose another --out (nothing was written)"
