@@ -66,6 +66,37 @@ def build_parser(command: str | None = None, *, every: bool = True) -> argparse.
     return parser
 
 
+# what people type for our flags (checked against the command's own flags before any spelling match)
+SYNONYMS = {
+    "--input": ("--file", "--text-file", "--data"), "--in": ("--file", "--text-file", "--data"),
+    "--txt": ("--text",), "--prompt": ("--text",), "--output": ("--out",), "-o": ("--out",),
+    "--model-dir": ("--model", "--models"), "--checkpoint": ("--model", "--models"), "--overwrite": ("--force",),
+    "--n-resamples": ("--resamples",), "--bootstrap": ("--resamples",),
+}
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None, extras: list[str]) -> None:
+    """Unrecognised arguments: the command's own usage and the closest flags it has (exits 2)."""
+    import difflib
+
+    sub = parser
+    if command:
+        action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        sub = action.choices.get(command, parser) if action is not None else parser
+    flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for arg in extras:
+        if arg.startswith("-"):
+            flag = arg.split("=", 1)[0]
+            near = [f for f in SYNONYMS.get(flag, ()) if f in flags] or difflib.get_close_matches(flag, flags, n=2, cutoff=0.6)
+            if near:
+                hints.append(f"{arg}: did you mean {' or '.join(near)}?")
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    if hints:
+        message += " (" + "; ".join(hints) + ")"
+    sub.error(message + f"; see `attnres-probe {command} --help`" if command else message)
+
+
 def _command_of(argv: Sequence[str]) -> str | None:
     """The first word of ``argv`` that is not an option: the subcommand, if the line names one."""
     return next((a for a in argv if not a.startswith("-")), None)
@@ -102,7 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command_of(argv)
     parser = build_parser(command, every=False)
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _refuse_unknown(parser, getattr(args, "command", None), extras)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

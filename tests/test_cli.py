@@ -220,3 +220,17 @@ def test_readme_notebook_quick_start_runs_as_written(tmp_path, monkeypatch):
     exec(compile(code, "README.md quick-start", "exec"), namespace)
     assert (tmp_path / "traces" / "block").is_dir() and (tmp_path / "t.png").stat().st_size > 0
     assert len(namespace["metrics"].compare(namespace["base"], namespace["stats"])) > 0
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["report", "--demo", "--input", "f.txt", "--out", "x.html"], "--input: did you mean --file or --text-file?"),
+    (["record", "--demo", "full", "--txt", "hi", "--out", "t"], "--txt: did you mean --text?"),
+    (["record", "--demo", "full", "--txet", "hi", "--out", "t"], "--txet: did you mean --text?"),
+])
+def test_an_unknown_flag_gets_the_commands_usage_and_the_nearest_flags(argv, hint, capsys):
+    """#35 item 7: the top-level usage and no suggestion did not help."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and hint in err
+    assert f"usage: attnres-probe {argv[0]}" in err and f"see `attnres-probe {argv[0]} --help`" in err

@@ -518,4 +518,9 @@ def test_weight_beside_effect_sets_each_deep_reads_weights_beside_the_loss_chang
         assert table["rank_correlation"].isna().all()
     else:
         assert table["rank_correlation"].between(-1, 1).all()
-    assert set(table.attrs["summary"]) == {"embed_weight", "embed_delta", "recent_weight", "recent_delta", "rank_correlation"}
+    assert set(table.attrs["summary"]) == {"embed_weight", "embed_delta", "recent_weight", "recent_delta", "rank_correlation",
+                                           "embed_uniform", "recent_uniform"}
+    if residual != "block":  # one column per written source: the uniform share is 1/k
+        np.testing.assert_allclose(table["embed_uniform"], 1.0 / table["sources"])
+    if residual == "prenorm":  # its weights are the uniform reference
+        np.testing.assert_allclose(table["embed_weight"], table["embed_uniform"], rtol=1e-6)
