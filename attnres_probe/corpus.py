@@ -253,7 +253,7 @@ def _check_manifest(doc: dict[str, Any], out: Path, where: str) -> None:
             raise CorpusRunError(f"{at}: the name {name!r} is given twice; each model of a run has its own name")
         seen.add(name)
         inside(out, m["dir"], f"{at} 'dir'", CorpusRunError)
-    field(doc, "data", "dict", where, CorpusRunError)
+    field(doc, "data", "dict", where, CorpusRunError, required=False)
 
 
 def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
@@ -262,6 +262,10 @@ def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
 
 def _check_resume(old: dict[str, Any], new: dict[str, Any], out: Path) -> None:
     """Refuse to continue a run in ``out`` that recorded other data, models or settings (say which)."""
+    data = old.get("data")
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), (str, int)) for k in ("sha256", "path", "documents")):
+        raise CorpusRunError(f"{out / CORPUS_FILE} does not say which data it recorded ('data' with sha256, path and "
+                             "documents): it cannot be resumed; choose another --out")
     if old["data"]["sha256"] != new["data"]["sha256"]:
         raise CorpusRunError(
             f"{out} holds a corpus run over other data ({old['data']['path']}, {old['data']['documents']} documents, "

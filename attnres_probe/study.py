@@ -101,7 +101,7 @@ class Finding:
     kind: str = "difference"
 
 
-def _finding(model: str, metric: str) -> Finding:
+def finding(model: str, metric: str) -> Finding:
     d = CATALOG[metric]
     uniform = d.reference == UNIFORM
     against = "uniform weights on the same sources" if uniform else "PreNorm's"
@@ -110,7 +110,7 @@ def _finding(model: str, metric: str) -> Finding:
 
 
 # every diagnostic of the catalog with a direction the paper states, for each AttnRes model
-FINDINGS: list[Finding] = [_finding(m, name) for m in ("full", "block") for name, d in CATALOG.items() if d.direction]
+FINDINGS: list[Finding] = [finding(m, name) for m in ("full", "block") for name, d in CATALOG.items() if d.direction]
 
 
 def study_model(name: str, models: str | Path | None = None) -> tuple[Any, dict[str, Any]]:

@@ -137,3 +137,41 @@ def test_every_number_on_the_corpus_pages_has_its_unit_and_reference_beside_it(l
         metric = _find(block, lambda n: getattr(n, "className", None) == "metric-name")[0].to_plotly_json()["props"]["data-metric"]
         unit = _find(block, lambda n: "metric-unit" in (getattr(n, "className", None) or ""))
         assert unit and CATALOG[metric].unit in unit[0].children
+
+
+def test_a_diagnostic_added_to_the_catalog_shows_everywhere():
+    """#31 item 1: one entry and one function; compare, comparison.csv's frame, corpus stats, the
+    dashboard, the report, the verdicts and the study's findings all pick it up."""
+    import numpy as np
+
+    from attnres_probe import study
+    from attnres_probe.analysis import catalog
+    from attnres_probe.analysis.display import LABELS
+    from attnres_probe.analysis.verdicts import EXPECTED
+    from attnres_probe.analysis.windows import WINDOW_COLUMNS, reference_column
+    from attnres_probe.dashboards.callbacks import metric_table
+
+    name = "embed_weight_all_reads"
+    d = catalog.Diagnostic(name, "embedding", "embedding weight, every read", "the embedding's normalised weight",
+                           "fraction of the read (0-1)", "w_0 at every read; mean over reads, then tokens", "uniform",
+                           "difference", "higher", "(a test diagnostic)", pooling="tokens")
+    catalog.register(d, lambda w, ctx: np.nanmean(w[..., 0], axis=-1))
+    try:
+        stats = _stats("full")
+        assert name in stats["full"].window_table().columns and reference_column(name) in WINDOW_COLUMNS
+        frame = metrics.compare(*stats.values(), names=list(stats), n_resamples=100)
+        rows = frame[frame.metric == name]
+        assert set(rows["comparison"]) == {"value", "difference"}
+        comp = rows[rows.comparison != "value"].iloc[0]
+        assert comp["baseline"] == "uniform" and comp["verdict"] in ("consistent", "contrary", "inconclusive")
+        full = rows[(rows.comparison == "value") & (rows.model == "full")].iloc[0]
+        w0 = stats["full"].window_table()[name]
+        assert full["estimate"] == pytest.approx(w0.mean(), rel=1e-6)  # the windows' mean
+        report, soup = _report_verdicts(stats)
+        assert name in report and soup.find("tr", attrs={"data-metric": name}).find("td").get_text() == LABELS[name]
+        table = metric_table(frame)
+        assert _find(table, lambda n: isinstance(n, html.Tr) and n.to_plotly_json()["props"].get("data-metric") == name)
+        assert name in EXPECTED and any(f.metric == name for f in study.FINDINGS)
+    finally:
+        catalog.unregister(name)
+    assert name not in WINDOW_COLUMNS and name not in LABELS and not any(f.metric == name for f in study.FINDINGS)

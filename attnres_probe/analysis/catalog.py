@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["CATALOG", "GROUPS", "Diagnostic", "diagnostic", "names", "routing_names"]
+__all__ = ["CATALOG", "GROUPS", "Diagnostic", "diagnostic", "names", "register", "routing_names", "unregister"]
 
 UNIFORM, BASELINE = "uniform", "baseline"
 
@@ -213,3 +213,58 @@ def diagnostic(name: str) -> Diagnostic:
         return CATALOG[name]
     except KeyError:
         raise KeyError(f"{name!r} is not a diagnostic; the catalog holds {', '.join(CATALOG)}") from None
+
+
+def register(d: Diagnostic, compute) -> None:
+    """Add a diagnostic: its catalog entry and its function, and it appears everywhere (the window
+    tables, ``metrics.compare`` and ``comparison.csv``, the dashboard, the report, verdicts, the study).
+
+    Args:
+        d: the entry (``pooling`` must be ``"tokens"``: its value is a mean over tokens).
+        compute: ``fn(w, ctx) -> [B, P]`` the value at each token from the normalised weights
+            ``w`` [B, P, R, S] (NaN where a read cannot see a source; for a uniform-referenced
+            diagnostic it is called again with the uniform weights), ``ctx`` holding ``trace``,
+            ``mask`` and the trace's ``arrays``.
+
+    Raises:
+        ValueError: the name is taken, or the pooling is not over tokens.
+    """
+    if d.name in CATALOG:
+        raise ValueError(f"{d.name!r} is already a diagnostic; choose another name")
+    if d.pooling != "tokens":
+        raise ValueError(f"a registered diagnostic is a mean over tokens (pooling='tokens'); got {d.pooling!r}")
+    if d.group not in GROUPS:
+        raise ValueError(f"group {d.group!r} is not one of {', '.join(GROUPS)}")
+    CATALOG[d.name] = d
+    _sync(d.name, compute)
+
+
+def unregister(name: str) -> None:
+    """Remove a diagnostic added with :func:`register` (the built-in ones stay)."""
+    from attnres_probe.analysis.windows import COMPUTE
+
+    if name not in COMPUTE:
+        raise ValueError(f"{name!r} was not added with register(); built-in diagnostics cannot be removed")
+    del CATALOG[name]
+    _sync(name, None)
+
+
+def _sync(name: str, compute) -> None:
+    """Bring every table derived from the catalog up to date for ``name`` (added, or removed with None)."""
+    from attnres_probe import metrics, study
+    from attnres_probe.analysis import display, verdicts, windows
+
+    if compute is None:
+        windows.COMPUTE.pop(name, None)
+        for table in (verdicts.EXPECTED, display.LABELS, metrics.FORMULAS):
+            table.pop(name, None)
+        study.FINDINGS[:] = [f for f in study.FINDINGS if f.metric != name]
+    else:
+        d = CATALOG[name]
+        windows.COMPUTE[name] = compute
+        display.LABELS[name] = d.label
+        metrics.FORMULAS[name] = d.formula
+        if d.direction is not None:
+            verdicts.EXPECTED[name] = verdicts.Expectation(d.direction, d.compare, f"The paper reports: {d.paper}")
+            study.FINDINGS.extend(study.finding(m, name) for m in ("full", "block"))
+    windows.refresh_columns()

@@ -33,11 +33,13 @@ __all__ = [
     "normalised_weights",
     "profile_values",
     "source_members",
+    "COMPUTE",
     "LATER_COLUMNS",
     "WINDOW_COLUMNS",
     "WINDOW_METRICS",
     "pooled_metrics",
     "reference_column",
+    "refresh_columns",
     "uniform_weights",
     "window_digests",
     "window_metric_arrays",
@@ -45,7 +47,12 @@ __all__ = [
     "window_profiles",
 ]
 
-WINDOW_METRICS = tuple(CATALOG)  # every diagnostic, in display order
+# These tables are lists shared by every module that imports them: a diagnostic added with
+# :func:`attnres_probe.analysis.catalog.register` appears in all of them (and so on every page).
+WINDOW_METRICS: list[str] = list(CATALOG)  # every diagnostic, in display order
+# diagnostics added with catalog.register: name -> fn(w, ctx) giving a value per token [B, P] from the
+# normalised weights w [B, P, R, S] (the model's, or for the reference column the uniform ones)
+COMPUTE: dict[str, Any] = {}
 
 
 def reference_column(metric: str) -> str:
@@ -53,8 +60,15 @@ def reference_column(metric: str) -> str:
     return f"{metric}@uniform"
 
 
-REFERENCE_COLUMNS = tuple(reference_column(n) for n in routing_names())
-WINDOW_COLUMNS = WINDOW_METRICS + REFERENCE_COLUMNS  # what a window table holds besides its keys
+REFERENCE_COLUMNS: list[str] = [reference_column(n) for n in routing_names()]
+WINDOW_COLUMNS: list[str] = WINDOW_METRICS + REFERENCE_COLUMNS  # what a window table holds besides its keys
+
+
+def refresh_columns() -> None:
+    """Rebuild the shared tables from the catalog, in place (after catalog.register / unregister)."""
+    WINDOW_METRICS[:] = list(CATALOG)
+    REFERENCE_COLUMNS[:] = [reference_column(n) for n in routing_names()]
+    WINDOW_COLUMNS[:] = WINDOW_METRICS + REFERENCE_COLUMNS
 # columns added after stats schema 2 was written: a table saved before them lacks them (they read as NaN)
 LATER_COLUMNS = tuple(c for n in ("embed_weight_deep_attn", "embed_weight_deep_mlp") for c in (n, reference_column(n)))
 # what identifies a window across models: document index, first token's offset in it, tokens, digest
@@ -219,6 +233,11 @@ def _metric_arrays(trace: Any, mask: np.ndarray, arrays: dict[str, np.ndarray], 
         n=B,
     ))
     out["mean_loss"] = _window_mean(arrays["loss"], mask)
+    for name, fn in COMPUTE.items():  # diagnostics added with catalog.register: per token, then the window mean
+        ctx = {"trace": trace, "mask": mask, "arrays": arrays}
+        out[name] = _window_mean(np.asarray(fn(w, ctx), np.float64), mask)
+        if reference_column(name) in REFERENCE_COLUMNS:
+            out[reference_column(name)] = _window_mean(np.asarray(fn(uni, ctx), np.float64), mask)
     return {name: np.asarray(out[name], np.float64) for name in WINDOW_COLUMNS}
 
 
