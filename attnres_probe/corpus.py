@@ -48,6 +48,7 @@ __all__ = [
     "add_corpus_parser",
     "list_documents",
     "load_stats_dir",
+    "StreamedDocument",
     "read_document",
     "record_corpus",
 ]
@@ -132,6 +133,39 @@ def _check_utf8(path: Path, name: str) -> Document:
     except OSError as exc:
         raise CorpusDataError(f"corpus file {str(path)!r} cannot be read ({exc.strerror or exc})") from None
     return Document(path=path, name=name, size=offset, sha256=h.hexdigest())
+
+
+STREAM_CHUNK = 1 << 20  # bytes of a document read at a time when its windows are cut from bytes
+
+
+@dataclass(frozen=True)
+class StreamedDocument:
+    """A checked document read in chunks (``iter_bytes``) when the model's tokens are its bytes, so a
+    corpus run holds one chunk and one window of it, not the whole file; ``read_text`` for other tokenizers."""
+
+    doc: Document
+
+    def iter_bytes(self, size: int | None = None):
+        import codecs
+
+        size = size or STREAM_CHUNK
+        check = codecs.getincrementaldecoder("utf-8")()
+        at = 0
+        try:
+            with self.doc.path.open("rb") as f:
+                while chunk := f.read(size):
+                    try:
+                        check.decode(chunk)
+                    except UnicodeDecodeError as exc:  # changed since it was checked
+                        raise CorpusDataError(f"corpus file {str(self.doc.path)!r} is not valid UTF-8 (byte offset "
+                                              f"{at + exc.start})") from None
+                    at += len(chunk)
+                    yield chunk
+        except OSError as exc:
+            raise CorpusDataError(f"corpus file {str(self.doc.path)!r} cannot be read ({exc.strerror or exc})") from None
+
+    def read_text(self) -> str:
+        return read_document(self.doc)
 
 
 def read_document(doc: Document) -> str:
@@ -376,7 +410,7 @@ def _record_locked(out, data, models, demo, names, batch_size, backward, save_ev
                 last["saved"] = time.monotonic()
 
         start_doc = resume_after[0] if resume_after is not None else 0
-        texts = ("" if i < start_doc or (ranks is not None and not ranks.mine(i)) else read_document(d) for i, d in enumerate(docs))
+        texts = ("" if i < start_doc or (ranks is not None and not ranks.mine(i)) else StreamedDocument(d) for i, d in enumerate(docs))
         stats = probe.run_corpus(
             texts, batch_size=batch_size, backward=backward, progress=False, stats=stats,
             resume_after=resume_after, on_batch=on_batch, on_progress=on_progress,

@@ -23,7 +23,7 @@ import torch
 
 from attnres_probe.hooks import Recorder, spec_for
 from attnres_probe.losses import trace_loss
-from attnres_probe.tokenizer import check_token_ids
+from attnres_probe.tokenizer import ByteTokenizer, check_token_ids
 from attnres_probe.trace import DepthTrace
 
 __all__ = ["Probe"]
@@ -49,8 +49,6 @@ class Probe:
         self.spec = spec_for(model, name)
         self._params = list(model.parameters())  # listed once: walking the module tree is slow
         if tokenizer is None and self.spec.d_vocab == 256:
-            from attnres_probe.tokenizer import ByteTokenizer
-
             tokenizer = ByteTokenizer()
         self.tokenizer = tokenizer
 
@@ -393,6 +391,21 @@ class Probe:
             texts = [texts]  # one text (or one tensor of ids), not a sequence of characters
         n_ctx = self.spec.n_ctx
         for doc, text in enumerate(texts, start=first_doc):
+            if hasattr(text, "iter_bytes") and isinstance(self.tokenizer, ByteTokenizer):
+                # byte tokens: windows cut from the file chunk by chunk (memory: one chunk, not the document)
+                carry, offset = b"", 0
+                for chunk in text.iter_bytes():
+                    buf = carry + chunk
+                    full = len(buf) // n_ctx * n_ctx
+                    for start in range(0, full, n_ctx):
+                        yield doc, offset + start, torch.frombuffer(bytearray(buf[start : start + n_ctx]), dtype=torch.uint8).long().to(self.device)
+                    offset += full
+                    carry = buf[full:]
+                if carry:
+                    yield doc, offset, torch.frombuffer(bytearray(carry), dtype=torch.uint8).long().to(self.device)
+                continue
+            if hasattr(text, "read_text"):
+                text = text.read_text()
             if isinstance(text, str):
                 if not text:
                     continue  # an empty document contributes no tokens

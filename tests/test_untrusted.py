@@ -359,3 +359,32 @@ def test_a_file_that_is_not_utf8_is_named_with_its_byte_offset_and_a_fix(tmp_pat
     assert main(["record", "--demo", "full", "--file", str(bad), "--out", str(tmp_path / "t")]) == 2
     err = capsys.readouterr().err
     assert "is not UTF-8 text: invalid continuation byte at byte 3" in err and "iconv -f latin1" in err
+
+
+def test_corpus_cuts_a_long_documents_windows_from_chunks_not_from_the_whole_file(tmp_path, monkeypatch):
+    """#37: a corpus run holds one chunk of a document (and one window), not the document: the
+    windows from streamed chunks equal those of the whole text, across chunk boundaries that fall
+    inside a window and inside a character."""
+    from attnres_probe import Probe, corpus
+    from attnres_probe.corpus import StreamedDocument, list_documents
+
+    path = tmp_path / "long.txt"
+    path.write_text("ünïcode text, " * 3000, encoding="utf-8")  # 45 kB
+    doc = list_documents(path)[0]
+    monkeypatch.setattr(corpus, "STREAM_CHUNK", 1000)  # chunks much smaller than the document, not multiples of n_ctx
+    probe = Probe(tiny_model("full", n_ctx=24), name="full")
+    streamed = list(probe._corpus_windows([StreamedDocument(doc)]))
+    whole = list(probe._corpus_windows([path.read_text(encoding="utf-8")]))
+    assert [(d, s) for d, s, _ in streamed] == [(d, s) for d, s, _ in whole]
+    assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(streamed, whole))
+    reads = []
+    real = StreamedDocument.iter_bytes
+
+    def spy(self, size=None):
+        for chunk in real(self, corpus.STREAM_CHUNK):
+            reads.append(len(chunk))
+            yield chunk
+
+    monkeypatch.setattr(StreamedDocument, "iter_bytes", spy)
+    list(probe._corpus_windows([StreamedDocument(doc)]))
+    assert max(reads) == 1000 and sum(reads) == path.stat().st_size
