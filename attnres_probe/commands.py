@@ -97,6 +97,9 @@ def _run_record(args: argparse.Namespace) -> int:
     check_save_target(args.out, overwrite=args.force)  # before the model runs: fail fast
     probe = _load(args)
     trace = probe.run(_text(args, probe.spec.n_ctx), backward=not args.no_backward, truncate=_truncate(args))
+    from attnres_probe.reports.recording import weights_sha256
+
+    trace.meta["weights_sha256"] = weights_sha256(probe.model)  # the model's one digest, as reports show it
     out = trace.save(args.out, overwrite=args.force)
     print(repr(trace))
     print(f"saved to {out}")

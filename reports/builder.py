@@ -63,6 +63,7 @@ SECTIONS: dict[str, str] = {
     "formulas": "Metric formulas",
     "reproduce": "Reproduce: versions and provenance",
 }
+WEIGHTS_DIGEST = "weights sha256 (fp32 state dict)"  # what every page calls the one digest of a model
 PLOT_CONFIG = {"displaylogo": False, "responsive": True, "typesetMath": False}
 # distribution names whose versions every report records
 VERSION_PACKAGES = ("torch", "transformer_lens", "numpy", "pandas", "plotly", "dash", "jinja2")
@@ -354,7 +355,7 @@ def _stats_model_row(stats: Any, name: str) -> dict[str, Any]:
         "shape": ", ".join(f"{k}={cfg[k]}" for k in keys if k in cfg),
         "n_params": f"{n_params:,}" if isinstance(n_params, int) else "—",
         "digest": meta.get("weights_sha256"),
-        "digest_kind": "weights (fp32 state dict)",
+        "digest_kind": WEIGHTS_DIGEST,
         "checkpoint_dir": public_path(meta.get("source")),
         "tokens": f"{stats.n_tokens} in {stats.n_windows} windows{skipped}",
         "mean_loss": "—" if not np.isfinite(loss) else f"{loss:.4f}",
@@ -497,10 +498,10 @@ def _model_row(trace: DepthTrace, name: str) -> dict[str, Any]:
         arch += f" · {meta.get('model_class', 'external model')}"
     keys = ("d_model", "n_layers", "n_heads", "n_ctx", "d_vocab")
     shape = ", ".join(f"{k}={cfg[k]}" for k in keys if k in cfg)
-    if "checkpoint_sha256" in meta:
-        digest, digest_kind = meta["checkpoint_sha256"], "model.safetensors"
-    elif "weights_sha256" in meta:
-        digest, digest_kind = meta["weights_sha256"], "in-memory weights (fp32 state dict)"
+    if "weights_sha256" in meta:
+        digest, digest_kind = meta["weights_sha256"], WEIGHTS_DIGEST
+    elif "checkpoint_sha256" in meta:  # a trace recorded before the one digest: its file's hash
+        digest, digest_kind = meta["checkpoint_sha256"], "model.safetensors file (older trace)"
     else:
         digest, digest_kind = None, "not recorded"
     s = trace.summary()
@@ -525,7 +526,6 @@ def _model_row(trace: DepthTrace, name: str) -> dict[str, Any]:
             "config": cfg,
             "n_params": n_params,
             "checkpoint_dir": public_path(meta.get("checkpoint_dir")),
-            "checkpoint_sha256": meta.get("checkpoint_sha256"),
             "weights_sha256": meta.get("weights_sha256"),
             "windows": meta.get("windows"),
             "backward": meta.get("backward"),

@@ -6,8 +6,8 @@ of the mean next-token loss over all windows. Each trace's ``meta`` gets:
 
 - ``text``: the text as given (the report shows it as written, not re-assembled from tokens);
 - ``windows``: ``{"n_ctx": …, "count": …}``;
-- ``checkpoint_dir`` and ``checkpoint_sha256`` (sha256 of ``model.safetensors``) for a model
-  loaded from a checkpoint directory or a bundled demo, otherwise ``weights_sha256``: sha256 of
+- ``checkpoint_dir`` for a model loaded from a checkpoint directory or a bundled demo, and always
+  ``weights_sha256`` (the one digest of a model, the same a corpus run records): sha256 of
   the in-memory fp32 state dict (tensor names, shapes and bytes in name order).
 """
 
@@ -108,9 +108,7 @@ def record_text(
         weights = Path(checkpoint_dir) / WEIGHTS_FILE
     if weights is not None and weights.is_file():
         meta["checkpoint_dir"] = str(checkpoint_dir)
-        meta["checkpoint_sha256"] = sha256_file(weights)
-    else:
-        meta["weights_sha256"] = weights_sha256(model)
+    meta["weights_sha256"] = weights_sha256(model)  # the one digest of a model, on every page and file
     return probe.record(tokens, mask, str_tokens, backward=use_backward, extra_meta=meta)
 
 

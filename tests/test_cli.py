@@ -26,6 +26,11 @@ def test_record_saves_a_loadable_trace(tmp_path, capsys):
     trace = DepthTrace.load(tmp_path / "t")
     assert trace.str_tokens[0] == list("hello <b>") and trace.has_gradients
     assert "saved to" in capsys.readouterr().out
+    from attnres_probe import AttnResTransformer
+    from attnres_probe.reports.recording import weights_sha256
+
+    # the model's one digest travels with the trace, so a report from it says which weights it came from
+    assert trace.meta["weights_sha256"] == weights_sha256(AttnResTransformer.load(tmp_path / "m"))
 
 
 def test_summary_prints_one_row_per_read(tmp_path, capsys):

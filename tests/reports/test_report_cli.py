@@ -21,7 +21,7 @@ def test_report_from_model_directories_writes_the_file(checkpoints, tmp_path, ca
     out = tmp_path / "r.html"
     assert main(["report", "--models", *checkpoints, "--text", "The cat sat on the mat.", "--out", str(out)]) == 0
     html = out.read_text()
-    assert "The cat sat on the mat." in html and "model.safetensors" in html
+    assert "The cat sat on the mat." in html and "weights sha256 (fp32 state dict)" in html
     assert "attnres-probe report --models" in html  # the reproducing command
     assert f"wrote {out}" in capsys.readouterr().out
 

@@ -79,15 +79,21 @@ def test_models_table_names_architecture_parameters_and_hash(soup, traces):
     assert "PreNorm baseline" in text and "Full AttnRes" in text and "Block AttnRes" in text
 
 
-def test_checkpoint_hash_is_the_sha256_of_the_safetensors_file(tmp_path, monkeypatch):
+def test_a_model_has_one_digest_on_every_page_the_weights_sha256(tmp_path, monkeypatch):
+    """#35 item 6: a prompt report showed the file's sha256, a corpus report the weights' digest."""
+    from attnres_probe.corpus import model_digest
+    from attnres_probe.reports.recording import weights_sha256
+
     monkeypatch.delenv("ATTNRES_BACKEND", raising=False)  # auto: the Numba kernels on the CPU
     d = tmp_path / "full-run"
-    tiny_model("full").save(d)
+    model = tiny_model("full")
+    model.save(d)
     (trace,) = record_checkpoints([d], "hello world", backward=False)
-    assert trace.meta["checkpoint_sha256"] == sha256_file(d / "model.safetensors")
-    assert trace.name == "full-run"
+    assert trace.meta["weights_sha256"] == weights_sha256(type(model).load(d)) == model_digest(type(model).load(d))
+    assert "checkpoint_sha256" not in trace.meta and trace.name == "full-run"
     html = build_report([trace], tmp_path / "r.html").read_text()
-    assert trace.meta["checkpoint_sha256"] in html
+    assert trace.meta["weights_sha256"] in html and "weights sha256 (fp32 state dict)" in html
+    assert sha256_file(d / "model.safetensors") not in html
     provenance = html.replace("&#34;", '"')  # the provenance names what computed the depth mixing
     assert '"depth_mixing": {\n    "backend": "numba",\n    "schedule": null' in provenance
 
@@ -98,7 +104,7 @@ def test_hash_from_saved_trace_meta_survives_save_and_load(tmp_path):
     (trace,) = record_checkpoints([d], "abc def", backward=False)
     loaded = DepthTrace.load(trace.save(tmp_path / "trace"))
     html = build_report([loaded], tmp_path / "r.html").read_text()
-    assert trace.meta["checkpoint_sha256"] in html and "abc def" in html
+    assert trace.meta["weights_sha256"] in html and "abc def" in html
 
 
 def test_long_text_is_recorded_in_context_windows_as_one_batch(traces):
