@@ -342,7 +342,10 @@ class PretrainedTokenizer:
 def _tokenizer(directory: Path) -> PretrainedTokenizer:
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any((directory / n).is_file() for n in names):
-        raise PretrainedError(f"{directory} has no tokenizer files ({', '.join(names)}); save the tokenizer beside the weights")
+        raise PretrainedError(
+            f"{directory} has no tokenizer files ({', '.join(names)}): save the tokenizer beside the weights "
+            "(tokenizer.save_pretrained into the same folder) so the commands can read text; in Python, "
+            "load_pretrained(folder, tokenizer=False) loads the weights alone, and Probe.run takes token ids")
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:  # pragma: no cover - transformers is installed with the fla extra
