@@ -91,11 +91,19 @@ def layer_summary(trace) -> pd.DataFrame:
     )
 
 
+def _say(msg: str) -> None:
+    """A step that takes seconds says so on stderr (stdout keeps the result)."""
+    import sys
+
+    print(msg, file=sys.stderr, flush=True)
+
+
 def _run_record(args: argparse.Namespace) -> int:
     from attnres_probe.trace import check_save_target
 
     check_save_target(args.out, overwrite=args.force)  # before the model runs: fail fast
     probe = _load(args)
+    _say(f"recording the text through {probe.name} (one forward and backward pass) ...")
     trace = probe.run(_text(args, probe.spec.n_ctx), backward=not args.no_backward, truncate=_truncate(args))
     from attnres_probe.reports.recording import weights_sha256
 
@@ -108,6 +116,7 @@ def _run_record(args: argparse.Namespace) -> int:
 
 def _run_summary(args: argparse.Namespace) -> int:
     probe = _load(args)
+    _say(f"recording the text through {probe.name} (one forward and backward pass) ...")
     trace = probe.run(_text(args, probe.spec.n_ctx), backward=not args.no_backward, truncate=_truncate(args))
     print(repr(trace))
     with pd.option_context("display.width", 120, "display.float_format", "{:.4g}".format):

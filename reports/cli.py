@@ -135,6 +135,10 @@ def run_report(args: argparse.Namespace) -> int:
     _check_out(out, args.force)  # fail before spending time on recording
     t0 = time.perf_counter()
     models = None
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - a step over a few seconds says so
+    if not args.traces:
+        n = len(args.demo or ("prenorm", "full", "block")) if args.demo is not None else len(args.models or [])
+        say(f"recording the text through {n} model{'s' if n != 1 else ''} (a few seconds each) ...")
     if args.traces:
         if text is not None:
             print("note: --text is ignored with --traces (the traces carry their own tokens)", file=sys.stderr)
@@ -149,6 +153,8 @@ def run_report(args: argparse.Namespace) -> int:
             raise _user_error("--models needs the text to record: pass --text TEXT or --text-file FILE")
         traces = record_checkpoints(args.models, text, names=args.names, backward=backward)
         models = args.models
+    if not args.traces:
+        say("the logit decomposition and the logit lens of the first tokens, for the per-token explorer ...")
     readings, histories = _readings_and_histories(args, traces)
     t_record = time.perf_counter() - t0
     ablations = _ablations(args, traces, text, models) if args.ablate else None
@@ -158,6 +164,7 @@ def run_report(args: argparse.Namespace) -> int:
     title = args.title or f"attnres-probe report: {', '.join(t.name for t in traces)}"
     command = _command(args)
     t1 = time.perf_counter()
+    say("building the page ...")
     from attnres_probe.io import exclusive_lock
 
     try:
