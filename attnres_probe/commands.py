@@ -92,10 +92,10 @@ def layer_summary(trace) -> pd.DataFrame:
 
 
 def _say(msg: str) -> None:
-    """A step that takes seconds says so on stderr (stdout keeps the result)."""
-    import sys
+    """A step that takes seconds says so on stderr where a person watches (:func:`attnres_probe.io.say`)."""
+    from attnres_probe.io import say
 
-    print(msg, file=sys.stderr, flush=True)
+    say(msg)
 
 
 def _run_record(args: argparse.Namespace) -> int:

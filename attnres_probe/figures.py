@@ -1120,7 +1120,7 @@ def weight_effect_chart(effects: Mapping[str, pd.DataFrame], colors: Mapping[str
                     "line": {"dash": "dash", "color": "#888"}}],
         "annotations": [{"text": "uniform", "x": 1, "y": 1, "yref": "paper", "showarrow": False, "yanchor": "bottom",
                          "font": {"size": 11, "color": "#555"}}],
-        "height": 460, "legend": {"orientation": "h", "y": -0.22, "yanchor": "top"}, "margin": {"b": 140},
+        "height": 480, "legend": {"orientation": "h", "y": -0.3, "yanchor": "top"}, "margin": {"b": 160},
     }
     if not data:
         layout["annotations"].append(_note("no weight-effect results", "paper", "paper"))

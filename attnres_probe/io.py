@@ -434,3 +434,16 @@ def fault_point(name: str) -> None:
         if action in _FAULT_ERRNOS:
             code = _FAULT_ERRNOS[action]
             raise OSError(code, os.strerror(code), name)
+
+
+# -- progress ----------------------------------------------------------------------------------
+PROGRESS_ENV = "ATTNRES_PROGRESS"  # "1": say each slow step even when stderr is not a terminal; "0": never
+
+
+def say(message: str) -> None:
+    """One line on stderr for a step that takes seconds ("recording the text ..."), where a person
+    watches: stderr a terminal, or ``$ATTNRES_PROGRESS=1``. Pipes and logs get only results and errors."""
+    flag = os.environ.get(PROGRESS_ENV)
+    if flag == "0" or not (flag == "1" or sys.stderr.isatty()):
+        return
+    print(message, file=sys.stderr, flush=True)

@@ -38,6 +38,7 @@ __all__ = ["MODELS", "PRIMARIES", "Primary", "SUMMARY_FILE", "demo_summary", "fi
 
 MODELS = ("prenorm", "full", "block")
 STEPS = 8000  # the plan's recipe: a run counts once its log says it finished at this step
+SEEDS = range(5)  # the plan's seeds: a run without a folder yet is listed as not started
 PLAN = "docs/study/plan-v3.md"
 COMMAND = "attnres-probe study --runs docs/study/v3/runs --out docs/study/v3"
 WINDOWS_FILE = "windows.csv"
@@ -117,6 +118,12 @@ def find_runs(runs_dir: str | Path, steps: int = STEPS) -> tuple[dict[tuple[str,
                 missing.append(f"{model} seed {seed}: " + (f"at step {step} of {steps}" if step else "not started"))
     if not done:
         raise ValueError(f"--runs {runs_dir}: no finished run ({steps} steps) under {{{','.join(MODELS)}}}/seed*")
+    seen = {key for key in done} | {(m, int(x.split(" seed ")[1].split(":")[0])) for x in missing for m in [x.split(" seed ")[0]]}
+    for seed in SEEDS:  # the plan's runs that have no folder yet
+        for model in MODELS:
+            if (model, seed) not in seen:
+                missing.append(f"{model} seed {seed}: not started")
+    missing.sort(key=lambda x: (int(x.split(" seed ")[1].split(":")[0]), MODELS.index(x.split(" seed ")[0])))
     return done, missing
 
 
@@ -280,7 +287,8 @@ def demo_summary(results: dict[str, Any]) -> dict[str, Any]:
     keep = ("key", "title", "model", "unit", "expected", "per_seed", "mean", "low", "high", "p", "p_holm", "paper_way", "n",
             "sign_p", "verdict")
     return {"plan": results["plan"], "command": results["command"], "seeds": results["seeds"], "missing": results["missing"],
-            "level": results["level"], "primaries": [{k: p[k] for k in keep} for p in results["primaries"]]}
+            "planned_seeds": len(SEEDS), "level": results["level"],
+            "primaries": [{k: p[k] for k in keep} for p in results["primaries"]]}
 
 
 def load_demo_summary() -> dict[str, Any] | None:

@@ -158,9 +158,16 @@ def run_demo(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, text: str | Non
     """
     _set_torch_threads(torch_threads)
     t0 = time.perf_counter()
-    app = create_app(demo_entries(), text=text, allowed_hosts=allowed_hosts_for(host))
+    app = demo_app(text, host)
     print(f"loaded the demo models in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return serve(app, host=host, port=port, threads=threads, open_browser=open_browser)
+
+
+def demo_app(text: str | None = None, host: str = DEFAULT_HOST):
+    """The dashboard app on the bundled demo models, with the study-v3 card they belong to."""
+    from attnres_probe.seed_study import load_demo_summary
+
+    return create_app(demo_entries(), text=text, allowed_hosts=allowed_hosts_for(host), study=load_demo_summary())
 
 
 def _set_torch_threads(n: int | None) -> None:
@@ -208,7 +215,12 @@ def _run_dash(args: argparse.Namespace) -> int:
     if args.names and not (args.models or args.traces):
         raise ValueError("--names names the folders of --models and --traces; pass those too")
     entries, stats = load_with_stats(args.models, args.traces, args.stats, args.names)
+    study = None
+    if not (args.models or args.traces):  # the demo models: show the study they are seed 0 of
+        from attnres_probe.seed_study import load_demo_summary
+
+        study = load_demo_summary()
     app = create_app(entries, text=unescape_text(args.text), cache_size=args.cache_size, stats=stats,
-                     allowed_hosts=allowed_hosts_for(args.host))
+                     allowed_hosts=allowed_hosts_for(args.host), study=study)
     print(f"loaded {len(entries)} entries in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return serve(app, host=args.host, port=args.port, threads=args.threads, open_browser=args.open)

@@ -316,7 +316,8 @@ def _study(ex: Explorer) -> html.Section | None:
     missing = study.get("missing") or []
     return html.Section(
         [
-            html.H2("What five training seeds show (study v3)"),
+            html.H2(f"What {len(seeds)} training seed{'s' if len(seeds) != 1 else ''} show (study v3, "
+                    f"{study.get('planned_seeds', 5)} planned)"),
             _help("The demo models are seed 0 of these runs. Each endpoint was fixed before the runs "
                   f"({study['plan']}); per seed, the AttnRes model against PreNorm of the same seed (or against its own "
                   "uniform reference), a t-test over seeds with Holm's correction across the six, and how many seeds "

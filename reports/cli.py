@@ -135,7 +135,7 @@ def run_report(args: argparse.Namespace) -> int:
     _check_out(out, args.force)  # fail before spending time on recording
     t0 = time.perf_counter()
     models = None
-    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - a step over a few seconds says so
+    from attnres_probe.io import say
     if not args.traces:
         n = len(args.demo or ("prenorm", "full", "block")) if args.demo is not None else len(args.models or [])
         say(f"recording the text through {n} model{'s' if n != 1 else ''} (a few seconds each) ...")
@@ -315,7 +315,9 @@ def _weight_effects(args: argparse.Namespace, traces, text: str | None, model_di
 
     out = {}
     for t, probe in _live_models(args, traces, model_dirs, "--weight-effect"):
-        print(f"weight beside effect: {t.name} ...", file=sys.stderr, flush=True)
+        from attnres_probe.io import say
+
+        say(f"weight beside effect: {t.name} (one forward pass per source of each deep read) ...")
         out[t.name] = weight_beside_effect(probe, text, truncate=True)
     return out
 

@@ -239,3 +239,15 @@ def test_an_unknown_flag_gets_the_commands_usage_and_the_nearest_flags(argv, hin
     err = capsys.readouterr().err
     assert exc.value.code == 2 and hint in err
     assert f"usage: attnres-probe {argv[0]}" in err and f"see `attnres-probe {argv[0]} --help`" in err
+
+
+def test_slow_steps_are_said_where_a_person_watches_and_nowhere_else(tmp_path, capsys, monkeypatch):
+    """#35 item 5: record said nothing for seconds; a pipe or a log gets only results and errors."""
+    tiny_model("full").save(tmp_path / "m")
+    argv = ["record", "--model", str(tmp_path / "m"), "--text", "hi there", "--out"]
+    monkeypatch.setenv("ATTNRES_PROGRESS", "1")
+    assert main([*argv, str(tmp_path / "a")]) == 0
+    assert "recording the text through m" in capsys.readouterr().err
+    monkeypatch.delenv("ATTNRES_PROGRESS")  # stderr is captured here, not a terminal
+    assert main([*argv, str(tmp_path / "b")]) == 0
+    assert capsys.readouterr().err == ""

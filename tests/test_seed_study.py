@@ -158,7 +158,8 @@ def tiny_runs(tmp_path_factory):
 
 def test_the_study_runs_end_to_end_on_tiny_runs_and_says_what_is_missing(tiny_runs, tmp_path):
     results = run_v3_study(tiny_runs, tmp_path, progress=None, steps=3)
-    assert results["seeds"] == [0, 1, 2] and results["missing"] == ["block seed 3: not started"]
+    assert results["seeds"] == [0, 1, 2] and "block seed 3: not started" in results["missing"]
+    assert results["missing"] == [f"{m} seed {s}: not started" for s in (3, 4) for m in ("prenorm", "full", "block")]
     assert results["windows"]["n"] == 4 and set(results["windows"]["plays"]) <= {
         "as_you_like_it", "henry_iv_part_2", "john", "merchant_of_venice", "richard_ii", "titus_andronicus"}
     for p in results["primaries"]:
@@ -213,3 +214,24 @@ def test_the_dashboard_shows_the_study_card_with_every_primary_and_its_verdict()
     assert badges == [p["verdict"] for p in summary["primaries"]]
     plain = create_app({"full": tiny_model("full")}, text="abc")  # models of one's own: no study card
     assert not find(plain.layout, lambda n: getattr(n, "id", None) == "study-v3", [])
+
+
+def test_the_demo_dashboard_shows_the_study_its_models_belong_to():
+    """The walkthrough found `attnres-probe demo` without the card: it passed the models, not None."""
+    from attnres_probe.dashboards.cli import demo_app
+
+    layout = demo_app().layout
+    found = []
+
+    def walk(n):
+        if isinstance(n, (list, tuple)):
+            for x in n:
+                walk(x)
+            return
+        if getattr(n, "id", None) == "study-v3":
+            found.append(n)
+        if hasattr(n, "children"):
+            walk(n.children)
+
+    walk(layout)
+    assert found and f"What {len(_results()['seeds'])} training seed" in str(found[0].children[0].children)

@@ -33,13 +33,16 @@ def test_report_with_ablation_adds_the_ablation_section(checkpoints, tmp_path):
     assert 'id="ablation"' in out.read_text()
 
 
-def test_report_with_weight_effect_adds_its_section_for_every_model(checkpoints, tmp_path, capsys):
+def test_report_with_weight_effect_adds_its_section_for_every_model(checkpoints, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ATTNRES_PROGRESS", "1")  # say each slow step, as in a terminal
     out = tmp_path / "r.html"
     argv = ["report", "--models", *checkpoints, "--text", "abc abc abc abc", "--weight-effect", "--out", str(out)]
     assert main(argv) == 0
     html = out.read_text()
     assert 'id="weight-effect"' in html and "--weight-effect" in html  # the section, and the reproducing command
-    assert capsys.readouterr().err.count("weight beside effect:") == len(checkpoints)
+    err = capsys.readouterr().err
+    assert err.count("weight beside effect:") == len(checkpoints) and "recording the text through 2 models" in err
+    assert "building the page ..." in err
 
 
 def test_weight_effect_with_traces_exits_2(tmp_path, capsys):
