@@ -100,3 +100,45 @@ def headless_chromium(window: str | None = "1400,1000", browser_log: bool = Fals
     if browser_log:
         opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+
+
+# -- routing edits through hook_weights (matched-quantity tests) -------------------------------
+def route(model, fn):
+    """Attach ``fn(w) -> new weights`` at every read's hook_weights (available columns: not NaN)."""
+    for name, hp in model.hook_dict.items():
+        if name.endswith("hook_weights"):
+            hp.add_hook(lambda w, hook: fn(w))
+    return model
+
+
+def uniform_routing(w: torch.Tensor) -> torch.Tensor:
+    """Equal weights over the sources a read sees."""
+    avail = ~torch.isnan(w)
+    k = avail.sum(-1, keepdim=True).clamp_min(1)
+    return torch.where(avail, 1.0 / k, w)
+
+
+def local_routing(w: torch.Tensor) -> torch.Tensor:
+    """0.9 on the most recent source a read sees, the rest spread evenly."""
+    avail = ~torch.isnan(w)
+    k = avail.sum(-1, keepdim=True)
+    last = avail & (avail.cumsum(-1) == k)
+    return torch.where(avail, torch.where(last, 0.9, 0.1 / (k - 1).clamp_min(1)), w)
+
+
+def find_components(node, pred) -> list:
+    """Every Dash component under ``node`` for which ``pred`` holds, in document order."""
+    out = []
+
+    def walk(n):
+        if isinstance(n, (list, tuple)):
+            for x in n:
+                walk(x)
+            return
+        if pred(n):
+            out.append(n)
+        if hasattr(n, "children"):
+            walk(n.children)
+
+    walk(node)
+    return out

@@ -16,7 +16,7 @@ from attnres_probe.analysis.catalog import routing_names
 from attnres_probe.analysis.compare import Windows, compare_windows
 from attnres_probe.analysis.verdicts import EXPECTED, VERDICTS, verdict
 from attnres_probe.analysis.windows import KEY_COLUMNS, WINDOW_COLUMNS, WINDOW_METRICS, reference_column, window_metrics
-from helpers import sample_tokens, tiny_model
+from helpers import local_routing, route, sample_tokens, tiny_model, uniform_routing
 from trace_factory import make_trace
 
 TEXT = "The cat sat on the mat."
@@ -384,25 +384,7 @@ def test_readable_groups_a_compare_frame_under_plain_names():
 
 
 # -- matched quantities (#31) ------------------------------------------------------------------
-def _route(model, fn):
-    """Attach ``fn(w) -> new weights`` at every read's hook_weights (available columns: not NaN)."""
-    for name, hp in model.hook_dict.items():
-        if name.endswith("hook_weights"):
-            hp.add_hook(lambda w, hook: fn(w))
-    return model
-
-
-def _uniform(w):
-    avail = ~torch.isnan(w)
-    k = avail.sum(-1, keepdim=True).clamp_min(1)
-    return torch.where(avail, 1.0 / k, w)
-
-
-def _local(w):
-    avail = ~torch.isnan(w)
-    k = avail.sum(-1, keepdim=True)
-    last = avail & (avail.cumsum(-1) == k)
-    return torch.where(avail, torch.where(last, 0.9, 0.1 / (k - 1).clamp_min(1)), w)
+_route, _uniform, _local = route, uniform_routing, local_routing
 
 
 @pytest.mark.parametrize("residual", ["full", "block"])

@@ -14,31 +14,14 @@ from attnres_probe import Probe, metrics
 from attnres_probe.analysis.catalog import CATALOG, routing_names
 from attnres_probe.dashboards import create_app
 from attnres_probe.reports.builder import render_stats_report
-from helpers import tiny_model
+from helpers import find_components, local_routing, route, tiny_model, uniform_routing
 
 ROUTING = set(routing_names())
 # several documents (the bootstrap resamples documents): each a different text, two windows each
 DOCUMENTS = ["".join(chr(32 + (i * 7 + j * (i + 3)) % 90) for j in range(80)) for i in range(8)]
 
 
-def _route(model, fn):
-    for name, hp in model.hook_dict.items():
-        if name.endswith("hook_weights"):
-            hp.add_hook(lambda w, hook: fn(w))
-    return model
-
-
-def _uniform(w):
-    avail = ~torch.isnan(w)
-    k = avail.sum(-1, keepdim=True).clamp_min(1)
-    return torch.where(avail, 1.0 / k, w)
-
-
-def _local(w):
-    avail = ~torch.isnan(w)
-    k = avail.sum(-1, keepdim=True)
-    last = avail & (avail.cumsum(-1) == k)
-    return torch.where(avail, torch.where(last, 0.9, 0.1 / (k - 1).clamp_min(1)), w)
+_route, _uniform, _local = route, uniform_routing, local_routing
 
 
 def _stats(residual: str, route=None) -> dict:
@@ -60,21 +43,7 @@ def local_stats():
     return _stats("full", _local)
 
 
-def _find(node, pred) -> list:
-    out = []
-
-    def walk(n):
-        if isinstance(n, (list, tuple)):
-            for x in n:
-                walk(x)
-            return
-        if pred(n):
-            out.append(n)
-        if hasattr(n, "children"):
-            walk(n.children)
-
-    walk(node)
-    return out
+_find = find_components
 
 
 def _dash_verdicts(stats) -> dict[str, list[str]]:

@@ -220,18 +220,7 @@ def test_the_demo_dashboard_shows_the_study_its_models_belong_to():
     """The walkthrough found `attnres-probe demo` without the card: it passed the models, not None."""
     from attnres_probe.dashboards.cli import demo_app
 
-    layout = demo_app().layout
-    found = []
+    from helpers import find_components
 
-    def walk(n):
-        if isinstance(n, (list, tuple)):
-            for x in n:
-                walk(x)
-            return
-        if getattr(n, "id", None) == "study-v3":
-            found.append(n)
-        if hasattr(n, "children"):
-            walk(n.children)
-
-    walk(layout)
+    found = find_components(demo_app().layout, lambda n: getattr(n, "id", None) == "study-v3")
     assert found and f"What {len(_results()['seeds'])} training seed" in str(found[0].children[0].children)

@@ -10,6 +10,7 @@ from attnres_probe import ByteTokenizer, Probe, figures, metrics
 from attnres_probe.dashboards import Explorer, PromptError, callbacks, create_app
 from attnres_probe.dashboards.layout import build_layout
 from dash_helpers import NAMES, N_CTX, TEXT, make_model
+from helpers import find_components
 
 
 def token(ex, pos: int, key: str | None = None) -> dict:
@@ -188,22 +189,7 @@ def test_profiles_draw_every_model_in_one_chart(ex):
     assert {t.name for t in out["gradients"].data} == set(NAMES)
 
 
-def _find(node, pred) -> list:
-    """Every component under ``node`` for which ``pred`` holds, in document order."""
-    out = []
-
-    def walk(n):
-        if isinstance(n, (list, tuple)):
-            for x in n:
-                walk(x)
-            return
-        if pred(n):
-            out.append(n)
-        if hasattr(n, "children"):
-            walk(n.children)
-
-    walk(node)
-    return out
+_find = find_components
 
 
 def _verdicts_shown(node) -> list[str]:
