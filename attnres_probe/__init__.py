@@ -29,6 +29,9 @@ _LAZY = {
     "PretrainedError": "attnres_probe.pretrained",
     "watch": "attnres_probe.watch",
 }
+# names that hand out traces: getting one imports attnres_probe.figures too, which binds the
+# trace's figure methods (trace.heatmap(...), the Jupyter card); trace.py never imports figures
+_WITH_FIGURES = {"DepthTrace", "Probe", "watch"}
 
 __all__ = [
     "AttnResTransformer",
@@ -53,6 +56,8 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'attnres_probe' has no attribute {name!r}")
     mod = importlib.import_module(module)
+    if name in _WITH_FIGURES:
+        importlib.import_module("attnres_probe.figures")
     value = getattr(mod, name) if hasattr(mod, name) else mod  # a module named like its function gives the function
     globals()[name] = value
     return value

@@ -1,5 +1,9 @@
 """Checkpoints: ``config.json`` + ``model.safetensors`` in one directory. Never unpickles.
 
+The face of :mod:`attnres_probe.checkpoint_store`, which holds the format, the checks and the
+writer, and never imports the model (``AttnResTransformer.save``/``load`` call it directly).
+Here :func:`load_checkpoint` builds an :class:`~attnres_probe.AttnResTransformer`.
+
 Loading trusts nothing in the folder: the weights file's header (names, shapes, dtypes, byte
 ranges) is read first, with its size capped, and checked against the tensors the config asks
 for, which are listed from a model built on the meta device (no memory, no initialisation).
@@ -11,24 +15,22 @@ identical runs give byte-identical checkpoints (and equal sha256).
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
-import re
-import struct
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from torch.overrides import TorchFunctionMode
 
-from attnres_probe._version import __version__
-from attnres_probe.config import ConfigError, ModelConfig
-from attnres_probe.io import atomic_write, read_json
+from attnres_probe.checkpoint_store import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    CheckpointError,
+    load_checkpoint_as,
+    read_config,
+    read_safetensors_header,
+    save_checkpoint,
+    save_safetensors,
+)
 from attnres_probe.model import AttnResTransformer
-from attnres_probe.resources import available_memory, human_bytes
 
 __all__ = [
     "CheckpointError",
@@ -41,163 +43,10 @@ __all__ = [
     "save_safetensors",
 ]
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-FORMAT = "attnres-probe-checkpoint"
-FORMAT_VERSION = 1
-MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few hundred bytes
-MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
-# safetensors dtype -> bytes per element
-DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}
-FLOAT_DTYPES = {"F8_E4M3", "F8_E5M2", "F16", "BF16", "F32", "F64"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is missing, corrupt, or disagrees with its config."""
-
-
-def save_checkpoint(model: AttnResTransformer, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write the model's config and weights into ``directory`` (created if missing).
-
-    Args:
-        model: an AttnResTransformer.
-        directory: target folder.
-        dtype: store floating tensors in this dtype (e.g. torch.float16 for shipped demos).
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, t in model.state_dict().items():
-        t = t.detach().cpu()
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        tensors[name] = t.contiguous()
-    meta = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "attnres_probe": __version__}
-    save_safetensors(tensors, directory / WEIGHTS_FILE, metadata=meta)
-    doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "attnres_probe": __version__, "config": model.cfg.to_dict()}
-    atomic_write(directory / CONFIG_FILE, lambda p: p.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n"))
-    return directory
-
-
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` to a safetensors file atomically, with a reproducible header.
-
-    safetensors stores ``metadata`` in hash order, which changes from process to process; the
-    header is rewritten with sorted keys, so equal tensors and metadata give equal bytes. A
-    failed write (a full disk) raises an OSError with its errno, never a SafetensorError.
-    """
-
-    def write(tmp: Path) -> None:
-        try:
-            save_file(tensors, str(tmp), metadata=metadata)
-        except SafetensorError as exc:
-            code = re.search(r"os error (\d+)", str(exc))
-            raise OSError(int(code.group(1)) if code else 5, str(exc), str(tmp)) from None
-        _sort_header(tmp)
-
-    atomic_write(path, write)
-
-
-def _sort_header(path: Path) -> None:
-    """Rewrite a safetensors header in place with sorted keys (same length, padded with spaces)."""
-    with open(path, "r+b") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-        if len(text) > n:  # cannot happen (same keys and values), but never write past the header
-            return
-        f.seek(8)
-        f.write(text + b" " * (n - len(text)))
-
-
-def read_safetensors_header(path: str | Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
-    """The tensors a safetensors file holds, read from its header alone: ``{name: (dtype, shape)}``, metadata.
-
-    Checks that the header is at most 100 MB and fits in the file, that every tensor has a
-    known dtype, a shape of non-negative integers, and a byte range inside the file exactly as
-    long as its shape and dtype need. Nothing else is read.
-
-    Raises:
-        CheckpointError: the first violation, in one line.
-    """
-    path = Path(path)
-
-    def bad(detail: str) -> CheckpointError:
-        return CheckpointError(f"{path} is not a readable safetensors file ({detail})")
-
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise bad(f"{size} bytes: too short for the 8-byte header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(MAX_HEADER_BYTES, size - 8):
-                raise bad(f"header length {n} does not fit in a file of {size} bytes")
-            raw = f.read(n)
-    except OSError as exc:
-        raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc})") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise bad(f"its header is not JSON: {type(exc).__name__}") from None
-    if not isinstance(header, dict):
-        raise bad("its header is not a JSON object")
-    data_len = size - 8 - n
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise bad("__metadata__ is not a map of strings")
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for name, info in header.items():
-        if not isinstance(info, dict):
-            raise bad(f"tensor {name!r} has no dtype/shape/data_offsets entry")
-        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in DTYPE_SIZES:
-            raise bad(f"tensor {name!r} has an unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise bad(f"tensor {name!r} has shape {shape!r}, not a list of non-negative integers")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1] <= data_len
-            or offsets[1] - offsets[0] != math.prod(shape) * DTYPE_SIZES[dtype]
-        ):
-            raise bad(f"tensor {name!r} has byte range {offsets!r}, which does not fit its shape {shape} and the file")
-        out[name] = (dtype, tuple(shape))
-    return out, metadata
-
-
-def read_config(directory: str | Path) -> ModelConfig:
-    """The validated ModelConfig stored in a checkpoint directory."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"checkpoint directory {directory} does not exist")
-    cfg_path = directory / CONFIG_FILE
-    if not cfg_path.exists():
-        raise CheckpointError(f"{cfg_path} is missing: a checkpoint holds {CONFIG_FILE} and {WEIGHTS_FILE}")
-    doc = read_json(cfg_path, CheckpointError, max_bytes=MAX_CONFIG_BYTES)
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or "config" not in doc:
-        raise CheckpointError(f"{cfg_path} is not an attnres-probe checkpoint config (no 'format'/'config' keys)")
-    version = doc.get("format_version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise CheckpointError(f"{cfg_path} has format_version {version!r}; a checkpoint's version is an integer >= 1")
-    if version > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{cfg_path} has format_version {version!r}; this toolkit reads versions up to "
-            f"{FORMAT_VERSION} (upgrade attnres-probe)"
-        )
-    try:
-        return ModelConfig.from_dict(doc["config"])
-    except (ConfigError, TypeError) as exc:
-        raise CheckpointError(f"{cfg_path}: invalid config: {exc}") from None
-
 
 def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", **model_kwargs: Any) -> AttnResTransformer:
-    """Build the model from ``config.json`` and load ``model.safetensors`` into it.
+    """Build the model from ``config.json`` and load ``model.safetensors`` into it
+    (:func:`~attnres_probe.checkpoint_store.load_checkpoint_as`; the same as ``AttnResTransformer.load``).
 
     The weights file's header is checked against the config before anything is built (see the
     module docstring); floating tensors stored in another dtype (fp16 demos) are cast to the
@@ -207,124 +56,4 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", *
         CheckpointError: naming the first missing, unexpected or mis-shaped tensor, the
             unreadable file, or a size this machine cannot hold.
     """
-    directory = Path(directory)
-    cfg = read_config(directory)
-    w_path = directory / WEIGHTS_FILE
-    if not w_path.exists():
-        raise CheckpointError(f"{w_path} is missing")
-    if not w_path.is_file():
-        raise CheckpointError(f"{w_path} is not a regular file")
-    held, _ = read_safetensors_header(w_path)
-    _check_unstored_sizes(cfg, w_path)
-    expected = _expected_tensors(cfg, held, w_path)
-    for name, (shape, dtype) in expected.items():
-        if name not in held:
-            raise CheckpointError(
-                f"{w_path} has no tensor {name!r}, which the config (residual={cfg.residual!r}, "
-                f"n_layers={cfg.n_layers}) requires"
-            )
-        if held[name][1] != shape:
-            raise CheckpointError(f"tensor {name!r} in {w_path} has shape {held[name][1]}; the config needs {shape}")
-        if (held[name][0] in FLOAT_DTYPES) != dtype.is_floating_point:
-            raise CheckpointError(f"tensor {name!r} in {w_path} has dtype {held[name][0]}; expected {dtype}")
-    extra = sorted(set(held) - set(expected))
-    if extra:
-        raise CheckpointError(
-            f"{w_path} has tensor {extra[0]!r} that the config (residual={cfg.residual!r}, n_layers={cfg.n_layers}) "
-            "does not define"
-        )
-    try:
-        tensors = load_file(str(w_path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"{w_path} is not a readable safetensors file ({exc})") from None
-    model = AttnResTransformer(cfg, **model_kwargs)
-    state = model.state_dict()
-    model.load_state_dict({k: v.to(state[k].dtype) for k, v in tensors.items()})
-    return model.to(device)
-
-
-_CPU_FACTORIES = {torch.arange, torch.zeros, torch.ones}
-
-
-class _NoInit(TorchFunctionMode):
-    """Skip in-place initialisers (``normal_``, ``zero_``, ``kaiming_uniform_`` ...) on meta tensors.
-
-    On the meta device they compute nothing, but dispatching them loads torch's compiler stack
-    (about 2 s, once per process); the shapes are all a meta model is built for. For the same
-    reason ``arange``, ``zeros`` and ``ones`` (norm gains, zero queries: vectors as long as
-    d_model, already bounded by the file) are made on the CPU.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _CPU_FACTORIES and "device" not in kwargs:  # small tables (bounded by the file's sizes)
-            return func(*args, **kwargs, device="cpu")  # whose meta versions are decomposed (the same 2 s)
-        name = getattr(func, "__name__", "")
-        if name.endswith("_") and not name.endswith("__"):
-            target = args[0] if args else kwargs.get("tensor")
-            if isinstance(target, torch.Tensor) and target.is_meta:
-                return target
-        return func(*args, **kwargs)
-
-
-def _meta_state(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """``{name: (shape, dtype)}`` of the state dict of a model of ``cfg``, built on the meta device.
-
-    Sinusoidal positions are a table the file does not hold: it is built for one position only.
-    """
-    if cfg.positional == "sinusoidal":
-        cfg = dataclasses.replace(cfg, n_ctx=1)
-    try:
-        with torch.device("meta"), _NoInit():
-            model = AttnResTransformer(cfg)
-    except (RuntimeError, ValueError, OverflowError) as exc:  # sizes beyond what a tensor can describe
-        raise CheckpointError(f"the config describes tensors that cannot exist ({exc})") from None
-    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
-
-
-def _expected_tensors(
-    cfg: ModelConfig, held: dict[str, Any], w_path: Path
-) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The tensors ``cfg`` asks for; refused early when there are far more of them than the file holds.
-
-    The count per transformer block comes from meta models of one and two blocks, so a config
-    asking for a million blocks is refused without building a million modules.
-    """
-    def count(n_layers: int) -> int:
-        return len(_meta_state(dataclasses.replace(cfg, n_layers=n_layers, block_size=None, block_boundaries=None)))
-
-    if not held:
-        raise CheckpointError(f"{w_path} holds no tensors; a checkpoint's weights file holds every tensor of the model")
-    largest = max(math.prod(shape) for _, shape in held.values())
-    sizes = {"d_model": cfg.d_model, "d_vocab": cfg.d_vocab, "d_mlp": cfg.d_mlp, "n_heads * d_head": cfg.n_heads * cfg.d_head}
-    if cfg.positional == "learned":
-        sizes["n_ctx"] = cfg.n_ctx
-    for what, size in sizes.items():
-        if size > largest:  # every one of these is a dimension of some tensor the file must hold
-            raise CheckpointError(
-                f"the config's {what}={size} is larger than any tensor in {w_path} (the largest holds {largest} "
-                "values): config.json does not belong to these weights"
-            )
-    one, two = count(1), count(2)
-    per_block, base = two - one, 2 * one - two
-    need = base + per_block * cfg.n_layers
-    if need > 2 * len(held) + 64:
-        fits = f" (a model of n_layers={(len(held) - base) // per_block})" if per_block and len(held) > base else ""
-        raise CheckpointError(
-            f"the config (n_layers={cfg.n_layers}) needs {need} tensors; {w_path} holds {len(held)}{fits}: "
-            "config.json does not belong to these weights"
-        )
-    return _meta_state(cfg)
-
-
-def _check_unstored_sizes(cfg: ModelConfig, w_path: Path) -> None:
-    """Refuse a buffer the file does not hold (sinusoidal positions: n_ctx x d_model) larger than memory."""
-    if cfg.positional != "sinusoidal":
-        return
-    need = 4 * cfg.n_ctx * cfg.d_model
-    avail = available_memory()
-    if avail is not None and need > avail // 2:
-        raise CheckpointError(
-            f"the config's sinusoidal position table (n_ctx={cfg.n_ctx} x d_model={cfg.d_model}) needs "
-            f"{human_bytes(need)}; this machine has {human_bytes(avail)} available ({w_path.parent})"
-        )
+    return load_checkpoint_as(AttnResTransformer, directory, device=device, **model_kwargs)

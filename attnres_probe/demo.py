@@ -22,7 +22,6 @@ steps: ``attnres-probe demo-models --seed 1 --steps 2000 --out study_models/seed
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import time
@@ -35,10 +34,8 @@ import torch
 
 from attnres_probe.config import ModelConfig
 from attnres_probe.io import atomic_write
-from attnres_probe.kernels import BACKENDS
 from attnres_probe.model import AttnResTransformer
 from attnres_probe.tokenizer import ByteTokenizer
-from attnres_probe.validate import arg_range
 
 __all__ = ["DEMO_MODEL", "DEMO_NAMES", "DEMO_TRAIN", "build_demo_models", "demo_dir", "demo_validation_batches", "demo_validation_documents", "load_demo"]
 
@@ -226,80 +223,3 @@ def ship_run(run_dir: str | Path, dest: str | Path, backend: str | None = None, 
     shutil.rmtree(dest, ignore_errors=True)
     staging.rename(dest)
     return val_loss
-
-
-def add_demo_models_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "demo-models",
-        help="regenerate the bundled demo models (PreNorm, Full, Block)",
-        description="Train the three demo models with identical settings and write them as fp16 safetensors.",
-    )
-    p.add_argument("--out", default="attnres_probe/demo_models", help="destination folder (default: %(default)s)")
-    p.add_argument("--only", nargs="+", choices=DEMO_NAMES, default=list(DEMO_NAMES), help="build only these")
-    p.add_argument("--threads", type=arg_range("int", 1, 256), default=DEMO_THREADS, help="torch CPU threads (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=None, help="another step count (the study's 2000, or a smoke run)")
-    p.add_argument("--seed", type=int, default=0, help="model and run seed (default: %(default)s, the shipped models)")
-    p.add_argument("--work", default=".demo-work", metavar="DIR",
-                   help="resumable run folders; rerunning the command continues unfinished runs (default: %(default)s)")
-    p.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default="numba",
-        help="depth-attention backend; the shipped models (study v3's seed 0) were trained with Numba at one thread "
-             "(default: %(default)s)",
-    )
-    p.add_argument("--from-runs", metavar="DIR",
-                   help="ship finished runs instead of training: DIR/<name>/seed<seed> (e.g. docs/study/v3/runs, whose "
-                        "seed 0 the shipped models are)")
-    p.set_defaults(func=_run_demo_models)
-    return p
-
-
-def _built_steps(folder: Path) -> int | None:
-    """The step count of the demo model built in ``folder`` (shipped or rebuilt), or None if there is none."""
-    try:
-        steps = json.loads((folder / "train_log.json").read_text())["train_config"]["steps"]
-        return int(steps)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _run_demo_models(args: argparse.Namespace) -> int:
-    from attnres_probe.cli import UserError
-
-    if args.steps is not None and args.steps < 1:
-        raise UserError(f"--steps is {args.steps}; it must be a positive step count")
-    steps = args.steps or DEMO_TRAIN["steps"]
-    longer = {n: k for n in args.only if (k := _built_steps(Path(args.out) / n)) is not None and k > steps}
-    if longer:
-        held = ", ".join(f"{n}: {k} steps" for n, k in longer.items())
-        raise UserError(
-            f"--steps {steps} trains shorter models than --out {args.out} holds ({held}), which they would replace: "
-            "give --out a folder of your own"
-        )
-    overrides = {}
-    if args.steps:  # the demo recipe at another length: saves and probes as often, while the run is long enough
-        overrides = {"steps": args.steps, "warmup_steps": min(DEMO_TRAIN["warmup_steps"], args.steps // 10)}
-        for key in ("eval_every", "probe_every"):
-            if DEMO_TRAIN[key] > args.steps:
-                overrides[key] = 0
-    if args.seed < 0:
-        raise UserError(f"--seed is {args.seed}; it must be 0 or more")
-    if args.from_runs:
-        losses = {}
-        for name in args.only:
-            run = Path(args.from_runs) / name / f"seed{args.seed}"
-            if not (run / "train_log.json").is_file():
-                raise UserError(f"--from-runs {args.from_runs}: {run} holds no training run (train_log.json)")
-            try:
-                losses[name] = ship_run(run, Path(args.out) / name, backend=args.backend, threads=args.threads)
-            except ValueError as exc:
-                raise UserError(str(exc)) from None
-        for name, loss in losses.items():
-            print(f"{name:8s} val loss of the fp16 weights {loss:.4f}  -> {Path(args.out) / name}")
-        return 0
-    losses = build_demo_models(args.out, tuple(args.only), threads=args.threads, backend=args.backend, seed=args.seed,
-                               work=args.work, **overrides)
-    for name, loss in losses.items():
-        print(f"{name:8s} val loss of the fp16 weights {loss:.4f}  -> {Path(args.out) / name}")
-    return 0

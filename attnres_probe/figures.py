@@ -1,7 +1,8 @@
 """Every chart of attnres-probe, built once here (plotly ``graph_objects``).
 
-The notebook API (``DepthTrace.heatmap`` etc.), the Dash dashboard and the HTML reports all
-call these functions; nobody draws the same chart twice.
+The notebook API (``DepthTrace.heatmap`` etc., bound onto DepthTrace at the end of this
+module), the Dash dashboard and the HTML reports all call these functions; nobody draws the same
+chart twice.
 
 Conventions shared by every chart:
 
@@ -74,13 +75,12 @@ LOGIT_COLORSCALE = DIVERGING_COLORSCALE
 COLORSCALES = {"weights": WEIGHT_COLORSCALE, "contrib": DIVERGING_COLORSCALE, "logits": DIVERGING_COLORSCALE}
 # the UI control a blank PreNorm panel points to (dashboard radio and report select say the same words)
 CONTRIB_CONTROL = "colour by: contribution share"
-PRENORM_NOTES = {
-    "weights": "PreNorm adds every source with weight 1:<br>no routing to colour here.<br>"
-               f"Choose “{CONTRIB_CONTROL}”<br>to compare it with AttnRes.",
+PRENORM_NOTES = {  # PreNorm's weights are drawn: its implied weights 1/k (see implied_weights)
     "logits": "PreNorm has no depth logits<br>(every source has weight 1).<br>"
               f"Choose “{CONTRIB_CONTROL}”<br>to compare it with AttnRes.",
 }
 KIND_TITLES = {"weights": "depth weight α", "logits": "depth logit z", "contrib": "contribution share c"}
+IMPLIED_TITLE = "implied weight 1/k"  # PreNorm's weights: every source added with weight 1, normalised
 BASELINE_COLOR = "#7F7F7F"  # PreNorm
 # fixed colours for the three residual modes' default names; other names take MODEL_PALETTE in order
 FIXED_COLORS = {"prenorm": BASELINE_COLOR, "full": "#1F77B4", "block": "#FF7F0E"}
@@ -129,7 +129,25 @@ def cell_values(trace: DepthTrace, expanded: bool, index: tuple | None = None) -
             arr = arr[index]
         arr = np.asarray(arr, dtype=np.float64)
         out[k] = np.where(np.isinf(arr), np.nan, arr)  # -inf logit padding = unavailable
+    if trace.residual == "prenorm":
+        out["weights"] = implied_weights(out["weights"])
     return out, list(labels)
+
+
+def implied_weights(coefficients: np.ndarray) -> np.ndarray:
+    """PreNorm's implied weights: its coefficients (all one) over their sum in each read, 1/k for the
+    k sources a read sees (NaN where it sees none). Every consumer of a read is an RMSNorm, so the
+    sum and this uniform mixture are the same input: these are the weights AttnRes is compared with."""
+    c = np.asarray(coefficients, dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return c / np.nansum(c, axis=-1, keepdims=True)
+
+
+def kind_title(trace, kind: str) -> str:
+    """The coloured value's name for ``trace``: PreNorm's weights are its implied weights, 1/k."""
+    if kind == "weights" and getattr(trace, "residual", None) == "prenorm":
+        return IMPLIED_TITLE
+    return KIND_TITLES[kind]
 
 
 def show_token(tok: str) -> str:
@@ -153,19 +171,26 @@ def _color_range(kind: str, z: np.ndarray) -> dict:
 TICK_PX = 14  # one token tick per this many pixels (plus the label's width)
 
 
-def token_ticks(tokens: Sequence[str], plot_px: int = 300, start: int = 0) -> tuple[list[int], list[str]]:
+def source_tickangle(n_labels: int) -> int:
+    """The source axis's label angle: flat for up to 8 sources, upright past that (a panel a third of a
+    page wide gives each of 17 sources about 15 px, less than a slanted label's box needs)."""
+    return 0 if n_labels <= 8 else -90
+
+
+def token_ticks(tokens: Sequence[str], plot_px: int = 300, start: int = 0,
+                positions: bool = False) -> tuple[list[int], list[str]]:
     """Tick positions and labels for a token axis that stay legible at any length.
 
     At most one tick per ``TICK_PX`` pixels plus the widest label (labels cut to 6 characters) on
     a plot ``plot_px`` wide; every ``step``-th token, ``step`` a 1-2-5 number. The hover still names
-    every token.
+    every token. ``positions``: each label is two lines, the token's position over its text.
     """
     shown = [show_token(t) for t in tokens]
     shown = [t if len(t) <= 6 else t[:5] + "…" for t in shown]
     n = len(shown)
     if n == 0:
         return [], []
-    width = TICK_PX + 7 * max(len(t) for t in shown)
+    width = TICK_PX + 7 * max(max(len(t) for t in shown), len(str(n + start)) if positions else 0)
     room = max(1, plot_px // width)
     step = 1
     for cand in (1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 5000, 10000):
@@ -173,7 +198,8 @@ def token_ticks(tokens: Sequence[str], plot_px: int = 300, start: int = 0) -> tu
         if math.ceil(n / cand) <= room:
             break
     vals = list(range(0, n, step))
-    return [v + start for v in vals], [shown[v] for v in vals]
+    text = [f"{v + start}<br>{shown[v]}" if positions else shown[v] for v in vals]
+    return [v + start for v in vals], text
 
 
 def _title(parts: Sequence[str]) -> str:
@@ -201,6 +227,22 @@ def _title_layout(parts: Sequence[str]) -> dict:
 def _title_margin(parts: Sequence[str]) -> dict:
     """The top margin that holds a :func:`_title_layout` title of ``parts`` with a gap above the plot."""
     return {"t": TITLE_PAD_PX + TITLE_LINE_PX * len(parts) + 20}
+
+
+COMPACT_ROW_PX = 14  # one read's row in a compact heatmap (a page's first screen)
+
+
+def compact(fig: go.Figure, drop_first: bool = True) -> go.Figure:
+    """A reads x sources heatmap made to fit a page's first screen: its title on one line (without
+    the model's name, which the page's panel already shows, when ``drop_first``) and rows of
+    :data:`COMPACT_ROW_PX`. The title's parts stay in ``layout.meta["title_parts"]``."""
+    parts = list((fig.layout.meta or {}).get("title_parts") or [fig.layout.title.text or ""])
+    shown = parts[1:] if drop_first and len(parts) > 1 else parts
+    line = [" · ".join(shown)]
+    n_rows = len(fig.data[0].y) if fig.data and fig.data[0].y is not None else 0
+    fig.update_layout(title=_title_layout(line), margin=_title_margin(line),
+                      height=max(280, COMPACT_ROW_PX * n_rows + 110 + TITLE_LINE_PX))
+    return fig
 
 
 def _read_block_lines(trace: DepthTrace) -> list[dict]:
@@ -267,13 +309,6 @@ def _axis_key(axis: str) -> str:
     return f"{axis[0]}axis{axis[1:]}"
 
 
-def _blank_prenorm(trace, kind: str, z: np.ndarray) -> np.ndarray:
-    """PreNorm's weights are all one (nothing to colour): the panel stays blank with a note."""
-    if kind == "weights" and getattr(trace, "residual", None) == "prenorm":
-        return np.full_like(z, np.nan, dtype=np.float64)
-    return z
-
-
 def _empty_note(trace: DepthTrace, kind: str, z: np.ndarray) -> list[dict]:
     if np.isfinite(z).any():
         return []
@@ -289,7 +324,7 @@ def _cell_heatmap(
 ) -> go.Figure:
     """Reads x sources heatmap of ``cells[kind]`` ([R, S']), hover = weight, logit, contrib;
     ``parts`` = the title's lines (name, what, kind)."""
-    z = _blank_prenorm(trace, kind, cells[kind])
+    z = cells[kind]
     custom = np.stack([cells[k] for k in _KINDS], axis=-1)  # (R, S', 3)
     heat = go.Heatmap(
         z=z,
@@ -312,7 +347,7 @@ def _cell_heatmap(
         annotations=notes,
         plot_bgcolor="white",
         height=max(320, 24 * len(trace.read_labels) + 120 + 20 * len(parts)),
-        xaxis={"title": {"text": "source"}, "showgrid": False, "tickangle": -45 if len(labels) > 8 else 0},
+        xaxis={"title": {"text": "source"}, "showgrid": False, "tickangle": source_tickangle(len(labels))},
         yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
     ))
 
@@ -343,7 +378,7 @@ def token_heatmap(
     pos = trace.token_index(token, batch)
     cells, labels = cell_values(trace, expanded, index=(batch, pos))
     tok = trace.str_tokens[batch][pos] if pos < len(trace.str_tokens[batch]) else ""
-    parts = [trace.name, f"token {pos} {tok!r} (sequence {batch})", KIND_TITLES[kind]]
+    parts = [trace.name, f"token {pos} {tok!r} (sequence {batch})", kind_title(trace, kind)]
     return _cell_heatmap(trace, cells, labels, kind, parts, expanded)
 
 
@@ -359,7 +394,7 @@ def mean_heatmap(trace: DepthTrace, kind: str = "weights", expanded: bool = Fals
     _check_kind(kind)
     cells, labels = cell_values(trace, expanded)
     cells = {k: token_mean(v[trace.mask]) for k, v in cells.items()}
-    parts = [trace.name, f"mean over {trace.n_tokens} tokens", KIND_TITLES[kind]]
+    parts = [trace.name, f"mean over {trace.n_tokens} tokens", kind_title(trace, kind)]
     return _cell_heatmap(trace, cells, labels, kind, parts, expanded)
 
 
@@ -390,7 +425,7 @@ def source_heatmap(
     n = int(trace.mask[batch].sum())
     cells, _ = cell_values(trace, expanded=False)
     cells = {k: v[batch, :n, :, s].T for k, v in cells.items()}  # (R, n)
-    z = _blank_prenorm(trace, kind, cells[kind])
+    z = cells[kind]
     toks = list(trace.str_tokens[batch][:n]) + [""] * max(0, n - len(trace.str_tokens[batch]))
     compact = n > COMPACT_TOKENS if compact is None else compact
     categories = None
@@ -401,7 +436,7 @@ def source_heatmap(
         categories = [f"{i} {t!r}" for i, t in enumerate(toks)]
         heat = go.Heatmap(
             z=z.astype(np.float32), x=categories, y=trace.read_labels,
-            hovertemplate=f"token %{{x}}<br>read %{{y}}<br>{KIND_TITLES[kind]} %{{z:.4~g}}<extra></extra>",
+            hovertemplate=f"token %{{x}}<br>read %{{y}}<br>{kind_title(trace, kind)} %{{z:.4~g}}<extra></extra>",
         )
     else:
         text = np.tile(np.asarray([repr(t) for t in toks], dtype=object), (z.shape[0], 1))
@@ -411,8 +446,8 @@ def source_heatmap(
         )
     heat.update(hoverongaps=False, colorscale=COLORSCALES[kind], colorbar={"title": {"text": kind}}, **_color_range(kind, z))
     label = trace.source_labels[s]
-    parts = [trace.name, f"source {label} at every token (sequence {batch})", KIND_TITLES[kind]]
-    tickvals, ticktext = token_ticks(toks, plot_px)
+    parts = [trace.name, f"source {label} at every token (sequence {batch})", kind_title(trace, kind)]
+    tickvals, ticktext = token_ticks(toks, plot_px, positions=True)
     if categories is not None:
         tickvals = [categories[v] for v in tickvals]
     return go.Figure(data=[heat], layout=dict(
@@ -593,7 +628,7 @@ def difference_heatmap(
         annotations=[] if np.isfinite(z).any() else [_note("no cell is available to both models")],
         height=max(320, 24 * len(trace.read_labels) + 120 + 20 * len(parts)),
         xaxis={"title": {"text": "source (block)" if axis is not None else "source (sublayer)"}, "showgrid": False,
-               "tickangle": -45 if len(labels) > 8 else 0},
+               "tickangle": source_tickangle(len(labels))},
         yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
     ))
 
@@ -872,7 +907,7 @@ def corpus_heatmap(stats, kind: str = "weights", name: str | None = None, value:
     differently from one made of 0s and 1s. Unavailable cells stay blank.
 
     Args:
-        stats: a :class:`~attnres_probe.stats.CorpusStats`.
+        stats: a :class:`~attnres_probe.corpus.stats.CorpusStats`.
         kind: ``"weights"`` | ``"contrib"`` | ``"logits"``.
         name: the model's label (default ``stats.name``).
         value: ``"mean"`` colours the mean; ``"sd"`` colours the standard deviation over tokens
@@ -888,6 +923,8 @@ def corpus_heatmap(stats, kind: str = "weights", name: str | None = None, value:
     key = {"weights": "depth_weights", "contrib": "contrib", "logits": "logits"}[kind]
     mean = np.asarray(stats.mean(key), np.float64)
     mean = np.where(np.isinf(mean), np.nan, mean)
+    if trace.residual == "prenorm" and kind == "weights":
+        mean = implied_weights(mean)  # coefficients all one: the implied weights 1/k (their sd over tokens is 0)
     sd = np.sqrt(np.asarray(stats.var(key), np.float64))
     count = np.asarray(stats.stats[key].count, np.float64)
     name = name or stats.name
@@ -906,16 +943,14 @@ def corpus_heatmap(stats, kind: str = "weights", name: str | None = None, value:
             colorbar={"title": {"text": kind if value == "mean" else "sd"}}, **colors,
         )
     )
-    if value == "mean":
-        fig.data[0].z = z = _blank_prenorm(trace, kind, z)
     notes = _empty_note(trace, kind, z)
     parts = [name, f"{'mean' if value == 'mean' else 'sd'} over {stats.n_tokens} tokens in {stats.n_windows} windows",
-             KIND_TITLES[kind]]
+             kind_title(trace, kind)]
     fig.update_layout(
         title=_title_layout(parts), meta={"title_parts": parts}, margin=_title_margin(parts),
         shapes=_read_block_lines(trace), annotations=notes, plot_bgcolor="white",
         height=max(320, 24 * len(trace.read_labels) + 120 + 20 * len(parts)),
-        xaxis={"title": {"text": "source"}, "showgrid": False, "tickangle": -45 if len(trace.source_labels) > 8 else 0},
+        xaxis={"title": {"text": "source"}, "showgrid": False, "tickangle": source_tickangle(len(trace.source_labels))},
         yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
     )
     return fig
@@ -1192,7 +1227,25 @@ OVER_TRAINING_ROWS = (
     ("entropy", "routing entropy (1 = uniform)"),
     ("rms_in", "RMS of the mixed input"),
 )
-SHARE_ROWS = ("recent_mass", "entropy")  # read from contribution shares where a run has no weights (PreNorm)
+SHARE_ROWS = ("recent_mass", "entropy")  # with the embedding weight: PreNorm's implied values where a history lacks them
+
+
+def over_training_shown(n_reads: int) -> list[int]:
+    """The reads drawn at first in :func:`over_training` (the others one legend click away): the
+    first, a middle and the last layer's attention read, the last MLP read and the final read."""
+    last = n_reads - 1
+    picks = [0, 2 * ((last // 2) // 2), max(0, last - 2), max(0, last - 1), last]
+    return sorted(set(picks))
+
+
+def _implied_row(key: str, n_reads: int) -> np.ndarray:
+    """PreNorm's value of an over-training routing row at each read: read r sees k = r + 1 sources with
+    weight 1/k each (the embedding and the most recent source both get 1/k; the entropy of a uniform
+    mixture is 1, undefined where k = 1)."""
+    k = np.arange(1, n_reads + 1, dtype=float)
+    if key == "entropy":
+        return np.where(k > 1, 1.0, np.nan)
+    return 1.0 / k
 
 
 def over_training(histories: dict[str, Sequence[dict]], read_labels: Sequence[str] | None = None) -> go.Figure:
@@ -1205,10 +1258,11 @@ def over_training(histories: dict[str, Sequence[dict]], read_labels: Sequence[st
 
     Returns:
         Figure: rows = embedding weight, recent-source mass, entropy, mixed-input RMS (one line
-        per read, early reads light, late reads dark), and the gradient spread (the CV of the
-        per-read gradient norms, one line); columns = runs. PreNorm has no routing weights: its
-        weight row says so instead of drawing a constant, and its recent-mass and entropy rows,
-        read from its contribution shares (as the metrics read PreNorm), say that.
+        per read: one colour per layer, its MLP read dotted, the final read black; the reads of
+        :func:`over_training_shown` drawn, the others one legend click away), and the gradient
+        spread (the CV of the per-read gradient norms, one line); columns = runs. PreNorm's routing
+        rows are its implied weights, 1/k (a history recorded before the probes measured them
+        gets them drawn from the reads' source counts, with a note).
     """
     names = list(histories)
     if not names:
@@ -1229,7 +1283,13 @@ def over_training(histories: dict[str, Sequence[dict]], read_labels: Sequence[st
         n_reads = len(hist[0]["rms_in"])
         labels = list(read_labels) if read_labels is not None and len(read_labels) == n_reads else [
             *(f"L{i // 2}.{'attn' if i % 2 == 0 else 'mlp'}" for i in range(n_reads - 1)), "final"]
-        shades = pc.sample_colorscale("Viridis", [0.9 - 0.8 * r / max(1, n_reads - 1) for r in range(n_reads)])
+        n_layers = max(1, (n_reads - 1) // 2)
+        # one colour per layer (its attention and MLP reads share it; the MLP's line is dotted), the final read black:
+        # 8 layers give 8 distinct shades where 17 reads in one ramp looked alike
+        shades = pc.sample_colorscale("Turbo", [0.05 + 0.9 * li / max(1, n_layers - 1) for li in range(n_layers)])
+        styles = [{"color": shades[min(r // 2, n_layers - 1)], "dash": "solid" if r % 2 == 0 else "dot", "width": 1.6}
+                  for r in range(n_reads - 1)] + [{"color": "#111", "dash": "solid", "width": 2.4}]
+        shown = set(over_training_shown(n_reads))
         no_weights = not any(v is not None and np.isfinite(v) for h in hist for v in h.get("embed_weight") or [])
         for rw, (key, title) in enumerate(rows, start=1):
             if key == "act_grad_cv":
@@ -1240,16 +1300,21 @@ def over_training(histories: dict[str, Sequence[dict]], read_labels: Sequence[st
                 values = np.array([[np.nan if v is None else v for v in h[key]] for h in hist], dtype=float)  # (steps, R)
                 k = (rw - 1) * len(names) + c
                 ref = {"xref": f"x{'' if k == 1 else k} domain", "yref": f"y{'' if k == 1 else k} domain"}
+                if key in SHARE_ROWS + ("embed_weight",) and no_weights:
+                    # a history recorded before the probes measured PreNorm's implied weights: draw them (read r sees
+                    # r + 1 sources, each with weight 1/(r + 1); its entropy is that of the uniform mixture, 1)
+                    values = np.tile(_implied_row(key, n_reads), (len(hist), 1))
+                    if key == "embed_weight":
+                        fig.add_annotation(text="PreNorm: implied weights 1/k (every source added with weight 1)",
+                                           x=0.5, y=1.0, yanchor="bottom", showarrow=False,
+                                           font={"color": "#777", "size": 10}, **ref)
                 if not np.isfinite(values).any():
-                    fig.add_annotation(text="no routing weights (PreNorm)" if key != "rms_in" else "not recorded",
-                                       x=0.5, y=0.5, showarrow=False, font={"color": "#777"}, **ref)
-                elif key in SHARE_ROWS and no_weights:  # PreNorm: these rows read its contribution shares
-                    fig.add_annotation(text="of contribution shares (no weights)", x=0.5, y=1.0, yanchor="bottom",
-                                       showarrow=False, font={"color": "#777", "size": 10}, **ref)
+                    fig.add_annotation(text="not recorded", x=0.5, y=0.5, showarrow=False, font={"color": "#777"}, **ref)
                 for r in range(n_reads):
                     fig.add_trace(go.Scatter(
-                        x=steps, y=values[:, r], mode="lines", line={"color": shades[r], "width": 1.5},
+                        x=steps, y=values[:, r], mode="lines", line=styles[r],
                         name=labels[r], legendgroup=labels[r], showlegend=(rw == 1 and c == 1),
+                        visible=True if r in shown else "legendonly",
                         hovertemplate=f"{html.escape(labels[r])}<br>step %{{x}}<br>%{{y:.3f}}<extra>{html.escape(name)}</extra>",
                     ), row=rw, col=c)
             if c == 1:
@@ -1258,5 +1323,59 @@ def over_training(histories: dict[str, Sequence[dict]], read_labels: Sequence[st
     fig.update_layout(height=190 * len(rows) + 120,
                       title={"text": "Routing over training<br><span style='font-size:12px'>each line one read's mean over the "
                                      "held-out probe windows of one run (no interval); the same y scale in every column</span>"},
-                      plot_bgcolor="white", legend={"title": {"text": "read"}})
+                      plot_bgcolor="white",
+                      legend={"title": {"text": "read<br><span style='font-size:11px'>click: show or hide<br>"
+                                                "double-click: only this one</span>"}, "groupclick": "togglegroup"})
     return fig
+
+
+# -- DepthTrace's notebook methods ------------------------------------------------------------
+# trace.py is the record and never imports this module; the conveniences that README.md shows
+# (``trace.heatmap(token=5)``, ``trace.mean_heatmap()``, the Jupyter card) are bound onto the
+# class here, when this module is imported (the package's ``attnres_probe.DepthTrace`` and
+# ``attnres_probe.Probe`` import it). Each one calls the function of this module named in
+# ``attnres_probe.trace.PLOT_METHODS``.
+def _heatmap_method(self: DepthTrace, token: int = 0, batch: int = 0, kind: str = "weights", expanded: bool = False) -> go.Figure:
+    """Per-token depth heatmap (reads x sources) as a plotly Figure (:func:`attnres_probe.figures.token_heatmap`)."""
+    return token_heatmap(self, token=token, batch=batch, kind=kind, expanded=expanded)
+
+
+def _mean_heatmap_method(self: DepthTrace, kind: str = "weights", expanded: bool = False) -> go.Figure:
+    """Mean depth heatmap over tokens as a plotly Figure (:func:`attnres_probe.figures.mean_heatmap`)."""
+    return mean_heatmap(self, kind=kind, expanded=expanded)
+
+
+def _source_heatmap_method(self: DepthTrace, source: int | str = 0, batch: int = 0, kind: str = "weights") -> go.Figure:
+    """Token x read heatmap of one source's weight (source 0: embedding retention per token;
+    :func:`attnres_probe.figures.source_heatmap`)."""
+    return source_heatmap(self, source=source, batch=batch, kind=kind)
+
+
+def _magnitudes_method(self: DepthTrace) -> go.Figure:
+    """RMS of mixed inputs and sublayer outputs by depth, as a plotly Figure (:func:`attnres_probe.figures.magnitudes`)."""
+    return magnitudes([self])
+
+
+def _gradients_method(self: DepthTrace) -> go.Figure:
+    """Gradient norms by depth (per-token at mixed inputs, and per sublayer's parameters;
+    :func:`attnres_probe.figures.gradient_norms`)."""
+    return gradient_norms([self])
+
+
+def _repr_html_method(self: DepthTrace) -> str:
+    """The trace's summary card in Jupyter (:func:`attnres_probe.figures.trace_summary_html`)."""
+    return trace_summary_html(self)
+
+
+TRACE_METHODS = {
+    "heatmap": _heatmap_method,
+    "mean_heatmap": _mean_heatmap_method,
+    "source_heatmap": _source_heatmap_method,
+    "magnitudes": _magnitudes_method,
+    "gradients": _gradients_method,
+    "_repr_html_": _repr_html_method,
+}
+for _name, _method in TRACE_METHODS.items():
+    _method.__name__, _method.__qualname__ = _name, f"DepthTrace.{_name}"
+    setattr(DepthTrace, _name, _method)
+del _name, _method

@@ -4,8 +4,9 @@ Only the standard library: a module that writes a file does not pay for torch to
 
 - :func:`atomic_write`: one file, replaced by a rename (readers see the old or the new file).
 - :func:`exclusive_lock`: one writer per destination; a second one is refused at once.
-- :func:`write_directory`: a folder written beside its destination and swapped in (with
-  :func:`clear_leftovers` for what a killed save left).
+- :func:`write_directory`: the one folder writer (traces, corpus stats, checkpoints): locked,
+  written beside its destination, fsynced and swapped in (with :func:`clear_leftovers` for what a
+  killed save left).
 - :func:`replace_directory`: a folder replaced by one rename (``renameat2(RENAME_EXCHANGE)``
   where the kernel has it, otherwise two renames that the next save undoes if interrupted).
 - :func:`read_json`: a JSON file read with a size cap, never a traceback for a hostile file.
@@ -27,7 +28,7 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -328,12 +329,14 @@ def staging_dirs(target: Path) -> list[Path]:
     return sorted(p for p in found if p.is_dir() and not p.is_symlink())
 
 
-def clear_leftovers(target: Path, is_complete: Callable[[Path], bool]) -> None:
+def clear_leftovers(target: Path, is_complete: Callable[[Path], bool], files: Sequence[str] = ()) -> None:
     """Undo what a killed save left beside ``target``; call it with ``target``'s lock held.
 
     A folder set aside by an interrupted :func:`replace_directory` (or by the fixed-name swap
     corpus stats used before) is put back if ``is_complete`` says it is whole; then the hidden
-    staging folders of unfinished saves are removed.
+    staging folders of unfinished saves are removed, beside ``target`` and inside it (those of
+    :func:`write_directory`'s in-place writes), with the temporary files of dead writers of
+    ``files`` inside it.
     """
     restore_directory(target, is_complete)
     legacy = target.parent / f".{target.name}.old"
@@ -341,26 +344,152 @@ def clear_leftovers(target: Path, is_complete: Callable[[Path], bool]) -> None:
         os.rename(legacy, target)
     for leftover in staging_dirs(target):
         shutil.rmtree(leftover, ignore_errors=True)
+    if target.is_dir():
+        for leftover in target.glob(f".{glob_escape(target.name)}.new-*"):
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+        for name in files:
+            remove_stale_temps(target / name)
 
 
-def write_directory(target: Path, write: Callable[[Path], object], is_complete: Callable[[Path], bool]) -> None:
-    """Write folder ``target`` as a whole; call it with ``target``'s lock held (:func:`exclusive_lock`).
+def write_directory(
+    target: str | Path,
+    write: Callable[[Path], object],
+    is_complete: Callable[[Path], bool],
+    files: Sequence[str],
+    *,
+    check: Callable[[Path], object] | None = None,
+    keep_others: bool = False,
+    flag: str = "--out",
+) -> Path:
+    """Write folder ``target`` crash-safely: the one folder writer of traces, corpus stats and checkpoints.
 
-    What earlier killed saves left beside it is cleared first (:func:`clear_leftovers`); then
-    ``write(staging)`` fills a hidden folder beside ``target``, which replaces it
-    (:func:`replace_directory`). A failed or killed write leaves ``target`` as it was, and its
-    staging folder is removed now or by the next save.
+    It holds ``target``'s lock throughout (:func:`exclusive_lock`: a second writer is refused at
+    once), clears what killed saves left (:func:`clear_leftovers`), and runs ``check(target)``,
+    the caller's refusals, now that no one else writes there. Then ``write(staging)`` fills a
+    hidden folder ``.{name}.new-PID-…`` beside ``target``; its files and the folder are fsynced,
+    and it replaces ``target`` by one rename (:func:`replace_directory`, then the parent folder
+    is fsynced). At every moment ``target`` holds the old folder or the new one, complete; a
+    failed or killed write leaves the old one, and its staging folder is removed now or by the
+    next save. ``target`` is replaced as a whole, hidden files included.
+
+    Written in place instead, keeping what else the folder holds: a ``target`` that is the
+    working directory or holds it, or a mount point (neither can be renamed), and with
+    ``keep_others`` a ``target`` that holds any entry not in ``files``. Then ``write`` fills a
+    hidden folder inside ``target``, fsynced, whose files are renamed onto their names one by
+    one in the order of ``files`` (the file that marks the folder complete last). A failure
+    before the renames leaves ``target`` as it was; the files a failed write added are removed.
+
+    Args:
+        target: the folder (created with its parents; a symlink is followed and the folder it
+            names is written).
+        write: writes every file of ``files`` into the empty folder it is given.
+        is_complete: whether a folder set aside by an interrupted swap holds a whole save (it is
+            put back).
+        files: the names ``write`` produces, the one that marks the folder complete last.
+        check: called with ``target`` (resolved) under the lock, before anything is written;
+            it raises to refuse.
+        keep_others: a folder holding other entries is written into, not replaced.
+        flag: how the command line names the destination, for the lock's message.
+
+    Returns:
+        ``target``, resolved.
+
+    Raises:
+        DestinationBusyError: another writer holds ``target``.
+        NotADirectoryError: ``target`` is a file.
+        OSError: the write failed.
     """
-    clear_leftovers(target, is_complete)
-    staging = target.parent / f".{target.name}.new-{os.getpid()}-{os.urandom(4).hex()}"
-    staging.mkdir(0o777)
+    target = Path(os.path.realpath(target))
+    with exclusive_lock(target, flag):
+        clear_leftovers(target, is_complete, files)
+        if check is not None:
+            check(target)
+        if target.exists() and not target.is_dir():
+            raise NotADirectoryError(f"{target} is a file; it is saved as a folder: give a folder path")
+        if target.is_dir() and (_holds_cwd(target) or (keep_others and any(n not in files for n in os.listdir(target)))):
+            _write_in_place(target, write, files)  # the working directory cannot be renamed away; others are kept
+            return target
+        staging = target.parent / f".{target.name}.new-{os.getpid()}-{os.urandom(4).hex()}"
+        staging.mkdir(0o777)  # the usual permissions (the umask applies) ...
+        try:
+            if target.is_dir():
+                os.chmod(staging, stat.S_IMODE(os.stat(target).st_mode))  # ... or the replaced folder's
+            write(staging)
+            _fsync_folder(staging)
+            fault_point("write_directory:written")
+            try:
+                replace_directory(staging, target)
+            except OSError as exc:
+                if exc.errno not in (errno.EBUSY, errno.EXDEV) or not target.is_dir():
+                    raise
+                _write_in_place(target, write, files)  # a mount point cannot be renamed: write into it
+            else:
+                _fsync_folder(target.parent, files=False)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _write_in_place(target: Path, write: Callable[[Path], object], files: Sequence[str]) -> None:
+    """:func:`write_directory` into ``target`` itself: a hidden staging folder inside it (on the same
+    file system), then one rename per file, in the order of ``files``."""
+    staging = target / f".{target.name}.new-{os.getpid()}-{os.urandom(4).hex()}"
+    staging.mkdir(0o700)
+    added: list[Path] = []
     try:
         write(staging)
+        _fsync_folder(staging)
         fault_point("write_directory:written")
-        replace_directory(staging, target)
+        for name in files:
+            dest = target / name
+            existed = os.path.lexists(dest)
+            os.replace(staging / name, dest)
+            if not existed:
+                added.append(dest)
+        _fsync_folder(target, files=False)
+    except BaseException:
+        for path in added:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        raise
     finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _fsync_folder(folder: Path, files: bool = True) -> None:
+    """fsync the regular files directly in ``folder`` (with ``files``), then the folder itself, so
+    that what a rename publishes is on disk when a crash of the machine follows it. A file system
+    that cannot fsync a folder is skipped."""
+    if files:
+        for entry in os.scandir(folder):
+            if entry.is_file(follow_symlinks=False):
+                fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _holds_cwd(folder: Path) -> bool:
+    """Whether ``folder`` is the working directory or one of its parents."""
+    try:
+        cwd = Path(os.getcwd())
+    except OSError:
+        return False
+    return cwd == folder or folder in cwd.parents
 
 
 def glob_escape(name: str) -> str:
@@ -447,3 +576,18 @@ def say(message: str) -> None:
     if flag == "0" or not (flag == "1" or sys.stderr.isatty()):
         return
     print(message, file=sys.stderr, flush=True)
+
+
+# -- the digest of a model ---------------------------------------------------------------------
+def weights_sha256(model: Any) -> str:
+    """The one digest of a model, which traces, reports and corpus runs record as ``weights_sha256``:
+    hex sha256 over its state dict (name, shape and fp32 bytes of every tensor, in name order). Takes
+    any ``torch.nn.Module`` without importing torch here."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu()
+        t = t.float() if t.is_floating_point() else t
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()

@@ -22,12 +22,13 @@ cards and reports.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from attnres_probe.analysis.catalog import CATALOG
+from attnres_probe.analysis.catalog import CATALOG, LiveMapping
 from attnres_probe.analysis.windows import WINDOW_METRICS, normalised_weights, pooled_metrics
 from attnres_probe.numeric import token_mean
 from attnres_probe.trace import DepthTrace, unique_names
@@ -46,7 +47,7 @@ __all__ = [
     "summary",
 ]
 
-FORMULAS: dict[str, str] = {
+_READ_FORMULAS: dict[str, str] = {
     # per read (locality), on the normalised weights w (kind="weights") or the shares c
     "distance": "E[d] = Σ_i w_i·(k_r − 1 − i), i = column among the k_r available sources of read r "
     "(most recent = distance 0); mean over real tokens",
@@ -58,9 +59,9 @@ FORMULAS: dict[str, str] = {
     # per read (entropy)
     "entropy": "H(p)/log k_r with H(p) = −Σ_i p_i log p_i, p = w (weights) or p = |c|/Σ|c| (contrib); "
     "NaN where k_r = 1; mean over real tokens",
-    # every diagnostic of the catalog
-    **{name: d.formula for name, d in CATALOG.items()},
 }
+# the per-read formulas, then every diagnostic of the catalog (read afresh, so registered ones show)
+FORMULAS: Mapping[str, str] = LiveMapping(lambda: {**_READ_FORMULAS, **{n: d.formula for n, d in CATALOG.items()}})
 
 
 def resolve_kind(trace: DepthTrace, kind: str = "auto") -> str:
@@ -241,7 +242,7 @@ def compare(
     model set against the PreNorm baseline with a paired interval and a verdict.
 
     A *window* is one sequence of a trace (a trace of one prompt is one window) or one window a
-    :class:`~attnres_probe.stats.CorpusStats` recorded. For each model and metric the estimate
+    :class:`~attnres_probe.corpus.stats.CorpusStats` recorded. For each model and metric the estimate
     is the mean over windows with a percentile-bootstrap interval; for each AttnRes model
     against the baseline (the first PreNorm model unless ``baseline`` names one) it is the mean
     paired difference, or for spreads and growths (the catalog's ``compare="ratio"``) the ratio of
@@ -271,7 +272,7 @@ def compare(
         reference, estimate, low, high, pooled, windows, documents, held, expected, verdict, note.
     """
     from attnres_probe.analysis.compare import Windows, compare_windows
-    from attnres_probe.stats import CorpusStats
+    from attnres_probe.corpus.stats import CorpusStats
 
     if not items:
         raise ValueError("compare() needs at least one DepthTrace or CorpusStats")

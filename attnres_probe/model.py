@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from transformer_lens import ActivationCache, HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
-from attnres_probe import kernels
+import attnres_probe.kernels as kernels  # the top-level kernels/ folder (pyproject's package-dir map)
 from attnres_probe.axis import SourceAxis
+from attnres_probe.checkpoint_store import load_checkpoint_as, save_checkpoint
 from attnres_probe.config import ModelConfig
 from attnres_probe.losses import next_token_loss
 
@@ -54,7 +55,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.reference.rms_norm(x, self.weight, self.eps)
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -96,8 +97,8 @@ class Attention(nn.Module):
         self.rotary = Rotary(cfg.d_head, cfg.n_ctx, cfg.rope_theta) if cfg.positional == "rope" else None
         self.hook_q = HookPoint()  # [batch, pos, head, d_head] (after the q/k norm, before rotary)
         self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
-        self.hook_v = HookPoint()
-        self.hook_z = HookPoint()  # attention output per head, before W_O
+        self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
+        self.hook_z = HookPoint()  # [batch, pos, head, d_head] attention output per head, before W_O
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, P, _ = x.shape
@@ -165,9 +166,9 @@ class DepthMixer(nn.Module):
         self.n_src = cfg.n_sources
         self.query = nn.Parameter(torch.zeros(cfg.d_model))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)  # only .weight is used: the key gain
-        self.hook_logits = HookPoint()
-        self.hook_weights = HookPoint()
-        self.hook_contrib = HookPoint()
+        self.hook_logits = HookPoint()  # [batch, pos, n_sources] depth scores (-inf where unavailable)
+        self.hook_weights = HookPoint()  # [batch, pos, n_sources] softmax depth weights (NaN where unavailable)
+        self.hook_contrib = HookPoint()  # [batch, pos, n_sources] contribution shares (NaN where unavailable; computed only when hooked)
 
     @property
     def folded_query(self) -> torch.Tensor:
@@ -191,15 +192,15 @@ class DepthMixer(nn.Module):
         ``backend``: the backend the model resolved for this forward (None: resolve here).
         """
         want_contrib = bool(self.hook_contrib._forward_hooks)
-        mix, lse, weights, logits, *contrib = kernels.depth_attn(
+        # a backend the model resolved for this forward (its sources match): its implementation, unchecked
+        op = kernels.depth_attn if backend is None else kernels.implementation("depth_attn", backend)
+        mix, lse, weights, logits, *contrib = op(
             sources,
             self.query,
             self.norm.weight,
             self.eps,
             return_weights=True,
             inv_rms_cache=inv_rms_cache,
-            backend=backend,
-            trusted=backend is not None,  # the model resolved the backend; its sources match
             return_logits=True,
             return_contrib=want_contrib,
             width=self.n_src,  # rows of the common source axis, as the hooks show them
@@ -233,15 +234,15 @@ class DepthMixer(nn.Module):
         changed = logits_h is not logits or logits._version != version
         if changed:
             z = logits_h[..., :k]
-            w = torch.softmax(z.to(kernels.reference.compute_dtype(z)), dim=-1).to(weights.dtype)
+            w = torch.softmax(z.to(kernels.compute_dtype(z)), dim=-1).to(weights.dtype)
             weights = self.on_axis(w, float("nan"))
         version = weights._version
         weights_h = self.hook_weights(weights)
         changed = changed or weights_h is not weights or weights._version != version
         if changed:
             w = weights_h[..., :k]
-            w = w.to(kernels.reference.compute_dtype(sources[0], w))
-            mix = kernels.reference.weighted_sum(w, list(sources), w.dtype).to(mix.dtype)
+            w = w.to(kernels.compute_dtype(sources[0], w))
+            mix = kernels.weighted_sum(w, list(sources), w.dtype).to(mix.dtype)
             contrib = None  # the op's shares describe the mixture before the intervention
         if self.hook_contrib._forward_hooks:
             if contrib is None:
@@ -270,10 +271,10 @@ class TransformerBlock(nn.Module):
             self.mlp_res = DepthMixer(cfg)
         else:
             self.hook_resid_post = HookPoint()  # [batch, pos, d_model]
-        self.hook_resid_pre = HookPoint()
-        self.hook_attn_out = HookPoint()
-        self.hook_resid_mid = HookPoint()
-        self.hook_mlp_out = HookPoint()
+        self.hook_resid_pre = HookPoint()  # [batch, pos, d_model] the attention sublayer's input
+        self.hook_attn_out = HookPoint()  # [batch, pos, d_model]
+        self.hook_resid_mid = HookPoint()  # [batch, pos, d_model] the MLP sublayer's input
+        self.hook_mlp_out = HookPoint()  # [batch, pos, d_model]
 
     def sublayer(self, which: int, h: torch.Tensor) -> torch.Tensor:
         """Run sublayer ``which`` (0 = attention, 1 = MLP) on the mixed input h; return its output."""
@@ -342,7 +343,7 @@ class AttnResTransformer(HookedRootModule):
         self.blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
         if cfg.residual != "prenorm":
             self.out_res = DepthMixer(cfg)
-        self.hook_resid_final = HookPoint()  # the final mixed input, before ln_final
+        self.hook_resid_final = HookPoint()  # [batch, pos, d_model] the final mixed input, before ln_final
         self.ln_final = RMSNorm(d, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.W_U = nn.Parameter(torch.empty(d, cfg.d_vocab))
@@ -520,7 +521,7 @@ class AttnResTransformer(HookedRootModule):
         fused kernels normalise inside the kernel at no extra memory traffic)."""
         if backend != "torch":
             return None
-        return kernels.inv_rms(v, self.cfg.norm_eps, kernels.reference.compute_dtype(v))
+        return kernels.inv_rms(v, self.cfg.norm_eps, kernels.compute_dtype(v))
 
     def _forward_full(self, v0: torch.Tensor, backend: str) -> torch.Tensor:
         """Full AttnRes: read l mixes [v0, ..., v_l]; the final read mixes all L+1."""
@@ -624,19 +625,16 @@ class AttnResTransformer(HookedRootModule):
         )
 
     # -- checkpoints ---------------------------------------------------------------------
+    # (attnres_probe.checkpoint_store, which never imports this module: it is given the class to build)
     def save(self, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
-        """Write ``config.json`` + ``model.safetensors`` into ``directory`` (atomically per file)."""
-        # checkpoint imports this module (it builds models), so the call goes the other way lazily
-        from attnres_probe.checkpoint import save_checkpoint
-
+        """Write ``config.json`` + ``model.safetensors`` into ``directory`` (both swapped in at once; see
+        :func:`~attnres_probe.checkpoint_store.save_checkpoint`)."""
         return save_checkpoint(self, directory, dtype=dtype)
 
     @classmethod
     def load(cls, directory: str | Path, device: str | torch.device = "cpu", **kwargs: Any) -> AttnResTransformer:
         """Load a checkpoint written by :meth:`save`; validates config against tensors."""
-        from attnres_probe.checkpoint import load_checkpoint  # lazily: checkpoint imports this module
-
-        return load_checkpoint(directory, device=device, **kwargs)
+        return load_checkpoint_as(cls, directory, device=device, **kwargs)
 
     def extra_repr(self) -> str:
         c = self.cfg

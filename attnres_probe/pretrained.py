@@ -44,7 +44,7 @@ import torch
 from attnres_probe.config import ConfigError, ModelConfig
 from attnres_probe.validate import check_bytes, field, inside
 
-__all__ = ["PretrainedError", "PretrainedTokenizer", "is_fla_folder", "load_model_folder", "load_pretrained", "not_a_model_folder"]
+__all__ = ["PretrainedError", "PretrainedTokenizer", "is_fla_folder", "load_pretrained"]
 
 CONFIG_LIMIT = 1 << 20  # bytes: a config.json larger than this is not a model config
 # the largest sizes a config may give (beyond every public fla model; bounds what is built from the config alone)
@@ -249,27 +249,27 @@ FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # weights are floats: an integer o
 def _read_weights(files: list[Path], expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
                   mapping: dict[str, Path] | None = None) -> dict[str, torch.Tensor]:
     """Check every file's header against ``expected`` (names, shapes, float dtypes; for a sharded
-    checkpoint, each tensor in exactly the file the index maps it to) before reading a tensor."""
-    from safetensors import SafetensorError, safe_open
+    checkpoint, each tensor in exactly the file the index maps it to) before reading a tensor.
+    Headers are read as checkpoints' are (:func:`~attnres_probe.checkpoint_store.read_safetensors_header`:
+    bounded first, then ``safe_open``)."""
+    from safetensors import safe_open
+
+    from attnres_probe.checkpoint_store import read_safetensors_header
 
     found: dict[str, tuple[Path, tuple[int, ...]]] = {}
-    try:
-        for f in files:
-            with safe_open(str(f), framework="pt") as handle:
-                for name in handle.keys():
-                    sl = handle.get_slice(name)
-                    if name in found:
-                        raise PretrainedError(f"tensor {name!r} is stored twice, in {found[name][0].name} and {f.name}")
-                    if mapping is not None and mapping.get(name) != f:
-                        raise PretrainedError(
-                            f"tensor {name!r} is in {f.name}, but the shard index maps it to "
-                            f"{mapping[name].name if name in mapping else 'no file'}: the index and the shards disagree")
-                    if str(sl.get_dtype()) not in FLOAT_DTYPES:
-                        raise PretrainedError(f"tensor {name!r} in {f.name} is {sl.get_dtype()}; weights are floating point "
-                                              f"({', '.join(FLOAT_DTYPES)})")
-                    found[name] = (f, tuple(sl.get_shape()))
-    except (SafetensorError, OSError) as exc:
-        raise PretrainedError(f"cannot read the safetensors header of {f}: {exc}") from None
+    for f in files:
+        held, _ = read_safetensors_header(f, PretrainedError)
+        for name, (stored, shape) in held.items():
+            if name in found:
+                raise PretrainedError(f"tensor {name!r} is stored twice, in {found[name][0].name} and {f.name}")
+            if mapping is not None and mapping.get(name) != f:
+                raise PretrainedError(
+                    f"tensor {name!r} is in {f.name}, but the shard index maps it to "
+                    f"{mapping[name].name if name in mapping else 'no file'}: the index and the shards disagree")
+            if stored not in FLOAT_DTYPES:
+                raise PretrainedError(f"tensor {name!r} in {f.name} is {stored}; weights are floating point "
+                                      f"({', '.join(FLOAT_DTYPES)})")
+            found[name] = (f, shape)
     if mapping is not None:
         absent = sorted(k for k in mapping if k not in found)
         if absent:
@@ -416,23 +416,3 @@ def load_pretrained(
     model.load_state_dict(_state_dict(cfg, weights), strict=True)
     return model.to(device=device, dtype=dtype).eval(), tok
 
-
-def not_a_model_folder(flag: str, directory: str | Path) -> str:
-    """The one message of every command whose model-folder flag (``--model``, ``--models``) was
-    given something that is not a folder."""
-    return (
-        f"{flag} {directory}: not a folder (pass a folder written by `attnres-probe train` or "
-        "AttnResTransformer.save, or a flash-linear-attention checkpoint)"
-    )
-
-
-def load_model_folder(directory: str | Path, device: str | torch.device = "cpu"):
-    """(model, tokenizer) from a model folder of either kind: one of ours (written by
-    ``AttnResTransformer.save`` or ``attnres-probe train``; tokenizer None, so bytes) or an fla
-    checkpoint (:func:`load_pretrained`, with its tokenizer). Every command that takes model
-    folders (``dash --models``, ``record``, ``report``, ``summary``, ``corpus``) reads them here."""
-    from attnres_probe.model import AttnResTransformer
-
-    if is_fla_folder(directory):
-        return load_pretrained(directory, device=device)
-    return AttnResTransformer.load(directory, device=device).eval(), None

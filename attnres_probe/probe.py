@@ -283,7 +283,7 @@ class Probe:
             window_grads: with ``backward``, run one backward pass per window, so each window
                 has its own parameter-gradient norms (per-window parameter-gradient metrics);
                 False runs one backward per batch (those metrics then exist only pooled).
-            stats: a :class:`~attnres_probe.stats.CorpusStats` of this model to continue.
+            stats: a :class:`~attnres_probe.corpus.stats.CorpusStats` of this model to continue.
             first_doc: the document index of the first text (documents are numbered from it).
             resume_after: (document, offset) of the last window already recorded: windows up
                 to and including it are skipped (a resumed run).
@@ -296,92 +296,24 @@ class Probe:
         Under ``torchrun`` (or in a process group the caller initialised) each rank records
         its shard of the texts (text ``i`` belongs to rank ``i % world``), the ranks advance in
         lock step, and every rank returns the merged stats of all texts
-        (:mod:`attnres_probe.distributed`). ``stats`` and ``resume_after`` are then this rank's.
+        (:mod:`attnres_probe.corpus.distributed`). ``stats`` and ``resume_after`` are then this rank's.
+        The recording itself is :func:`attnres_probe.corpus.stream.run_corpus`.
 
         Returns:
-            :class:`~attnres_probe.stats.CorpusStats` (and the list of traces with ``keep_traces``).
+            :class:`~attnres_probe.corpus.stats.CorpusStats` (and the list of traces with ``keep_traces``).
 
         Raises:
             ValueError: the corpus has no window of at least ``min_tokens`` tokens; ``stats``
                 from another model.
             DistributedRunError: under ``torchrun``, a rank failed or stopped (on every rank).
         """
-        from tqdm.auto import tqdm
+        from attnres_probe.corpus.stream import run_corpus
 
-        from attnres_probe.distributed import RECORDING_STOPPED, DistributedRunError, current_ranks, merge_all
-        from attnres_probe.stats import CorpusStats
-
-        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
-            raise ValueError(f"min_tokens must be a positive integer; got {min_tokens!r}")
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}")
-        if stats is None:
-            stats = CorpusStats.empty(self.spec.meta)
-        else:
-            stats.check_same_model(self.spec.meta, what="continue these stats with this model")
-        per_window = backward and window_grads
-        need = max(min_tokens, 2) if backward else min_tokens
-        traces = []
-        ranks = current_ranks()
-        if ranks is not None:
-            if isinstance(texts, (str, torch.Tensor)):
-                texts = [texts]
-            texts = ranks.shard(texts, empty="")
-        bar = tqdm(desc=f"recording {self.name}", unit="window", disable=not progress or (ranks is not None and not ranks.is_main))
-
-        def flush(rows: list[tuple[int, int, torch.Tensor]]) -> None:
-            groups = [[r] for r in rows] if per_window else [rows]
-            for group in groups:
-                tokens, mask, str_tokens = self._pad([r[2] for r in group])
-                trace = self.record(tokens, mask, str_tokens, backward=backward, contributions=contributions)
-                stats.update(trace, docs=[r[0] for r in group], starts=[r[1] for r in group])
-                if keep_traces:
-                    traces.append(trace)
-            if on_batch is not None:
-                on_batch(stats, (rows[-1][0], rows[-1][1]))
-            seen = (stats.n_tokens, 0) if ranks is None else ranks.tick(stats.n_tokens, done=False)
-            bar.update(len(rows))
-            if seen is not None:  # under torchrun: all ranks' tokens as of the previous batch
-                bar.set_postfix(tokens=seen[0])
-                if on_progress is not None:
-                    on_progress(seen[0])
-
-        try:
-            pending: list[tuple[int, int, torch.Tensor]] = []
-            for doc, start, ids in self._corpus_windows(texts, first_doc):
-                if resume_after is not None and (doc, start) <= tuple(resume_after):
-                    continue
-                if ids.shape[0] < need:
-                    stats.n_skipped += 1
-                    continue
-                pending.append((doc, start, ids))
-                if len(pending) == batch_size:
-                    flush(pending)
-                    pending = []
-            if pending:
-                flush(pending)
-        except Exception as exc:
-            if ranks is None or isinstance(exc, DistributedRunError):
-                raise
-            ranks.fail(exc, RECORDING_STOPPED)  # every rank raises one error naming this rank and the cause
-        bar.close()
-        if ranks is not None:
-            while True:  # answer the others' ticks until every rank has finished its shard
-                seen = ranks.tick(stats.n_tokens, done=True)
-                if seen is not None and on_progress is not None:
-                    on_progress(seen[0])
-                if seen is not None and seen[1] == ranks.world:
-                    break
-            parts = [CorpusStats.from_bytes(b) for b in ranks.all_gather_bytes(stats.to_bytes())]
-            stats = merge_all(parts, stats.meta)
-        if stats.n_windows == 0:
-            if stats.n_skipped:
-                raise ValueError(
-                    f"the corpus produced no window of at least {need} tokens ({stats.n_skipped} shorter windows were "
-                    "left out: the next-token loss needs two tokens)"
-                )
-            raise ValueError("the corpus produced no tokens: every text was empty")
-        return (stats, traces) if keep_traces else stats
+        return run_corpus(
+            self, texts, batch_size=batch_size, backward=backward, contributions=contributions, progress=progress,
+            keep_traces=keep_traces, min_tokens=min_tokens, window_grads=window_grads, stats=stats, first_doc=first_doc,
+            resume_after=resume_after, on_batch=on_batch, on_progress=on_progress,
+        )
 
     def _corpus_windows(
         self, texts: Iterable[str | Sequence[int] | torch.Tensor], first_doc: int = 0

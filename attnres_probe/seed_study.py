@@ -284,7 +284,7 @@ def _exploratory(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 # -- the study ---------------------------------------------------------------------------------
 def demo_summary(results: dict[str, Any]) -> dict[str, Any]:
     """The primary endpoints of results.json, as the dashboard's study card shows them beside the demo models."""
-    keep = ("key", "title", "model", "unit", "expected", "per_seed", "mean", "low", "high", "p", "p_holm", "paper_way", "n",
+    keep = ("key", "title", "model", "against", "unit", "expected", "per_seed", "mean", "low", "high", "p", "p_holm", "paper_way", "n",
             "sign_p", "verdict")
     return {"plan": results["plan"], "command": results["command"], "seeds": results["seeds"], "missing": results["missing"],
             "planned_seeds": len(SEEDS), "level": results["level"],

@@ -28,8 +28,8 @@ study``): five seeds as the unit, pre-registered endpoints.
 
 from __future__ import annotations
 
-import argparse
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,16 +39,15 @@ import pandas as pd
 import torch
 
 from attnres_probe import figures
-from attnres_probe.analysis.catalog import CATALOG, UNIFORM
+from attnres_probe.analysis.catalog import CATALOG, UNIFORM, LiveList
 from attnres_probe.analysis.compare import Windows, compare_windows
 from attnres_probe.analysis.display import BASIS_NOTE, LABELS, documents_warning, fmt_number, table_rows
 from attnres_probe.analysis.verdicts import verdict
 from attnres_probe.analysis.windows import WINDOW_COLUMNS, pooled_metrics, reference_column, window_metrics
-from attnres_probe.demo import DEMO_NAMES, demo_log, demo_validation_batches, demo_validation_documents, load_demo
+from attnres_probe.demo import DEMO_NAMES, demo_log, demo_validation_batches, demo_validation_documents
 from attnres_probe.io import atomic_write
 from attnres_probe.probe import Probe
 from attnres_probe.trace import DepthTrace
-from attnres_probe.validate import MAX_RESAMPLES, arg_range
 
 __all__ = [
     "FINDINGS",
@@ -110,23 +109,25 @@ def finding(model: str, metric: str) -> Finding:
 
 
 # every diagnostic of the catalog with a direction the paper states, for each AttnRes model
-FINDINGS: list[Finding] = [finding(m, name) for m in ("full", "block") for name, d in CATALOG.items() if d.direction]
+FINDINGS: Sequence[Finding] = LiveList(
+    lambda: [finding(m, name) for m in ("full", "block") for name, d in CATALOG.items() if d.direction]
+)
 
 
 def study_model(name: str, models: str | Path | None = None) -> tuple[Any, dict[str, Any]]:
     """(model, training log) of demo model ``name``: the shipped one, or ``models/<name>`` (a folder
     written by ``attnres-probe demo-models --out``, e.g. another seed's models)."""
+    from attnres_probe.loading import demo_source, load_model
+
     if models is None:
-        return load_demo(name)[0], demo_log(name)
+        return load_model(demo_source(name)).model, demo_log(name)
     folder = Path(models) / name
     if not (folder / "model.safetensors").is_file() or not (folder / "train_log.json").is_file():
         raise FileNotFoundError(
             f"--models {models}: {folder} holds no demo model (model.safetensors and train_log.json); pass a folder "
             f"written by `attnres-probe demo-models --out`, holding {', '.join(DEMO_NAMES)}"
         )
-    from attnres_probe.model import AttnResTransformer
-
-    return AttnResTransformer.load(folder).eval(), json.loads((folder / "train_log.json").read_text())
+    return load_model(folder).model, json.loads((folder / "train_log.json").read_text())
 
 
 def record_validation(name: str, n_windows: int = N_WINDOWS, progress: bool = False,
@@ -548,76 +549,3 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         lines.append(f"![{title}]({file})" if file.endswith(".png") else f"- [{title}]({file})")
         lines.append("")
     return "\n".join(lines) + "\n"
-
-
-def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "study", help="regenerate the study pages (v3: the seeds of docs/study/v3/runs)",
-        description="Study v3 (docs/study/plan-v3.md): `attnres-probe study --runs docs/study/v3/runs` measures every "
-                    "finished run on the held-out plays and writes results.json, windows.csv and study.md (primary "
-                    "endpoints over seeds with Holm's correction, per-play tables, exploratory diagnostics). Without "
-                    "--runs: the earlier single-model study of the demo models.")
-    p.add_argument("--runs", metavar="DIR", default=None,
-                   help="the runs of plan-v3 (DIR/{prenorm,full,block}/seed{s}, written by docs/study/v3/train_runs.sh; "
-                        "default docs/study/v3/runs); the pages go to --out (default docs/study/v3)")
-    p.add_argument("--demo", action="store_true",
-                   help="instead: the single-model study of the shipped demo models (or --models DIR), intervals over "
-                        "texts only; needs --out")
-    p.add_argument("--out", default=None, help="output folder (default with the runs: docs/study/v3)")
-    p.add_argument("--windows", type=int, default=N_WINDOWS, help="validation windows per model (default: %(default)s, all)")
-    p.add_argument("--resamples", type=arg_range("int", 1, MAX_RESAMPLES), default=N_RESAMPLES, help="bootstrap resamples (default: %(default)s)")
-    p.add_argument("--seed", type=arg_range("int", 0, 2**32 - 1), default=SEED, help="bootstrap seed (default: %(default)s)")
-    p.add_argument("--images", choices=("auto", "png", "html"), default="auto",
-                   help="figure format of the demo-model study: png (needs kaleido and Chromium), html, or auto (png "
-                        "when it can be written)")
-    p.add_argument("--models", metavar="DIR", help="study the demo models in DIR (written by `attnres-probe demo-models --out DIR`, "
-                   "e.g. another seed's) instead of the shipped ones")
-    p.add_argument("--seeds", nargs="+", metavar="FOLDER", help="combine the study folders of several seeds of one recipe "
-                   "(each the --out of `study --models`) into seeds.md: intervals over seeds and windows")
-    p.set_defaults(func=lambda a: _run(a))
-    return p
-
-
-def _run(args: argparse.Namespace) -> int:
-    from attnres_probe.cli import UserError
-
-    single = args.demo or args.models or args.seeds
-    if single and args.runs:
-        raise UserError("--runs is the study over seeds; --demo, --models and --seeds are the single-model study: pick one")
-    if not single:
-        from attnres_probe.seed_study import run_v3_study
-
-        from attnres_probe.demo import demo_root
-        from attnres_probe.seed_study import SUMMARY_FILE
-
-        out = Path(args.out or "docs/study/v3")
-        runs = Path(args.runs or "docs/study/v3/runs")
-        # the pages of the shipped runs also refresh the summary the dashboard shows beside the demo models
-        shipped = runs.resolve() == Path("docs/study/v3/runs").resolve() and out.resolve() == Path("docs/study/v3").resolve()
-        try:
-            results = run_v3_study(runs, out, summary_to=demo_root() / SUMMARY_FILE if shipped else None)
-        except (FileNotFoundError, ValueError) as exc:
-            raise UserError(str(exc)) from None
-        for p in results["primaries"]:
-            print(f"{p['verdict']:<13} {p['key']} {p['title']}: mean {p['mean']:+.3g} {p['unit']}, "
-                  f"{p['paper_way']} of {p['n']} seeds on the paper's side, Holm p {p['p_holm']:.2g}"
-                  if p["p_holm"] is not None else f"{p['verdict']:<13} {p['key']} {p['title']}: not enough seeds")
-        print(f"wrote {out / 'study.md'}")
-        return 0
-    if not args.out:
-        raise UserError("the single-model study needs --out FOLDER (docs/study holds study v3: `attnres-probe study`)")
-    if args.seeds:
-        summary = run_seed_study(args.out, args.seeds, args.resamples, args.seed)
-        width = max(len(f["key"]) for f in summary["findings"])
-        for f in summary["findings"]:
-            print(f"{f['verdict']:<13} {f['key']:<{width}}  consistent in {f['seeds_consistent']} of {len(summary['seeds'])} seeds")
-        print(f"wrote {Path(args.out) / 'seeds.md'}")
-        return 0
-    if not 1 <= args.windows <= N_WINDOWS:
-        raise ValueError(f"--windows is {args.windows}; the demo models have {N_WINDOWS} validation windows (1..{N_WINDOWS})")
-    results = run_study(args.out, args.windows, args.images, args.resamples, args.seed, progress=True, models=args.models)
-    width = max(len(f["key"]) for f in results["findings"])
-    for f in results["findings"]:
-        print(f"{f['verdict']:<13} {f['key']:<{width}}  holds: {f['holds']}")
-    print(f"wrote {Path(args.out) / 'study.md'}")
-    return 0

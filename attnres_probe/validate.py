@@ -18,7 +18,7 @@ from typing import Any
 
 from attnres_probe.resources import available_memory, human_bytes
 
-__all__ = ["MAX_RESAMPLES", "MEMORY_CAP_ENV", "arg_range", "check_bytes", "field", "inside", "memory_cap", "npz_inflated_bytes"]
+__all__ = ["MAX_RESAMPLES", "MEMORY_CAP_ENV", "check_bytes", "field", "inside", "memory_cap", "npz_inflated_bytes"]
 
 MAX_RESAMPLES = 100_000  # bootstrap resamples a flag may ask for (1,000-10,000 is usual)
 MEMORY_CAP_ENV = "ATTNRES_MEMORY_CAP"  # bytes (e.g. 8e9): the most any one file may make the toolkit allocate
@@ -123,23 +123,3 @@ def npz_inflated_bytes(path: str | Path) -> int:
     """The bytes an ``.npz`` file's arrays take once inflated (from the zip directory, before reading any)."""
     with zipfile.ZipFile(path) as z:
         return sum(info.file_size for info in z.infolist())
-
-
-def arg_range(kind: str, lo: float, hi: float):
-    """An argparse ``type`` for a number flag: ``kind`` "int" or "float", finite, in ``lo``..``hi``;
-    a bad value is refused by argparse with the accepted range in the message
-    ("argument --resamples: 1000000000 is out of range; accepted 1..1000000")."""
-    import argparse
-
-    def convert(text: str):
-        try:
-            v = float(text) if kind == "float" else int(text, 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'a number' if kind == 'float' else 'an integer'}; "
-                                             f"accepted {_show(lo)}..{_show(hi)}") from None
-        if not math.isfinite(v) or not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"{text} is out of range; accepted {_show(lo)}..{_show(hi)}")
-        return v
-
-    convert.__name__ = f"{kind} in {_show(lo)}..{_show(hi)}"
-    return convert

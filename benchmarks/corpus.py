@@ -123,7 +123,7 @@ def procs_worker(size: str, residual: str, n_docs: int) -> None:
 
     import torch.distributed as dist
 
-    from attnres_probe.distributed import current_ranks
+    from attnres_probe.corpus.distributed import current_ranks
 
     torch.set_num_threads(1)
     model = build(size, residual)

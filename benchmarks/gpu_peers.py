@@ -85,7 +85,7 @@ time_ms, render, fmt, rel_rms = _bk.time_ms, _bk.render, _bk._fmt, _bk._rrms
 CHECK_RRMS, CHECK_RRMS_FP32_OUT = _bk.CHECK_RRMS, _bk.CHECK_RRMS_FP32_OUT
 
 from attnres_probe import kernels  # noqa: E402
-from attnres_probe.kernels.reference import depth_attn_reference  # noqa: E402
+from attnres_probe.kernels import depth_attn_reference  # noqa: E402
 
 EPS = 1e-6
 GPU = dict(M=[16384, 65536], S=[5, 9, 17, 33], d=[1024, 2048, 4096], block_M=[16384], block_d=[2048])
@@ -184,7 +184,7 @@ def block_reads(n_layers: int, block_size: int, m: int, d: int, dtype, device, s
 
 def reference_reads(br: BlockReads) -> list[torch.Tensor]:
     """The oracle: every read as one depth attention over its own sources (our reference)."""
-    return [depth_attn_reference(br.sources(r), br.queries[r], br.gains[r], EPS, validate=False)[0] for r in range(br.n_reads)]
+    return [depth_attn_reference(br.sources(r), br.queries[r], br.gains[r], EPS)[0] for r in range(br.n_reads)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,7 +294,7 @@ class Compiled(Impl):
         for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
             if hasattr(dyn, knob):
                 setattr(dyn, knob, max(getattr(dyn, knob), 256))  # never fall back to eager silently
-        self.fn = torch.compile(lambda x, q, g: depth_attn_reference(x, q, g, EPS, validate=False)[0], dynamic=True)
+        self.fn = torch.compile(lambda x, q, g: depth_attn_reference(x, q, g, EPS)[0], dynamic=True)
 
     def read(self, x, query, gain, eps):
         return self.fn(x, query, gain)
@@ -442,7 +442,7 @@ def check_read(impl: Impl, x, query, gain, dmix, chunk_rows: int) -> tuple[str |
     ref_dq, ref_dg = torch.zeros_like(dq, dtype=torch.float32), torch.zeros_like(dg, dtype=torch.float32)
     for rows in _row_chunks(x.shape[1], chunk_rows):
         xc, qc, gc = _leaves(x[:, rows].float(), query.float(), gain.float())
-        rmix, rlse, rw = depth_attn_reference(xc, qc, gc, EPS, return_weights=True, validate=False)
+        rmix, rlse, rw = depth_attn_reference(xc, qc, gc, EPS, return_weights=True)
         rdx, rdq, rdg = torch.autograd.grad(rmix, (xc, qc, gc), dmix[rows].float())
         errs["mix"].add(mix[rows], rmix)
         for got, want in zip(dx, rdx):

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from attnres_probe.kernels import depth_attn
-from attnres_probe.kernels.reference import depth_attn_reference
+from attnres_probe.kernels import depth_attn_reference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Relative RMS error allowed against the reference on the same inputs (rounding of outputs).
@@ -114,7 +114,7 @@ def bench_shape(m: int, s: int, d: int, dtype: torch.dtype, device: torch.device
     bwd_bytes = (2 * s + 1) * m * d * es
     row: dict = {"M": m, "S": s, "d": d, "dtype": str(dtype).removeprefix("torch."), "copy GB/s": copy_gbs}
 
-    impls: dict[str, Callable] = {"eager": lambda *a: depth_attn_reference(*a, validate=False)}
+    impls: dict[str, Callable] = {"eager": lambda *a: depth_attn_reference(*a)}
     if compiled is not None:
         impls["compiled"] = compiled
     fused = "triton" if device.type == "cuda" else "numba" if dtype in (torch.float32, torch.float64) else None
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     compiled = None
     if not args.no_compile:
-        compiled = torch.compile(lambda x, q, g: depth_attn_reference(x, q, g, validate=False))
+        compiled = torch.compile(lambda x, q, g: depth_attn_reference(x, q, g))
 
     where = torch.cuda.get_device_name(device) if cuda else f"cpu ({torch.get_num_threads()} threads)"
     header = f"device: {where}; torch {torch.__version__}; dtype {args.dtype}"

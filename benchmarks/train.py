@@ -88,7 +88,7 @@ def _stand_in_backward(ctx, dh, *rest):
 @contextlib.contextmanager
 def stand_in_op():
     """The Numba op's forward and backward replaced by the stand-in while the block runs."""
-    from attnres_probe.kernels.numba_depth_attn import DepthAttnNumbaFunction as F
+    from attnres_probe.kernels.ops.depth_attn.numba import DepthAttnNumbaFunction as F
 
     saved = F.__dict__["forward"], F.__dict__["backward"]
     F.forward, F.backward = staticmethod(_stand_in_forward), staticmethod(_stand_in_backward)

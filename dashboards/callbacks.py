@@ -17,22 +17,17 @@ from __future__ import annotations
 
 import functools
 import math
+import urllib.parse
 from typing import Any, Callable
 
 import numpy as np
 from dash import ALL, ClientsideFunction, Input, Output, State, html, no_update
 
 from attnres_probe import figures, metrics
-from attnres_probe.analysis.display import (
-    BASIS_NOTE,
-    HEADLINE,
-    LABELS,
-    documents_warning,
-    headline,
-    table_rows,
-    weight_effect_rows,
-)
+from attnres_probe.analysis.display import HEADLINE, LABELS, weight_effect_rows
+from attnres_probe.analysis.windows import normalised_weights, uniform_weights
 from attnres_probe.dashboards import layout as ids
+from attnres_probe.dashboards.cards import comparison_notes, glance_table, headline_cards, metric_table
 from attnres_probe.dashboards.state import Explorer, PromptError, UnknownKeyError
 
 __all__ = [
@@ -43,6 +38,12 @@ __all__ = [
     "comparison_notes",
     "difference_caption",
     "headline_cards",
+    "compare_two",
+    "informative_token",
+    "jump_to",
+    "open_link",
+    "read_query",
+    "view_query",
     "mean_views",
     "metric_table",
     "metric_cards",
@@ -145,7 +146,7 @@ def run_prompt(ex: Explorer, n_clicks: Any, text: Any) -> dict:
 
 
 # -- token strip ------------------------------------------------------------------------------
-def token_strip(ex: Explorer, key: Any) -> dict:
+def token_strip(ex: Explorer, key: Any, search: Any = None) -> dict:
     """The prompt's tokens as chips (html.Button, text as text) and the token selection reset to 0.
 
     Returns:
@@ -156,12 +157,16 @@ def token_strip(ex: Explorer, key: Any) -> dict:
     except UnknownKeyError as exc:
         return {"chips": no_update, "token": no_update, "note": str(exc)}
     toks = result.str_tokens
+    start, why = informative_token(result.traces.values())
+    linked = linked_token(ex, result, search)
+    if linked is not None:
+        start, why = linked, f"Opened on token {linked} {toks[linked]!r}, as the link asked."
     chips = [
-        html.Button(t if t else "∅", id={"type": ids.CHIP, "index": i}, className="chip selected" if i == 0 else "chip",
-                    title=f"token {i}: {t!r}")
+        html.Button(t if t else "∅", id={"type": ids.CHIP, "index": i}, className="chip selected" if i == start else "chip",
+                    title=f"token {i}: {t!r}", **({"data-mark": str(i)} if i % 10 == 0 else {}))
         for i, t in enumerate(toks)
     ]
-    notes = []
+    notes = [why] if why else []
     first = result.first
     if first.tokens.shape[0] > 1:
         notes.append(f"{first.name} holds {first.tokens.shape[0]} sequences; showing sequence 0.")
@@ -171,7 +176,148 @@ def token_strip(ex: Explorer, key: Any) -> dict:
     missing = [n for n in ex.names if n not in result.traces]
     if missing:
         notes.append(f"Saved traces {', '.join(missing)} belong to the initial text only; they are hidden for this prompt.")
-    return {"chips": chips, "token": {"key": result.key, "token": 0}, "note": " ".join(notes)}
+    return {"chips": chips, "token": {"key": result.key, "token": start}, "note": " ".join(notes)}
+
+
+# -- the view in the address bar, and jumping to a token --------------------------------------------
+VIEWS = ("expanded", "diff")
+
+
+def read_query(search: Any) -> dict:
+    """The view a link asks for: ``?token=N&kind=weights|contrib|logits&view=expanded,diff&text=...``.
+    Unknown or malformed values are dropped (a link never breaks the page)."""
+    if not isinstance(search, str) or not search.startswith("?"):
+        return {}
+    q = urllib.parse.parse_qs(search[1:], keep_blank_values=False)
+    out: dict[str, Any] = {}
+    token = (q.get("token") or [""])[0]
+    if token.isdigit() and len(token) <= 9:
+        out["token"] = int(token)
+    if (q.get("kind") or [None])[0] in KINDS:
+        out["kind"] = q["kind"][0]
+    if q.get("view"):
+        out["view"] = [v for v in q["view"][0].split(",") if v in VIEWS]
+    if q.get("text"):
+        out["text"] = q["text"][0]
+    return out
+
+
+def view_query(ex: Explorer, token: Any, kind: Any, expanded: Any) -> Any:
+    """The query string of the current view (see :func:`read_query`); the text goes in only when it is
+    not the page's initial text (a link to the opening view stays short)."""
+    if not isinstance(token, dict):
+        return no_update
+    pos = _int(token.get("token"))
+    parts = [("token", str(pos))] if pos is not None else []
+    parts.append(("kind", _kind(kind)))
+    view = [v for v in VIEWS if isinstance(expanded, list) and v in expanded]
+    if view:
+        parts.append(("view", ",".join(view)))
+    try:
+        result = ex.result(token.get("key"))
+    except UnknownKeyError:
+        return no_update
+    if result.key != ex.initial.key and result.text is not None:
+        parts.append(("text", result.text))
+    return "?" + urllib.parse.urlencode(parts, quote_via=urllib.parse.quote)
+
+
+def linked_token(ex: Explorer, result, search: Any) -> int | None:
+    """The token a link asks for, if it is about this text and in range: a link with a text names
+    that text; one without names the page's initial text."""
+    q = read_query(search)
+    if "token" not in q:
+        return None
+    same = result.text == q["text"] if "text" in q else result.key == ex.initial.key
+    n = int(result.first.mask[0].sum())
+    return q["token"] if same and q["token"] < n else None
+
+
+def open_link(ex: Explorer, search: Any) -> dict:
+    """At page load, the view a link asks for: its colour and views, and its text run through every model
+    (its token is taken up by :func:`token_strip`)."""
+    q = read_query(search)
+    out = {"kind": q.get("kind", no_update), "expanded": q.get("view", no_update), "key": no_update,
+           "prompt": no_update, "status": no_update}
+    text = q.get("text")
+    if text is not None and ex.live and text != ex.initial.text:
+        ran = run_prompt(ex, 1, text)
+        out.update(key=ran["key"], status=ran["status"], prompt=text if ran["key"] is not no_update else no_update)
+    elif text is not None and not ex.live and text != ex.initial.text:
+        out["status"] = "This link names a text, but this dashboard shows saved traces and cannot run it."
+    return out
+
+
+def jump_to(ex: Explorer, value: Any, token: Any) -> dict:
+    """The token the jump box names: a position (negative counts from the end) or a text, found in the
+    token strings at or after the selected token (wrapping round).
+
+    Returns:
+        {"token": the token store or no_update, "note": what was found (or why nothing was)}
+    """
+    if not isinstance(value, str) or not value.strip() or not isinstance(token, dict):
+        return {"token": no_update, "note": ""}
+    try:
+        result = ex.result(token.get("key"))
+    except UnknownKeyError as exc:
+        return {"token": no_update, "note": str(exc)}
+    toks = [t for t in result.str_tokens]
+    n = int(result.first.mask[0].sum())
+    toks = toks[:n]
+    raw = value.strip()
+    pos = int(raw) if raw.lstrip("-").isdigit() and len(raw) <= 10 else None
+    if pos is not None:
+        if not -n <= pos < n:
+            return {"token": no_update, "note": f"no token {pos}: this text has tokens 0..{n - 1} (or -1..-{n})"}
+        pos %= n
+        return {"token": {"key": result.key, "token": pos}, "note": f"token {pos} {toks[pos]!r}"}
+    needle = value if value.strip() != value and value.strip() else raw
+    starts, at = [], 0
+    for t in toks:
+        starts.append(at)
+        at += len(t)
+    text = "".join(toks)
+    here = _int(token.get("token")) or 0
+    begin = starts[here] + 1 if 0 <= here < n else 0
+    hit = text.find(needle, begin)
+    if hit < 0:
+        hit = text.find(needle)
+    if hit < 0:
+        return {"token": no_update, "note": f"{needle!r} is not in this text"}
+    pos = max(i for i, s0 in enumerate(starts) if s0 <= hit)
+    count = text.count(needle)
+    return {"token": {"key": result.key, "token": pos},
+            "note": f"token {pos} {toks[pos]!r}" + (f" (1 of {count} matches: press Enter again for the next)" if count > 1 else "")}
+
+
+def informative_token(traces) -> tuple[int, str]:
+    """The token a page opens on, and why: in sequence 0, the token whose depth weights depart furthest
+    from uniform, averaged over the AttnRes models (per read, the total-variation distance between
+    its normalised weights and the uniform weights on the same sources, PreNorm's implied weights;
+    mean over reads). Without an AttnRes model, the last token (it sees the most context).
+
+    Returns:
+        (position, a sentence saying which token and why)
+    """
+    traces = list(traces)
+    first = traces[0]
+    n = int(first.mask[0].sum())
+    if n == 0:
+        return 0, ""
+    routed = [t for t in traces if t.residual != "prenorm" and t.depth_weights is not None and int(t.mask[0].sum()) == n]
+    if not routed or n == 1:
+        return n - 1, f"Opened on the last token ({n - 1}): it sees the most context." if n > 1 else ""
+    distance = np.zeros(n)
+    for t in routed:
+        w = normalised_weights(t, np.asarray(t.depth_weights[0, :n], np.float64))  # [n, R, S]
+        tv = 0.5 * np.nansum(np.abs(w - uniform_weights(t)), axis=-1)  # [n, R]
+        distance += tv.mean(axis=-1) / len(routed)
+    pos = int(np.argmax(distance))
+    tok = first.str_tokens[0][pos] if pos < len(first.str_tokens[0]) else ""
+    models = ", ".join(t.name for t in routed)
+    return pos, (f"Opened on token {pos} {tok!r}, where {models} route furthest from uniform (mean total-variation "
+                 f"distance {distance[pos]:.2f} over reads; 0 = PreNorm's uniform mixture, 1 = no overlap). "
+                 "Click any token to route it.")
 
 
 # -- per-token views --------------------------------------------------------------------------
@@ -219,7 +365,11 @@ def token_views(ex: Explorer, token: Any, kind: Any, expanded: Any) -> dict:
         if diff:
             fig, why = _difference(ex, result, name, kind, pos)
             note = " ".join(x for x in (note, why) if x)
-        figs.append(fig if fig is not None else figures.token_heatmap(trace, token=pos, kind=kind, expanded=expanded))
+        if fig is None:  # the first screen: one title line; the panel names the model
+            fig = figures.compact(figures.token_heatmap(trace, token=pos, kind=kind, expanded=expanded))
+        else:  # a difference keeps "model − baseline" in its one line
+            fig = figures.compact(fig, drop_first=False)
+        figs.append(fig)
         panels.append(SHOWN)
         notes.append(note)
     _share_logit_range(figs)
@@ -306,6 +456,7 @@ def reading_views(ex: Explorer, token: Any) -> dict:
         tok = trace.str_tokens[0][pos] if pos < len(trace.str_tokens[0]) else None
         add(figures.logit_contributions_chart(lc, k=LENS_K, name=name), figures.logit_lens_chart(lens, pos, name=name, token=tok),
             SHOWN, SHOWN, SHOWN, "")
+    _share_logit_range(out["decomp"])  # one colour range for the models side by side (#35 item 4)
     return out
 
 
@@ -368,6 +519,17 @@ def profile_views(ex: Explorer, key: Any) -> dict:
     return {"magnitudes": figures.magnitudes(traces), "gradients": figures.gradient_norms(traces)}
 
 
+def glance_for_text(ex: Explorer, key: Any) -> Any:
+    """The first screen's headline table for the current text (no corpus or study loaded)."""
+    try:
+        result = ex.result(key)
+    except UnknownKeyError as exc:
+        return html.P(str(exc), className="status error")
+    if len(result.traces) < 2 and not any(t.residual != "prenorm" for t in result.traces.values()):
+        return html.P("Load an AttnRes model beside the baseline to compare them.", className="help")
+    return glance_table(metrics.compare(*result.traces.values(), names=list(result.traces)))
+
+
 def metric_cards(ex: Explorer, key: Any) -> list:
     """The headline cards for the current text: each AttnRes model against the baseline (one window: no intervals)."""
     try:
@@ -376,94 +538,6 @@ def metric_cards(ex: Explorer, key: Any) -> list:
         return [html.P(str(exc), className="status error")]
     frame = metrics.compare(*result.traces.values(), names=list(result.traces))
     return [*comparison_notes(frame), *headline_cards(frame, ex.colors)]
-
-
-def comparison_notes(frame) -> list:
-    """What a page says once above the comparisons of a :func:`metrics.compare` frame: too few
-    documents for firm intervals, and what each comparison sets side by side (the same quantity,
-    routing against the uniform reference on each model's own axis)."""
-    out = []
-    warning = documents_warning(frame)
-    if warning:
-        out.append(html.P(warning, className="notice few-documents"))
-    if (frame["comparison"] != "value").any():
-        out.append(html.P(BASIS_NOTE, className="help basis-note"))
-    return out
-
-
-def _verdict_badge(verdict: str, note: str = "") -> html.Span:
-    return html.Span(verdict, className=f"verdict {verdict}", title=note or None)
-
-
-def headline_cards(frame, colors: dict[str, str]) -> list:
-    """One card per headline group (:data:`attnres_probe.analysis.display.HEADLINE`) from a
-    :func:`metrics.compare` frame: per metric, each model's value with its interval, and each
-    comparison's estimate, interval, the paper's direction and the verdict, as compare has them."""
-    cards = []
-    for group in headline(frame):
-        blocks = []
-        for m in group["metrics"]:
-            comps = {c["model"]: c for c in m["comparisons"]}
-            head = html.Tr([html.Th("model"), html.Th("value"), html.Th("against its reference"), html.Th("verdict")])
-            body = []
-            for v in m["rows"]:
-                c = comps.get(v["model"])
-                name = html.Td(v["model"], style={"color": colors.get(v["model"])}, className="model")
-                value = html.Td([html.Div(v["estimate"], className="value"), html.Div(v["interval"], className="vs interval"),
-                                 html.Div(f"uniform: {v['reference']}", className="vs reference") if v["reference"] else None,
-                                 html.Div(v["basis"], className="vs basis") if v["basis"] else None])
-                if c is None:
-                    body.append(html.Tr([name, value, html.Td("baseline" if v["is_baseline"] else v["own"], className="vs"),
-                                         html.Td("")]))
-                    continue
-                against = html.Td([html.Div(f"{c['estimate']} vs {c['baseline']}", className="value"),
-                                   html.Div(c["interval"], className="vs interval"),
-                                   html.Div(" · ".join(x for x in (c["expected"], c["held"]) if x), className="vs")])
-                verdict = [_verdict_badge(c["verdict"], c["note"]),
-                           html.Div(c["caveat"], className="vs caveat") if c["caveat"] else None]
-                body.append(html.Tr([name, value, against, html.Td(verdict)], className="comparison"))
-            blocks.append(html.Div(
-                [html.Div([m["label"], html.Span("i", className="formula info-icon", **{"aria-label": "formula"})], title=metrics.FORMULAS.get(m["metric"], ""),
-                          className="metric-name", **{"data-metric": m["metric"]}),
-                 html.Div(f"unit: {m['unit']} · {m['reference']}", className="metric-unit help") if m["unit"] else None,
-                 html.Table([html.Thead(head), html.Tbody(body)], className="metric-table")],
-                className="metric-block",
-            ))
-        cards.append(html.Div(
-            [html.H3(group["title"], title="; ".join(f"{m['metric']}: {metrics.FORMULAS.get(m['metric'], '')}" for m in group["metrics"])),
-             html.P(group["help"], className="help"),
-             html.P(group["claim"], className="claim") if group["claim"] else None,
-             *blocks],
-            className="metric-card",
-        ))
-    return cards
-
-
-def metric_table(frame) -> html.Table:
-    """Every metric of a :func:`metrics.compare` frame: each model's value [interval], each comparison's
-    estimate [interval] and verdict."""
-    t = table_rows(frame)
-    n_models = len(t["models"])
-    head = html.Tr([html.Th("metric"), html.Th("unit"), *[html.Th(c) for c in t["columns"]],
-                    *[html.Th(f"verdict: {c}") for c in t["comparisons"]]])
-    body = []
-    width = 2 + len(t["columns"]) + len(t["comparisons"])
-    rows = []
-    for g in t["groups"]:
-        rows.append(g["title"])
-        rows.extend(g["rows"])
-    for r in rows:
-        if isinstance(r, str):  # a group's plain name
-            body.append(html.Tr(html.Th(r, colSpan=width), className="group"))
-            continue
-        cells = [html.Td(LABELS.get(r["metric"], r["metric"]), title=metrics.FORMULAS.get(r["metric"], ""), className="metric-name"),
-                 html.Td(r["unit"], title=r["reference"], className="unit")]
-        cells += [html.Td(c, className="num") for c in r["cells"][:n_models]]
-        cells += [html.Td(c, className="num") for c in r["cells"][n_models:]]
-        cells += [html.Td([_verdict_badge(v), html.Div(c, className="vs caveat") if c else None] if v else "")
-                  for v, c in zip(r["verdicts"], r["caveats"])]
-        body.append(html.Tr(cells, **{"data-metric": r["metric"]}))
-    return html.Table([html.Thead(head), html.Tbody(body)], className="metric-table full-table")
 
 
 # -- ablation ---------------------------------------------------------------------------------
@@ -539,6 +613,68 @@ def weight_effect_view(ex: Explorer, n_clicks: Any, key: Any, pressed: bool = Tr
             "status": f"measured on {next(iter(ex.result(key).traces.values())).n_tokens} tokens."}
 
 
+# -- two texts or two checkpoints ----------------------------------------------------------------------
+COMPARED = ("locality_distance", "locality_recent_mass", "embed_weight_deep", "embed_contrib_deep", "mean_loss")
+
+
+def compare_two(ex: Explorer, n_clicks: Any, key: Any, a: Any, b: Any, text_b: Any, kind: Any) -> dict:
+    """Model ``a`` on the page's text against model ``b`` on ``text_b`` (empty: the same text): the
+    difference of their mean routing (:func:`figures.difference_heatmap`, A − B on one source axis) and
+    their routing diagnostics side by side, each beside its uniform reference.
+
+    Returns:
+        {"figure": Figure or no_update, "graph": style, "table": component, "status": str}
+    """
+    from attnres_probe.analysis.catalog import CATALOG
+    from attnres_probe.analysis.windows import pooled_metrics, reference_column
+
+    keep = {"figure": no_update, "graph": no_update, "table": no_update, "status": ""}
+    if not n_clicks:
+        return {**keep, "status": "Choose A and B (and a text B) and press Compare."}
+    if a not in ex.names or b not in ex.names:
+        return {**keep, "status": f"choose A and B among {', '.join(ex.names)}"}
+    try:
+        result_a = ex.result(key)
+        text_b = text_b if isinstance(text_b, str) else ""
+        key_b = ex.run(text_b) if text_b.strip() else result_a.key
+        result_b = ex.result(key_b)
+    except (PromptError, UnknownKeyError) as exc:
+        return {**keep, "status": f"text B: {exc}"}
+    ta, tb = result_a.traces.get(a), result_b.traces.get(b)
+    if ta is None or tb is None:
+        return {**keep, "status": "a saved trace holds its own text only: compare it on that text (leave text B empty)"}
+    kind = "contrib" if _kind(kind) == "logits" else _kind(kind)
+    same_text = result_a.key == result_b.key
+    la, lb = f"{a}" + ("" if same_text else " (text A)"), f"{b}" + ("" if same_text else " (text B)")
+    try:
+        fig = figures.difference_heatmap(ta, tb, kind=kind)
+    except ValueError as exc:
+        return {**keep, "figure": no_update, "graph": HIDDEN, "status": str(exc)}
+    fig.update_layout(title={"text": f"{html_text(la)} − {html_text(lb)}: mean {figures.KIND_TITLES[kind]}"})
+    va, vb = pooled_metrics(ta), pooled_metrics(tb)
+    rows = [html.Tr([html.Th("diagnostic"), html.Th("unit"), html.Th(la), html.Th(lb), html.Th("A − B")])]
+    for name in COMPARED:
+        if name not in va or name not in vb:
+            continue
+        x, y = float(va[name]), float(vb[name])
+        ref = reference_column(name)
+        refs = [f" (uniform {_fmt(float(v[ref]))})" if ref in v else "" for v in (va, vb)]
+        rows.append(html.Tr([html.Td(LABELS.get(name, name), className="metric-name"),
+                             html.Td(CATALOG[name].unit, className="unit"),
+                             html.Td(_fmt(x) + refs[0], className="num"), html.Td(_fmt(y) + refs[1], className="num"),
+                             html.Td(_fmt(x - y), className="num")], **{"data-metric": name}))
+    what = "the same text" if same_text else f"text A ({ta.n_tokens} tokens) and text B ({tb.n_tokens} tokens)"
+    return {"figure": fig, "graph": SHOWN, "table": html.Table(rows, className="metric-table compare-table"),
+            "status": f"{a} against {b} on {what}: one window each, so no interval."}
+
+
+def html_text(s: str) -> str:
+    """A name put into a plotly title as text (plotly titles read a little HTML)."""
+    import html as _html
+
+    return _html.escape(s)
+
+
 def _empty_ablation():
     import pandas as pd
 
@@ -575,8 +711,29 @@ def register(app, ex: Explorer) -> None:
         )(_bind(run_prompt, ex))
     app.callback(
         output={"chips": Output(ids.STRIP, "children"), "token": Output(ids.TOKEN, "data"), "note": Output(ids.STRIP_NOTE, "children")},
-        inputs=[Input(ids.KEY, "data")],
+        inputs=[Input(ids.KEY, "data"), Input(ids.URL, "search")],
     )(_bind(token_strip, ex))
+    # a shared link: its view at load; the view, as it changes, back into the address bar
+    link_out = {"kind": Output(ids.KIND, "value"), "expanded": Output(ids.EXPANDED, "value"),
+                "status": Output(ids.PROMPT_STATUS, "children", allow_duplicate=True)}
+    if ex.live:
+        link_out.update(key=Output(ids.KEY, "data", allow_duplicate=True), prompt=Output(ids.PROMPT, "value"))
+
+    def _open_link(search):
+        out = open_link(ex, search)
+        return {k: out[k] for k in link_out}
+
+    app.callback(output=link_out, inputs=[Input(ids.URL, "search")], prevent_initial_call="initial_duplicate")(_open_link)
+    app.callback(Output(ids.QUERY, "data"), [Input(ids.TOKEN, "data"), Input(ids.KIND, "value"), Input(ids.EXPANDED, "value")],
+                 )(_bind(view_query, ex))
+    app.clientside_callback(ClientsideFunction("attnres", "mark_source_token"), Output(ids.SOURCE_MARKED, "data"),
+                            [Input(ids.TOKEN, "data")] + [Input(ids.panel_id("source", "graph", i), "figure") for i in range(n)],
+                            prevent_initial_call=True)
+    app.clientside_callback(ClientsideFunction("attnres", "show_query"), Output(ids.QUERY_SHOWN, "data"), Input(ids.QUERY, "data"),
+                            prevent_initial_call=True)
+    app.callback(output={"token": Output(ids.TOKEN, "data", allow_duplicate=True), "note": Output(ids.JUMP_NOTE, "children")},
+                 inputs=[Input(ids.JUMP, "value"), Input(ids.JUMP, "n_submit"), State(ids.TOKEN, "data")],
+                 prevent_initial_call=True)(lambda value, _n, token: jump_to(ex, value, token))
     app.callback(
         output={"figures": _per_model("token", "graph", "figure", n), "panels": _per_model("token", "panel", "style", n),
                 "notes": _per_model("token", "note", "children", n), "info": Output(ids.TOKEN_INFO, "children"),
@@ -603,6 +760,8 @@ def register(app, ex: Explorer) -> None:
         inputs=[Input(ids.KEY, "data")],
     )(_bind(profile_views, ex))
     app.callback(Output(ids.CARDS, "children"), Input(ids.KEY, "data"))(_bind(metric_cards, ex))
+    if not ex.stats and not (getattr(ex, "study", None) and ex.study.get("primaries")):
+        app.callback(Output(ids.GLANCE, "children"), Input(ids.KEY, "data"))(_bind(glance_for_text, ex))
     if ex.attnres_probes:
         app.callback(
             output={"options": Output(ids.ABL_READ, "options"), "value": Output(ids.ABL_READ, "value")},
@@ -627,6 +786,12 @@ def register(app, ex: Explorer) -> None:
                     "graph_style": Output(ids.WE_GRAPH, "style"), "status": Output(ids.WE_STATUS, "children")},
             inputs=[Input(ids.WE_RUN, "n_clicks"), Input(ids.KEY, "data")],
         )(_weight_effect)
+    app.callback(
+        output={"figure": Output(ids.TWO_GRAPH, "figure"), "graph": Output(ids.TWO_GRAPH, "style"),
+                "table": Output(ids.TWO_TABLE, "children"), "status": Output(ids.TWO_STATUS, "children")},
+        inputs=[Input(ids.TWO_RUN, "n_clicks"), State(ids.KEY, "data"), State(ids.TWO_A, "value"), State(ids.TWO_B, "value"),
+                State(ids.TWO_TEXT, "value"), State(ids.TWO_KIND, "value")],
+    )(_bind(compare_two, ex))
     # browser-side: a chip click or a click on a one-source heatmap selects a token; the chip is highlighted
     app.clientside_callback(
         ClientsideFunction("attnres", "pick_token"),

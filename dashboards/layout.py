@@ -11,6 +11,7 @@ from __future__ import annotations
 from dash import dcc, html
 
 from attnres_probe.analysis.display import WEIGHT_EFFECT_NOTE
+from attnres_probe.dashboards.cards import comparison_notes, glance_study, glance_table, headline_cards, metric_table
 from attnres_probe.dashboards.state import ABLATION_MODES, Explorer
 
 __all__ = ["build_layout", "panel_id", "KIND_OPTIONS"]
@@ -30,6 +31,21 @@ SOURCE = "source"
 MAGNITUDES = "magnitudes"
 GRADIENTS = "gradients"
 CARDS = "metric-cards"
+GLANCE = "glance"  # the first screen's headline table
+URL = "url"  # the page's address: ?token=N&kind=...&view=...&text=... (a shareable view)
+QUERY = "view-query"  # the query string of the current view, which the browser puts in its address bar
+QUERY_SHOWN = "view-query-shown"  # the output of the browser-side callback that does so (always unchanged)
+SOURCE_MARKED = "source-token-marked"  # the output of the browser-side callback that marks it (always unchanged)
+JUMP = "token-jump"
+TWO_A = "compare-a"  # the two-views comparison: model A, model B, text B, colour, button, status, graph, table
+TWO_B = "compare-b"
+TWO_TEXT = "compare-text"
+TWO_KIND = "compare-kind"
+TWO_RUN = "compare-run"
+TWO_STATUS = "compare-status"
+TWO_GRAPH = "compare-graph"
+TWO_TABLE = "compare-table"
+JUMP_NOTE = "token-jump-note"
 ABL_MODEL = "ablation-model"
 ABL_READ = "ablation-read"
 ABL_MODE = "ablation-mode"
@@ -79,43 +95,38 @@ def _header(ex: Explorer) -> html.Header:
         role = "baseline" if name == ex.baseline else ("saved trace" if name in ex.saved else "")
         badges.append(
             html.Span(
-                [_swatch(ex.colors[name]), html.B(name), html.Span(" · " + ex.describe(name), className="muted"),
+                [_swatch(ex.colors[name]), html.B(name), html.Span(" · " + ex.describe(name, short=True), className="muted"),
                  html.Span(role, className="role") if role else None],
-                className="badge",
+                className="badge", title=ex.describe(name),
                 style={"borderColor": ex.colors[name]},
             )
         )
     if ex.baseline is None:
         base = "No PreNorm baseline is loaded: metric cards show absolute values only."
     else:
-        base = f"Baseline: {ex.baseline}. Every AttnRes model is set against it."
+        base = None  # the badge says "baseline"; the headline names each comparison's reference
     return html.Header(
         [
-            html.H1(["attnres-probe ", html.Span("depth-routing explorer", className="muted")]),
-            html.Div(badges, className="badges", id="model-badges"),
-            html.P(base, className="help"),
+            html.Div([html.H1(["attnres-probe ", html.Span("depth-routing explorer", className="muted")]),
+                      html.Div(badges, className="badges", id="model-badges")], className="header-row"),
+            html.P(base, className="help") if base else None,
         ],
         className="header",
     )
 
 
-def _guide() -> html.Details:
-    return html.Details(
+def _guide_items() -> html.Ul:
+    return html.Ul(
         [
-            html.Summary("How to read this page"),
-            html.Ul(
-                [
-                    html.Li("Every AttnRes sublayer reads a softmax mixture of earlier depth sources (the embedding, "
-                            "earlier sublayer outputs or blocks); PreNorm adds them all with weight one."),
-                    html.Li("Rows of a heatmap are reads (one per sublayer, then the final read), columns are sources. "
-                            "Blank cells are sources a read cannot see yet; black lines mark block boundaries."),
-                    html.Li("Contribution share c = ⟨coef·v, h⟩ / ‖h‖² is defined for every model, so it is the way to "
-                            "compare with the PreNorm baseline. Hover a cell for the exact weight, logit and share."),
-                    html.Li("Click a token (or a cell of the 'one source' heatmap) to see how that token routes."),
-                ]
-            ),
-        ],
-        className="guide",
+            html.Li("Every AttnRes sublayer reads a softmax mixture of earlier depth sources (the embedding, "
+                    "earlier sublayer outputs or blocks); PreNorm adds them all with weight one, which is the uniform "
+                    "mixture 1/k over the k sources a read sees (its implied weights, drawn in its panel)."),
+            html.Li("Rows of a heatmap are reads (one per sublayer, then the final read), columns are sources. "
+                    "Blank cells are sources a read cannot see yet; black lines mark block boundaries."),
+            html.Li("Contribution share c = ⟨coef·v, h⟩ / ‖h‖² is defined for every model and compares shares with "
+                    "shares. Hover a cell for the exact weight, logit and share."),
+            html.Li("Click a token (or a cell of the 'one source' heatmap) to see how that token routes."),
+        ]
     )
 
 
@@ -128,7 +139,8 @@ def _saved_text(trace) -> str:
     return "".join(trace.str_tokens[0])
 
 
-def _prompt(ex: Explorer) -> html.Section:
+def _prompt(ex: Explorer) -> tuple[list, str]:
+    """The text box, its Run button and status (the first screen's left column), and the length limit in words."""
     if ex.live:
         limit = f"Up to {ex.n_ctx} tokens (the models' context); the byte tokenizer counts one token per byte."
         note = None
@@ -141,42 +153,82 @@ def _prompt(ex: Explorer) -> html.Section:
             id="traces-only-note",
         )
     text = ex.initial.text if ex.initial.text is not None else _saved_text(ex.initial.first)
-    return html.Section(
-        [
-            html.H2("Prompt"),
-            note,
-            dcc.Textarea(
-                id=PROMPT,
-                value=text,
-                maxLength=ex.max_chars or None,
-                disabled=not ex.live,
-                className="prompt",
-                placeholder="Type a text to run through every model",
-                spellCheck=False,
-            ),
-            html.Div(
-                [
-                    html.Button("Run", id=RUN, n_clicks=0, disabled=not ex.live, className="primary"),
-                    html.Span(limit, className="help inline"),
-                ],
-                className="row",
-            ),
-            html.Div(id=PROMPT_STATUS, className="status", role="status"),
-        ],
-        className="card",
-    )
+    return [
+        note,
+        html.Div(
+            [
+                dcc.Textarea(
+                    id=PROMPT,
+                    value=text,
+                    maxLength=ex.max_chars or None,
+                    disabled=not ex.live,
+                    className="prompt",
+                    placeholder="Type a text to run through every model",
+                    spellCheck=False,
+                    rows=2,
+                    title=limit or None,
+                ),
+                html.Button("Run", id=RUN, n_clicks=0, disabled=not ex.live, className="primary"),
+            ],
+            className="prompt-row",
+        ),
+        html.Div(id=PROMPT_STATUS, className="status", role="status"),
+    ], limit
 
 
-def _token_section(ex: Explorer) -> html.Section:
+def _tokens() -> list:
+    """The token strip (every tenth chip numbered), a box to jump to a token by position or text, why the
+    selected token was chosen, and the selected token's line."""
+    return [
+        html.Div(id=STRIP, className="strip"),
+        html.Div(
+            [
+                html.Label("go to token", htmlFor=JUMP, className="control-label"),
+                dcc.Input(id=JUMP, type="text", placeholder="position (12, -1) or text", debounce=True, className="jump",
+                          autoComplete="off", spellCheck=False),
+                html.Span(id=JUMP_NOTE, className="help inline"),
+            ],
+            className="row jump-row",
+        ),
+        html.Div(id=STRIP_NOTE, className="help"),
+        html.Div(id=TOKEN_INFO, className="token-info"),
+    ]
+
+
+def _headline(ex: Explorer) -> list:
+    """The first screen's right column: the headline comparisons, from the strongest evidence loaded:
+    a corpus run (``--stats``: intervals over windows), else the study's seeds beside the demo models,
+    else this text (one window: estimates only, filled by a callback)."""
+    if ex.stats:
+        frame = ex.stats_frame
+        n = ", ".join(f"{name} {s.n_windows} windows" for name, s in ex.stats.items())
+        title, note, body = "Corpus: AttnRes against its references", f"{n}; 95% bootstrap intervals over windows.", \
+            glance_table(frame)
+    elif getattr(ex, "study", None) and ex.study.get("primaries"):
+        seeds = ex.study["seeds"]
+        title = f"What {len(seeds)} training seed{'s' if len(seeds) != 1 else ''} show (study v3)"
+        note = "Pre-registered endpoints; a t-test over seeds, Holm-corrected. The demo models are seed 0 (details below)."
+        body = glance_study(ex.study)
+    else:
+        title = "This text against the references"
+        note = "One text is one window: estimates without intervals. For intervals, record a corpus (dash --stats)."
+        body = None
+    return [html.H2(title), html.P(note, className="help"), html.Div(body, id=GLANCE)]
+
+
+def _glance(ex: Explorer) -> html.Section:
+    """The first screen: the text and its tokens beside the headline comparisons."""
+    prompt, limit = _prompt(ex)
+    if limit:
+        limit = f" · up to {ex.n_ctx} tokens, one per byte"
     return html.Section(
         [
-            html.H2("Tokens"),
-            _help("Click a token to route it: every per-token view below follows the selection."),
-            html.Div(id=STRIP, className="strip"),
-            html.Div(id=STRIP_NOTE, className="help"),
-            html.Div(id=TOKEN_INFO, className="token-info"),
+            html.Div([html.H2(["Text and tokens", html.Span(limit, className="muted small")]), *prompt, *_tokens()],
+                     className="glance-text"),
+            html.Div(_headline(ex), className="glance-headline"),
         ],
-        className="card",
+        className="card glance",
+        id="glance-section",
     )
 
 
@@ -205,8 +257,8 @@ def _controls() -> html.Div:
             dcc.RadioItems(id=KIND, options=KIND_OPTIONS, value="weights", inline=True, className="radio"),
             dcc.Checklist(
                 id=EXPANDED,
-                options=[{"label": "expanded sublayer view (Block: one column per sublayer)", "value": "expanded"},
-                         {"label": "difference: each AttnRes model minus the baseline", "value": "diff"}],
+                options=[{"label": "expanded (Block: a column per sublayer)", "value": "expanded"},
+                         {"label": "difference: model − baseline", "value": "diff"}],
                 value=[],
                 inline=True,
                 className="radio",
@@ -227,13 +279,14 @@ def _token_help(ex: Explorer) -> str:
 def _token_views(ex: Explorer) -> html.Section:
     return html.Section(
         [
-            html.H2("Depth routing of the selected token"),
-            _help(_token_help(ex)),
-            _controls(),
+            html.Div([html.H2("Depth routing of the selected token"), _controls(),
+                      html.Details([html.Summary("How to read these panels"), _help(_token_help(ex)), _guide_items()],
+                                   className="guide")], className="row title-row"),
             html.P(id=TOKEN_DIFF_NOTE, className="help diff-caption"),
             _panels(ex, "token", note=True),
         ],
         className="card",
+        id="token-views",
     )
 
 
@@ -346,8 +399,8 @@ def _source_views(ex: Explorer) -> html.Section:
     return html.Section(
         [
             html.H2("One source at every token"),
-            _help("Tokens (x) × reads (y) for one source; 'embed' shows embedding retention token by token. "
-                  "Click a cell to select its token."),
+            _help("Tokens (x, labelled with their positions) × reads (y) for one source; 'embed' shows embedding "
+                  "retention token by token. A red box marks the selected token; click a cell to select its token."),
             html.Div(
                 [html.Label("source", className="control-label"),
                  dcc.Dropdown(id=SOURCE, options=[{"label": s, "value": s} for s in options], value=options[0],
@@ -403,7 +456,6 @@ def _corpus(ex: Explorer) -> html.Section | None:
     if not ex.stats:
         return None
     from attnres_probe import figures
-    from attnres_probe.dashboards.callbacks import comparison_notes, headline_cards, metric_table
 
     stats = list(ex.stats.values())
     names = list(ex.stats)
@@ -419,6 +471,7 @@ def _corpus(ex: Explorer) -> html.Section | None:
                 [html.Summary("Every metric with its interval and verdict"), metric_table(frame)],
                 className="guide", open=False,
             ),
+            *_corpus_documents(ex),
             html.H3("Mean routing over the corpus"),
             _help("Mean over every token of the corpus (hover a cell for its standard deviation over tokens and its count); "
                   "the last chart shows each cell's spread over tokens."),
@@ -438,6 +491,48 @@ def _corpus(ex: Explorer) -> html.Section | None:
         className="card",
         id=CORPUS,
     )
+
+
+CORPUS_DOCUMENTS = "corpus-documents"  # the table of which documents drive the verdicts
+
+
+def _corpus_documents(ex: Explorer) -> list:
+    """Which documents drive the verdicts (:func:`attnres_probe.analysis.documents.document_breakdown`, with the
+    corpus comparisons' resamples and seed, so the "every document" row holds their verdicts): documents as rows,
+    the headline comparisons as columns, each cell the document's own value, marked where leaving it out changes
+    the verdict; nothing without comparisons."""
+    from attnres_probe import metrics
+    from attnres_probe.analysis.documents import document_breakdown, document_table
+    from attnres_probe.dashboards.cards import _verdict_badge
+
+    attrs = ex.stats_frame.attrs if ex.stats_frame is not None else {}
+    frame = document_breakdown(*ex.stats.values(), names=list(ex.stats), n_resamples=int(attrs.get("n_resamples", 1000)),
+                               seed=attrs.get("seed", 0))
+    t = document_table(frame)
+    if not t["columns"]:
+        return []
+    head = [html.Tr([html.Th("document", rowSpan=2), html.Th("windows", rowSpan=2),
+                     *[html.Th(sp["label"], colSpan=sp["n"], title=metrics.FORMULAS.get(sp["metric"], ""),
+                               className="metric-name") for sp in t["spans"]]]),
+            html.Tr([html.Th(c["model"], title=f"{c['model']} vs {c['baseline']} ({c['comparison']})") for c in t["columns"]])]
+    body = []
+    for r in t["rows"]:
+        cells = [html.Td(r["document"], className="metric-name"), html.Td(str(r["windows"]), className="num")]
+        for cell in r["cells"]:
+            mark = [html.Sup(cell["mark"], className="mark")] if cell["mark"] else []
+            cells.append(html.Td([cell["text"], *mark], title=cell["title"] or None, className="num",
+                                 **{"data-metric": cell["metric"], "data-model": cell["model"], "data-value": repr(cell["value"]),
+                                    "data-changes": "true" if cell["changes"] else "false"}))
+        body.append(html.Tr(cells, **{"data-doc": str(r["doc"])}))
+    body.append(html.Tr([html.Th("every document", colSpan=2),
+                         *[html.Td([cell["text"], " ", _verdict_badge(cell["verdict"])], className="num",
+                                   **{"data-metric": cell["metric"], "data-model": cell["model"], "data-value": repr(cell["value"])})
+                           for cell in t["all"]]], className="group", **{"data-doc": "all"}))
+    return [html.H3("Which documents drive the verdicts"),
+            _help(t["note"]),
+            html.Table([html.Thead(head), html.Tbody(body)], className="metric-table full-table documents-table",
+                       id=CORPUS_DOCUMENTS),
+            _help(t["more"]) if t["more"] else None]
 
 
 def corpus_difference_caption(models: list[str], baseline: str) -> str:
@@ -527,18 +622,74 @@ def _weight_effect(ex: Explorer) -> html.Section | None:
     )
 
 
+def default_pair(ex: Explorer) -> tuple[str, str]:
+    """Models A and B the comparison opens with: two checkpoints of one architecture where loaded, else
+    the first AttnRes model against itself (on a second text)."""
+    names = list(ex.names)
+    by_kind: dict[str, list[str]] = {}
+    for n in names:
+        by_kind.setdefault(ex.residual_of(n), []).append(n)
+    pairs = [v for k, v in by_kind.items() if len(v) > 1 and k != "prenorm"] + [v for v in by_kind.values() if len(v) > 1]
+    if pairs:
+        return pairs[0][0], pairs[0][1]
+    first = next((n for n in names if ex.residual_of(n) != "prenorm"), names[0])
+    return first, first
+
+
+def _compare_two(ex: Explorer) -> html.Section:
+    """Two texts, or two checkpoints of one architecture, set against each other: A − B, like from like."""
+    a, b = default_pair(ex)
+    options = [{"label": n, "value": n} for n in ex.names]
+    return html.Section(
+        [
+            html.H2("Compare two texts or two checkpoints"),
+            _help("A is a model on this page's text, B a model on text B (empty: the same text). The heatmap is "
+                  "A − B of the mean over tokens, cell by cell on one source axis (Block's blocks when either is "
+                  "Block), and the table sets the routing diagnostics of A and B side by side. Two checkpoints of "
+                  "one architecture (dash --models run/step2000 run/step8000) compare weights with weights; against "
+                  "PreNorm only contribution shares compare."),
+            html.Div(
+                [
+                    html.Label("A", className="control-label"),
+                    dcc.Dropdown(id=TWO_A, options=options, value=a, clearable=False, className="dropdown"),
+                    html.Label("B", className="control-label"),
+                    dcc.Dropdown(id=TWO_B, options=options, value=b, clearable=False, className="dropdown"),
+                    html.Label("colour by", className="control-label"),
+                    dcc.RadioItems(id=TWO_KIND, options=KIND_OPTIONS[:2], value="weights", inline=True, className="radio"),
+                ],
+                className="row controls",
+            ),
+            html.Div(
+                [
+                    dcc.Textarea(id=TWO_TEXT, value="", className="prompt", rows=2, disabled=not ex.live, spellCheck=False,
+                                 placeholder="text B (empty: the same text as A)", maxLength=ex.max_chars or None),
+                    html.Button("Compare", id=TWO_RUN, n_clicks=0, className="primary"),
+                ],
+                className="prompt-row",
+            ),
+            html.Div(id=TWO_STATUS, className="status", role="status"),
+            dcc.Loading(html.Div([dcc.Graph(id=TWO_GRAPH, config=GRAPH_CONFIG, className="graph", style={"display": "none"}),
+                                  html.Div(id=TWO_TABLE)]), type="dot", delay_show=300),
+        ],
+        className="card",
+        id="compare-two",
+    )
+
+
 def build_layout(ex: Explorer) -> html.Div:
     """The whole page for an :class:`Explorer` (stores hold the result key and the selected token only)."""
     return html.Div(
         [
             dcc.Store(id=KEY, data=ex.initial.key),
             dcc.Store(id=TOKEN, data=None),
+            dcc.Location(id=URL, refresh=False),
+            dcc.Store(id=QUERY, data=None),
+            dcc.Store(id=QUERY_SHOWN, data=None),
+            dcc.Store(id=SOURCE_MARKED, data=None),
             _header(ex),
-            _guide(),
-            _corpus(ex),
-            _prompt(ex),
-            _token_section(ex),
+            _glance(ex),
             _token_views(ex),
+            _corpus(ex),
             _reading_views(ex),
             _mean_views(ex),
             _source_views(ex),
@@ -546,6 +697,7 @@ def build_layout(ex: Explorer) -> html.Div:
             _over_training(ex),
             _study(ex),
             _cards(ex),
+            _compare_two(ex),
             _ablation(ex),
             _weight_effect(ex),
             html.Footer("attnres-probe · charts from attnres_probe.figures · traces stay on the server", className="help"),

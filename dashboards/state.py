@@ -103,7 +103,7 @@ class Explorer:
             context); in traces-only mode the saved traces' own tokens are shown.
         cache_size: results kept besides the initial one (least recently used dropped first).
         cache_bytes: also drop results while the cached arrays exceed this many bytes.
-        stats: name -> :class:`~attnres_probe.stats.CorpusStats` of a recorded corpus
+        stats: name -> :class:`~attnres_probe.corpus.stats.CorpusStats` of a recorded corpus
             (``attnres-probe corpus``): the page then leads with the corpus comparisons.
         n_resamples, seed: the bootstrap of those comparisons.
 
@@ -180,11 +180,17 @@ class Explorer:
         """Names of live AttnRes models (the ones routing ablation works on)."""
         return [n for n, p in self.probes.items() if p.spec.residual != "prenorm"]
 
-    def describe(self, name: str) -> str:
-        """One line about an entry: 'Block AttnRes · 8 layers · n_ctx 128' (+ 'saved trace')."""
+    def residual_of(self, name: str) -> str:
+        """The residual rule of an entry ("prenorm", "full", "block", ...)."""
+        return self.probes[name].spec.residual if name in self.probes else self.saved[name].residual
+
+    def describe(self, name: str, short: bool = False) -> str:
+        """One line about an entry: 'Block AttnRes · 8 layers · n_ctx 128' (+ 'saved trace');
+        ``short``: without the context length ('Block AttnRes · 8 layers')."""
         if name in self.probes:
             spec = self.probes[name].spec
-            parts = [RESIDUAL_TITLES.get(spec.residual, spec.residual), f"{spec.n_layers} layers", f"n_ctx {spec.n_ctx}"]
+            parts = [RESIDUAL_TITLES.get(spec.residual, spec.residual), f"{spec.n_layers} layers"]
+            parts += [] if short else [f"n_ctx {spec.n_ctx}"]
         else:
             t = self.saved[name]
             parts = [RESIDUAL_TITLES.get(t.residual, t.residual), f"{len(t.sublayer_labels) // 2} layers", "saved trace"]

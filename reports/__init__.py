@@ -4,7 +4,7 @@
     traces = [record_text(model, text, name=n) for n, model in models.items()]
     build_report(traces, "report.html", title="AttnRes vs PreNorm")
 
-The command line is ``attnres-probe report`` (:mod:`attnres_probe.reports.cli`).
+The command line is ``attnres-probe report`` (:mod:`attnres_probe.cli.report`).
 """
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ def render_report(
         "mode": "trace",
         "metrics": _metrics_context(metrics.compare(*traces, names=names)),
         "heatmaps": [
-            plots.add(_point_below(figures.side_by_side(traces, "mean_heatmap", names=names, kind="weights"))),
+            plots.add(figures.side_by_side(traces, "mean_heatmap", names=names, kind="weights")),
             plots.add(figures.side_by_side(traces, "mean_heatmap", names=names, kind="contrib")),
         ],
         "difference": _difference_context(_renamed(traces, names), plots),
@@ -264,7 +264,7 @@ def build_stats_report(
     with its interval, mean heatmaps with per-cell spread, and depth profiles with bands.
 
     Args:
-        stats: model name -> :class:`~attnres_probe.stats.CorpusStats`, in display order.
+        stats: model name -> :class:`~attnres_probe.corpus.stats.CorpusStats`, in display order.
         path: the ``.html`` file to write (its directory must exist).
         manifest: the run's corpus.json (data and settings, shown under "Reproduce").
         n_resamples, seed: the bootstrap of the comparisons.
@@ -317,6 +317,7 @@ def render_stats_report(
         "models": models,
         "corpus": data,
         "metrics": _metrics_context(frame),
+        "documents": _documents_context(items, names, manifest, n_resamples, seed),
         "heatmaps": [
             plots.add(figures.corpus_side_by_side([s for _, s in attn], "weights", names=[n for n, _ in attn])),
             plots.add(figures.corpus_side_by_side(items, "contrib", names=names)),
@@ -335,6 +336,20 @@ def render_stats_report(
         "plotlyjs": Markup(_plotlyjs()),
     }
     return _template().render(**ctx)
+
+
+def _documents_context(items: list, names: list[str], manifest: Mapping[str, Any] | None, n_resamples: int,
+                       seed: int) -> dict[str, Any] | None:
+    """Which documents drive the verdicts (:func:`attnres_probe.analysis.documents.document_table` of
+    :func:`~attnres_probe.analysis.documents.document_breakdown`, with the comparisons' resamples and seed, so its
+    "every document" row holds their verdicts), documents named as corpus.json names them; None without comparisons."""
+    from attnres_probe.analysis.documents import document_breakdown, document_table
+    from attnres_probe.corpus.run import document_names
+
+    frame = document_breakdown(*items, names=names, documents=document_names(dict(manifest)) if manifest else None,
+                               n_resamples=n_resamples, seed=seed)
+    table = document_table(frame)
+    return table if table["columns"] else None
 
 
 def _stats_model_row(stats: Any, name: str) -> dict[str, Any]:
@@ -460,19 +475,6 @@ class _Plots:
 def _renamed(traces: list[DepthTrace], names: list[str]) -> list[DepthTrace]:
     """Traces whose ``name`` is the report's unique label (shallow copies; arrays shared)."""
     return [t if t.name == n else dataclasses.replace(t, meta={**t.meta, "name": n}) for t, n in zip(traces, names)]
-
-
-# the report draws the mean routing twice, weights then contribution shares: there is no control to
-# switch, so PreNorm's blank weights panel points to the figure below instead
-PRENORM_WEIGHTS_BELOW = ("PreNorm adds every source with weight 1:<br>no routing to colour here.<br>"
-                         "Its contribution shares are in the<br>next figure, beside AttnRes's.")
-
-
-def _point_below(fig):
-    for ann in fig.layout.annotations:
-        if ann.text == figures.PRENORM_NOTES["weights"]:
-            ann.text = PRENORM_WEIGHTS_BELOW
-    return fig
 
 
 def _difference_context(traces: list[DepthTrace], plots: _Plots) -> dict[str, Any] | None:
@@ -768,12 +770,11 @@ def _explorer_model(trace: DepthTrace, name: str, positions: list[tuple[int, int
             "colorscale": [list(c) for c in hm.colorscale],
             "symmetric": kind in ("logits", "contrib"),
             "floor": 1.0 if kind == "contrib" else 1e-6,  # shares: at least -1..1, as figures._color_range
-            "blank": bool(trace.residual == "prenorm" and kind == "weights"),  # PreNorm's weights: all one, no colour
             "title_parts": list((hm_fig.layout.meta or {}).get("title_parts") or []),
             "zmin": hm.zmin,
             "zmax": hm.zmax,
             "colorbar": kind,
-            "title": figures.KIND_TITLES[kind],
+            "title": figures.kind_title(trace, kind),
             "annotations": [a.to_plotly_json() for a in hm_fig.layout.annotations],
         }
     cells, _ = figures.cell_values(trace, expanded=False)  # {kind: [B, P, R, S]}, -inf -> NaN

@@ -7,25 +7,23 @@ of the mean next-token loss over all windows. Each trace's ``meta`` gets:
 - ``text``: the text as given (the report shows it as written, not re-assembled from tokens);
 - ``windows``: ``{"n_ctx": …, "count": …}``;
 - ``checkpoint_dir`` for a model loaded from a checkpoint directory or a bundled demo, and always
-  ``weights_sha256`` (the one digest of a model, the same a corpus run records): sha256 of
-  the in-memory fp32 state dict (tensor names, shapes and bytes in name order).
+  ``weights_sha256`` (the one digest of a model, :func:`attnres_probe.io.weights_sha256`, the
+  same a corpus run records): sha256 of the in-memory fp32 state dict (tensor names, shapes and
+  bytes in name order).
 """
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from attnres_probe.io import sha256_file
+from attnres_probe.io import weights_sha256
 from attnres_probe.probe import Probe
 from attnres_probe.trace import DepthTrace
 
-__all__ = ["MAX_TOKENS", "SAMPLE_TEXT", "record_checkpoints", "record_demos", "record_text", "weights_sha256"]
+__all__ = ["MAX_TOKENS", "SAMPLE_TEXT", "record_checkpoints", "record_demos", "record_text"]
 
 # A report records its text as one batch with one backward pass: memory grows with the text
 # (about 60 kB per token at the demo size). 8192 tokens stay under about half a gigabyte.
@@ -43,18 +41,6 @@ SAMPLE_TEXT = (
     "The assert statement is a convenient way to insert debugging assertions in a program.\n"
 )
 SAMPLE_TEXT = (SAMPLE_TEXT * 2)[:256]
-
-
-def weights_sha256(model: torch.nn.Module) -> str:
-    """Hex sha256 over the model's state dict (name, shape and fp32 bytes of every tensor, in name order)."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        t = t.detach().cpu()
-        t = t.float() if t.is_floating_point() else t
-        h.update(name.encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def record_text(
@@ -122,14 +108,15 @@ def record_checkpoints(
     Raises:
         CheckpointError: a directory is not a readable checkpoint (the message names it).
     """
-    from attnres_probe.pretrained import load_model_folder
+    from attnres_probe.loading import load_model
 
     if names is not None and len(names) != len(dirs):
         raise ValueError(f"{len(names)} names for {len(dirs)} model directories: give one name per directory")
     traces = []
     for i, d in enumerate(dirs):
         d = Path(d)
-        model, tokenizer = load_model_folder(d)
+        loaded = load_model(d)
+        model, tokenizer = loaded.model, loaded.tokenizer
         name = names[i] if names is not None else (d.resolve().name or model.cfg.residual)
         traces.append(record_text(model, text, tokenizer=tokenizer, name=name, checkpoint_dir=d, backward=backward))
     return traces
@@ -137,12 +124,12 @@ def record_checkpoints(
 
 def record_demos(text: str, names: Sequence[str] = ("prenorm", "full", "block"), backward: bool = True) -> list[DepthTrace]:
     """:func:`record_text` through the bundled demo models (raises FileNotFoundError if one is missing)."""
-    from attnres_probe.demo import load_demo
+    from attnres_probe.loading import demo_source, load_model
 
     traces = []
     for name in names:
-        model, tok = load_demo(name)
-        traces.append(record_text(model, text, tokenizer=tok, name=name, backward=backward))
+        loaded = load_model(demo_source(name))
+        traces.append(record_text(loaded.model, text, tokenizer=loaded.tokenizer, name=name, backward=backward))
     return traces
 
 

@@ -101,7 +101,7 @@ def reader(name):
 
 @reader("stats")
 def fuzz_stats(src: Path, data, work: Path):
-    from attnres_probe.stats import CorpusStats, StatsError
+    from attnres_probe.corpus.stats import CorpusStats, StatsError
 
     folder = work / "s"
     shutil.copytree(src, folder)

@@ -458,7 +458,7 @@ def test_embedding_weight_before_attention_and_before_the_mlp_are_measured_apart
 
 def test_a_window_table_saved_before_the_attention_mlp_split_loads_with_those_columns_empty(tmp_path):
     from attnres_probe.analysis.windows import LATER_COLUMNS
-    from attnres_probe.stats import CorpusStats
+    from attnres_probe.corpus.stats import CorpusStats
 
     probe = Probe(tiny_model("full", n_layers=2, n_ctx=32), name="full")
     stats = probe.run_corpus(["one text here", "and another text"], backward=True, progress=False)

@@ -27,7 +27,7 @@ def test_record_saves_a_loadable_trace(tmp_path, capsys):
     assert trace.str_tokens[0] == list("hello <b>") and trace.has_gradients
     assert "saved to" in capsys.readouterr().out
     from attnres_probe import AttnResTransformer
-    from attnres_probe.reports.recording import weights_sha256
+    from attnres_probe.io import weights_sha256
 
     # the model's one digest travels with the trace, so a report from it says which weights it came from
     assert trace.meta["weights_sha256"] == weights_sha256(AttnResTransformer.load(tmp_path / "m"))

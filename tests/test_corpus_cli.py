@@ -8,9 +8,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from attnres_probe import corpus as corpus_mod
 from attnres_probe.cli import main
-from attnres_probe.corpus import CorpusDataError, list_documents, load_stats_dir, record_corpus
+from attnres_probe.corpus import CorpusDataError, CorpusRunError, list_documents, load_stats_dir, record_corpus
+from attnres_probe.corpus import documents as documents_mod
+from attnres_probe.corpus import record as record_mod
 from helpers import tiny_model
 
 DOCS = {
@@ -60,7 +61,7 @@ def test_an_interrupted_run_resumes_and_equals_an_uninterrupted_one(tmp_path, ck
     data = _write_docs(tmp_path / "data")
     whole = record_corpus(data, tmp_path / "whole", models=ckpts, batch_size=2, progress=False, n_resamples=100)
     calls = {"n": 0}
-    real = corpus_mod._save_progress
+    real = record_mod._save_progress
 
     def crash_after_two_saves(*args, **kw):
         real(*args, **kw)
@@ -68,11 +69,11 @@ def test_an_interrupted_run_resumes_and_equals_an_uninterrupted_one(tmp_path, ck
         if calls["n"] == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(corpus_mod, "_save_progress", crash_after_two_saves)
+    monkeypatch.setattr(record_mod, "_save_progress", crash_after_two_saves)
     with pytest.raises(KeyboardInterrupt):
         record_corpus(data, tmp_path / "part", models=ckpts, batch_size=2, save_every=0, progress=False, n_resamples=100)
-    monkeypatch.setattr(corpus_mod, "_save_progress", real)
-    with pytest.raises(corpus_mod.CorpusRunError, match="unfinished"):
+    monkeypatch.setattr(record_mod, "_save_progress", real)
+    with pytest.raises(CorpusRunError, match="unfinished"):
         load_stats_dir(tmp_path / "part")
     capsys.readouterr()
     record_corpus(data, tmp_path / "part", models=ckpts, batch_size=2, save_every=0, progress=False, n_resamples=100)
@@ -108,7 +109,7 @@ def test_a_file_that_is_not_utf8_is_named_with_its_byte_offset(tmp_path, ckpts, 
     err = capsys.readouterr().err
     assert "latin1.txt" in err and "byte 0xe9 at byte offset 17" in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()  # refused before anything was written
-    monkeypatch.setattr(corpus_mod, "_CHUNK", 4)  # the bad byte lands after a chunk boundary, behind a split character
+    monkeypatch.setattr(documents_mod, "_CHUNK", 4)  # the bad byte lands after a chunk boundary, behind a split character
     with pytest.raises(CorpusDataError, match="byte 0xe9 at byte offset 17"):
         list_documents(data / "latin1.txt")
     (data / "cut.txt").write_bytes(b"ends inside a character \xe6\x97")

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from attnres_probe.corpus import COMPARISON_FILE, CORPUS_FILE, RANKS_DIR, load_stats_dir, record_corpus
-from attnres_probe.distributed import Ranks, is_mine
-from attnres_probe.stats import CorpusStats
+from attnres_probe.corpus.distributed import Ranks, is_mine
+from attnres_probe.corpus.stats import CorpusStats
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 MODELS = ("prenorm", "block")
@@ -173,7 +173,7 @@ def test_resume_without_a_run_is_refused(tmp_path, single, capsys):
 
 
 def test_a_run_says_when_progress_saved_by_another_number_of_ranks_goes_unused(tmp_path, capsys):
-    from attnres_probe.corpus import _say_where_it_resumes
+    from attnres_probe.corpus.record import _say_where_it_resumes
 
     (tmp_path / RANKS_DIR / "of2" / "rank1" / "models" / "block").mkdir(parents=True)
     _say_where_it_resumes(tmp_path, {"name": "block", "dir": "models/block"}, None, None)

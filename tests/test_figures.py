@@ -79,18 +79,25 @@ def test_difference_heatmap_is_model_minus_baseline_per_cell_on_a_diverging_scal
         figures.difference_heatmap(make_trace("block"), b)
 
 
-def test_prenorm_weights_panel_is_blank_and_names_the_ui_control_once():
-    """#17 item 3: no solid colour for weights that are all one; the note names "colour by: contribution share"."""
-    for fig in (figures.token_heatmap(make_trace("prenorm")), figures.mean_heatmap(make_trace("prenorm")),
-                figures.source_heatmap(make_trace("prenorm"))):
-        assert np.isnan(np.asarray(fig.data[0].z, dtype=float)).all()
-        notes = [a.text for a in fig.layout.annotations]
-        assert len(notes) == 1 and "colour by: contribution share" in notes[0] and "kind=" not in notes[0]
-        assert fig.layout.annotations[0].y == 0.5  # inside the panel, not over the title or the axis
-    logits = figures.mean_heatmap(make_trace("prenorm"), kind="logits")
+def test_prenorm_weights_panel_shows_its_implied_weights():
+    """#35 item 1: PreNorm's weights panel draws its implied weights, 1/k over the k sources each read
+    sees (the uniform reference AttnRes is compared with), not blank text; its logits (it has none)
+    keep the note that names the "colour by" control."""
+    trace = make_trace("prenorm")
+    k = np.isfinite(np.asarray(trace.cube("weights"), dtype=float)).sum(-1)  # sources each read sees [B, P, R]
+    for fig in (figures.token_heatmap(trace, token=2), figures.mean_heatmap(trace), figures.source_heatmap(trace)):
+        z = np.asarray(fig.data[0].z, dtype=float)
+        assert np.isfinite(z).any() and not fig.layout.annotations
+        assert figures.IMPLIED_TITLE in fig.layout.meta["title_parts"]
+    z = np.asarray(figures.token_heatmap(trace, token=2).data[0].z, dtype=float)
+    rows = np.isfinite(z).any(-1)
+    np.testing.assert_allclose(np.nansum(z, -1)[rows], 1.0, rtol=1e-12)  # each read's weights sum to one
+    np.testing.assert_allclose(np.nanmax(z, -1)[rows], 1.0 / k[0, 2][rows], rtol=1e-12)  # and each is 1/k
+    src = np.asarray(figures.source_heatmap(trace, source=0).data[0].z, dtype=float)  # the embedding at every token
+    np.testing.assert_allclose(src, 1.0 / k[0, : src.shape[1]].T, rtol=1e-12)
+    logits = figures.mean_heatmap(trace, kind="logits")
     assert "colour by: contribution share" in logits.layout.annotations[0].text and "kind=" not in logits.layout.annotations[0].text
-    both = figures.side_by_side([make_trace("prenorm"), make_trace("full")], "mean_heatmap")
-    assert sum("colour by" in (a.text or "") for a in both.layout.annotations) == 1
+    assert figures.token_heatmap(make_trace("full")).layout.meta["title_parts"][-1] == figures.KIND_TITLES["weights"]
 
 
 def test_token_ticks_thin_a_long_axis_so_labels_cannot_overlap():
@@ -228,7 +235,7 @@ def test_log_axes_format_every_tick_in_full_at_one_two_five(low, high, dtick):
 def test_corpus_bands_are_positive_and_the_title_says_what_they_are():
     """#16: bands by depth on log axes never go below zero; the caption and the hover say what a band is."""
     from attnres_probe import Probe
-    from attnres_probe.stats import RunningStats
+    from attnres_probe.corpus.stats import RunningStats
     from helpers import tiny_model
 
     stats = Probe(tiny_model("full"), name="full").run_corpus(["a short text.", "another, longer text here"], backward=True,
@@ -412,14 +419,35 @@ def _history(n_reads: int, weights: bool) -> list[dict]:
     return out
 
 
-def test_over_training_says_what_prenorm_rows_read_and_keeps_its_height():
+def test_over_training_draws_prenorms_implied_weights_and_keeps_its_height():
+    """#35 item 2: PreNorm's routing rows are its implied weights 1/k (drawn from the reads' source
+    counts where an old history lacks them, with a note), never shares beside AttnRes's weights."""
     fig = figures.over_training({"prenorm": _history(5, weights=False), "block": _history(5, weights=True)})
     notes = [(a.text, a.xref) for a in fig.layout.annotations]
-    # PreNorm (column 1): no weight row; its recent-mass and entropy rows (2 and 3) are shares
-    assert ("no routing weights (PreNorm)", "x domain") in notes
-    shares = sorted(x for t, x in notes if t == "of contribution shares (no weights)")
-    assert shares == ["x3 domain", "x5 domain"]  # rows 2 and 3 of column 1 in a 2-column grid
+    assert [x for t, x in notes if t.startswith("PreNorm: implied weights 1/k")] == ["x domain"]  # row 1, column 1
+    assert not any("contribution shares" in t for t, _ in notes)
+    k = np.arange(1, 6)
+    prenorm = {(t.xaxis, t.name): np.asarray(t.y, float) for t in fig.data if t.xaxis in ("x", "x3", "x5")}
+    for r, label in enumerate(["L0.attn", "L0.mlp", "L1.attn", "L1.mlp", "final"]):
+        np.testing.assert_allclose(prenorm[("x", label)], 1 / k[r])  # embedding weight 1/k
+        np.testing.assert_allclose(prenorm[("x3", label)], 1 / k[r])  # recent mass 1/k
+        np.testing.assert_allclose(prenorm[("x5", label)], np.nan if r == 0 else 1.0)  # entropy of a uniform mixture
     assert fig.layout.height == 190 * 5 + 120  # five rows: a saved image must keep this height
+
+
+def test_over_training_lines_are_told_apart_and_the_legend_says_how_to_isolate_one():
+    """#35 item 2: 17 reads were near-identical shades; now one colour per layer (its MLP read dotted,
+    the final read black), five reads drawn at first and the rest one legend click away, which the
+    legend says."""
+    fig = figures.over_training({"full": _history(17, weights=True)})
+    first = [t for t in fig.data if t.xaxis == "x"]
+    assert [t.name for t in first if t.visible is not False and t.visible != "legendonly"] == [
+        "L0.attn", "L4.attn", "L7.attn", "L7.mlp", "final"]
+    colours = {t.name: t.line.color for t in first}
+    assert len({colours[f"L{i}.attn"] for i in range(8)}) == 8 and colours["L3.attn"] == colours["L3.mlp"]
+    assert {t.line.dash for t in first if t.name.endswith(".mlp")} == {"dot"}
+    assert {t.line.dash for t in first if t.name.endswith(".attn")} == {"solid"} and colours["final"] == "#111"
+    assert "double-click" in fig.layout.legend.title.text
 
 
 def test_the_study_writes_each_image_at_its_figures_height(tmp_path, monkeypatch):

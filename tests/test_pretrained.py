@@ -19,7 +19,8 @@ import torch
 from fla_standins import fla_on_cpu, fla_transformer
 
 from attnres_probe import Probe, load_pretrained, watch
-from attnres_probe.pretrained import PretrainedError, load_model_folder
+from attnres_probe.loading import load_model_folder
+from attnres_probe.pretrained import PretrainedError
 
 LOGIT_RTOL = 1e-5
 

@@ -523,7 +523,7 @@ def test_report_refuses_an_existing_out_unless_forced(tmp_path, capsys):
 # -- 9. loopback is decided from the resolved address -----------------------------------------
 @pytest.mark.faults("9", "`dash --host 127.1` and a request with `Host: evil.com`")
 def test_a_loopback_address_in_any_spelling_refuses_foreign_host_headers(tmp_path, monkeypatch):
-    import attnres_probe.dashboards.cli as dash_cli
+    import attnres_probe.dashboards.serving as dash_cli
 
     make_trace("full").save(tmp_path / "t")
     apps = []
@@ -541,10 +541,12 @@ def test_a_loopback_address_in_any_spelling_refuses_foreign_host_headers(tmp_pat
 @pytest.mark.faults("10", "the Numba kernels fail to import (read-only package folder and HOME)")
 def test_a_broken_numba_import_warns_once_and_falls_back(monkeypatch):
     from attnres_probe import kernels
+    from attnres_probe.kernels import backends
+    from attnres_probe.kernels.ops import depth_attn as depth_attn_folder
 
-    monkeypatch.setitem(sys.modules, "attnres_probe.kernels.numba_depth_attn", None)  # the import fails
-    monkeypatch.delattr(kernels, "numba_depth_attn", raising=False)
-    kernels._numba_import_error.cache_clear()
+    monkeypatch.setitem(sys.modules, "attnres_probe.kernels.ops.depth_attn.numba", None)  # the import fails
+    monkeypatch.delattr(depth_attn_folder, "numba", raising=False)
+    backends._numba_import_error.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -554,7 +556,7 @@ def test_a_broken_numba_import_warns_once_and_falls_back(monkeypatch):
         assert len(msgs) == 1 and "Numba CPU kernels could not be imported" in msgs[0] and "ATTNRES_BACKEND=torch" in msgs[0]
     finally:
         monkeypatch.undo()
-        kernels._numba_import_error.cache_clear()
+        backends._numba_import_error.cache_clear()
 
 
 @pytest.mark.faults("10", "`trace.weights(read=1.5)`, `token=True`")

@@ -218,7 +218,7 @@ def test_the_dashboard_shows_the_study_card_with_every_primary_and_its_verdict()
 
 def test_the_demo_dashboard_shows_the_study_its_models_belong_to():
     """The walkthrough found `attnres-probe demo` without the card: it passed the models, not None."""
-    from attnres_probe.dashboards.cli import demo_app
+    from attnres_probe.dashboards.serving import demo_app
 
     from helpers import find_components
 

@@ -10,7 +10,7 @@ import pytest
 
 from attnres_probe import Probe, metrics
 from attnres_probe.analysis.windows import WINDOW_COLUMNS
-from attnres_probe.stats import CorpusStats, StatsError
+from attnres_probe.corpus.stats import CorpusStats, StatsError
 from helpers import tiny_model
 
 DOCS = [
@@ -120,7 +120,7 @@ def test_profiles_give_bands_across_windows(whole):
 def test_profile_bands_of_a_spread_out_positive_quantity_stay_above_zero():
     """#16: gradient norms that vary over orders of magnitude between windows: mean ± z·se crosses zero
     (a band below zero on a log axis); the log-scale interval stays positive, around the mean."""
-    from attnres_probe.stats import RunningStats
+    from attnres_probe.corpus.stats import RunningStats
 
     stats = CorpusStats(meta={"read_labels": ["L0.attn", "L0.mlp", "final"]})
     g = np.random.default_rng(0).lognormal(0.0, 2.0, size=(5, 3))  # 5 windows, 3 reads

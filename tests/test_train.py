@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from attnres_probe import AttnResTransformer, ConfigError, ModelConfig
+from attnres_probe.cli.train import add_train_parser
 from attnres_probe.data import DataError, validation_batches
 from attnres_probe.training import (
     LOG_FILE,
@@ -17,7 +18,6 @@ from attnres_probe.training import (
     STATE_TENSORS_FILE,
     TrainConfig,
     TrainError,
-    add_train_parser,
     evaluate,
     learning_rate,
     lm_loss,
@@ -479,7 +479,7 @@ def test_routing_probes_are_recorded_over_training_and_survive_a_resume(tmp_path
 
 def test_cli_defaults_to_the_demo_models_size(tmp_path):
     """#17 item 10: without --config the model is the demo models' (d_model 64, 8 layers, n_ctx 128)."""
-    from attnres_probe.training.cli import _configs_from_args
+    from attnres_probe.cli.train import _configs_from_args
 
     parser = argparse.ArgumentParser()
     add_train_parser(parser.add_subparsers(dest="command", required=True))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attnres_probe.kernels import depth_attn
-from attnres_probe.kernels.numba_depth_attn import DepthAttnNumbaFunction
+from attnres_probe.kernels.ops.depth_attn.numba import DepthAttnNumbaFunction
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_benchmark", ROOT / "benchmarks" / "train.py")

@@ -20,7 +20,7 @@ import torch
 
 from attnres_probe.cli import main
 from attnres_probe.corpus import CorpusRunError, load_stats_dir
-from attnres_probe.stats import CorpusStats, StatsError
+from attnres_probe.corpus.stats import CorpusStats, StatsError
 from helpers import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -332,7 +332,7 @@ def test_record_truncate_reads_only_the_start_of_a_long_file(tmp_path, monkeypat
     """#37: `record --file BIG --truncate` keeps n_ctx tokens, so it reads about that much, not the file."""
     import argparse
 
-    from attnres_probe import commands
+    from attnres_probe.cli import record as commands
 
     big = tmp_path / "big.txt"
     big.write_bytes(("é" * 1000 + "\n").encode() * 4000)  # 8 MB, two-byte characters across every read boundary
@@ -365,8 +365,9 @@ def test_corpus_cuts_a_long_documents_windows_from_chunks_not_from_the_whole_fil
     """#37: a corpus run holds one chunk of a document (and one window), not the document: the
     windows from streamed chunks equal those of the whole text, across chunk boundaries that fall
     inside a window and inside a character."""
-    from attnres_probe import Probe, corpus
+    from attnres_probe import Probe
     from attnres_probe.corpus import StreamedDocument, list_documents
+    from attnres_probe.corpus import documents as corpus
 
     path = tmp_path / "long.txt"
     path.write_text("ünïcode text, " * 3000, encoding="utf-8")  # 45 kB

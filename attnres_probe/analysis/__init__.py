@@ -4,6 +4,8 @@
 - :mod:`~attnres_probe.analysis.bootstrap`: vectorised percentile-bootstrap intervals (by document);
 - :mod:`~attnres_probe.analysis.verdicts`: the paper's expected directions and :func:`verdict`;
 - :mod:`~attnres_probe.analysis.compare`: models side by side (behind ``metrics.compare``);
+- :mod:`~attnres_probe.analysis.documents`: which documents drive a verdict (each one's own value, the
+  verdict without it: ``documents.csv``);
 - :mod:`~attnres_probe.analysis.display`: the strings every page shows for those numbers.
 """
 

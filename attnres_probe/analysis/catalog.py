@@ -30,10 +30,14 @@ quantity, in the same unit, on the same axis.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-__all__ = ["CATALOG", "GROUPS", "Diagnostic", "diagnostic", "names", "register", "routing_names", "unregister"]
+__all__ = [
+    "CATALOG", "COMPUTE", "GROUPS", "Diagnostic", "LiveList", "LiveMapping", "diagnostic", "names", "register",
+    "routing_names", "unregister",
+]
 
 UNIFORM, BASELINE = "uniform", "baseline"
 
@@ -215,6 +219,63 @@ def diagnostic(name: str) -> Diagnostic:
         raise KeyError(f"{name!r} is not a diagnostic; the catalog holds {', '.join(CATALOG)}") from None
 
 
+# diagnostics added with register: name -> fn(w, ctx) giving a value per token [B, P] from the
+# normalised weights w [B, P, R, S] (the model's, or for the reference column the uniform ones)
+COMPUTE: dict[str, Callable[..., Any]] = {}
+
+
+class LiveList(Sequence):
+    """A read-only list built from the catalog each time it is read.
+
+    The tables derived from the catalog (window columns, findings) are views of this kind, so a
+    diagnostic added with :func:`register` appears in every one of them, and the catalog needs to
+    know none of the modules that derive them (imports point one way: they read the catalog).
+    """
+
+    def __init__(self, build: Callable[[], list]):
+        self._build = build
+
+    def __getitem__(self, i):
+        return self._build()[i]
+
+    def __len__(self) -> int:
+        return len(self._build())
+
+    def __iter__(self) -> Iterator:
+        return iter(self._build())
+
+    def __add__(self, other) -> list:
+        return [*self, *other]
+
+    def __radd__(self, other) -> list:
+        return [*other, *self]
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, tuple, LiveList)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self._build())
+
+
+class LiveMapping(Mapping):
+    """A read-only dict built from the catalog each time it is read (see :class:`LiveList`)."""
+
+    def __init__(self, build: Callable[[], dict]):
+        self._build = build
+
+    def __getitem__(self, key):
+        return self._build()[key]
+
+    def __len__(self) -> int:
+        return len(self._build())
+
+    def __iter__(self) -> Iterator:
+        return iter(self._build())
+
+    def __repr__(self) -> str:
+        return repr(self._build())
+
+
 def register(d: Diagnostic, compute) -> None:
     """Add a diagnostic: its catalog entry and its function, and it appears everywhere (the window
     tables, ``metrics.compare`` and ``comparison.csv``, the dashboard, the report, verdicts, the study).
@@ -236,35 +297,12 @@ def register(d: Diagnostic, compute) -> None:
     if d.group not in GROUPS:
         raise ValueError(f"group {d.group!r} is not one of {', '.join(GROUPS)}")
     CATALOG[d.name] = d
-    _sync(d.name, compute)
+    COMPUTE[d.name] = compute
 
 
 def unregister(name: str) -> None:
     """Remove a diagnostic added with :func:`register` (the built-in ones stay)."""
-    from attnres_probe.analysis.windows import COMPUTE
-
     if name not in COMPUTE:
         raise ValueError(f"{name!r} was not added with register(); built-in diagnostics cannot be removed")
     del CATALOG[name]
-    _sync(name, None)
-
-
-def _sync(name: str, compute) -> None:
-    """Bring every table derived from the catalog up to date for ``name`` (added, or removed with None)."""
-    from attnres_probe import metrics, study
-    from attnres_probe.analysis import display, verdicts, windows
-
-    if compute is None:
-        windows.COMPUTE.pop(name, None)
-        for table in (verdicts.EXPECTED, display.LABELS, metrics.FORMULAS):
-            table.pop(name, None)
-        study.FINDINGS[:] = [f for f in study.FINDINGS if f.metric != name]
-    else:
-        d = CATALOG[name]
-        windows.COMPUTE[name] = compute
-        display.LABELS[name] = d.label
-        metrics.FORMULAS[name] = d.formula
-        if d.direction is not None:
-            verdicts.EXPECTED[name] = verdicts.Expectation(d.direction, d.compare, f"The paper reports: {d.paper}")
-            study.FINDINGS.extend(study.finding(m, name) for m in ("full", "block"))
-    windows.refresh_columns()
+    del COMPUTE[name]

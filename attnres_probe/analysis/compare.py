@@ -3,7 +3,7 @@
 :func:`compare_windows` is the engine behind :func:`attnres_probe.metrics.compare`. Its input
 is one :class:`Windows` per model (per-window values of every headline metric plus the pooled
 values), built from a :class:`~attnres_probe.trace.DepthTrace` (each sequence a window) or a
-:class:`~attnres_probe.stats.CorpusStats` (each recorded window). Its output is one tidy frame:
+:class:`~attnres_probe.corpus.stats.CorpusStats` (each recorded window). Its output is one tidy frame:
 
 ======================  ===================================================================
 column                  meaning
@@ -115,8 +115,8 @@ class Windows:
 
     @classmethod
     def of_stats(cls, stats: Any, name: str | None = None) -> Windows:
-        """The windows a :class:`~attnres_probe.stats.CorpusStats` recorded, and its pooled values
-        (:meth:`~attnres_probe.stats.CorpusStats.pooled`: the same diagnostics over every token)."""
+        """The windows a :class:`~attnres_probe.corpus.stats.CorpusStats` recorded, and its pooled values
+        (:meth:`~attnres_probe.corpus.stats.CorpusStats.pooled`: the same diagnostics over every token)."""
         return cls(name or stats.name, stats.meta["residual"], stats.window_table(), stats.pooled())
 
     @property

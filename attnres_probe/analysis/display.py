@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import pandas as pd
 
 from attnres_probe.analysis.bootstrap import FEW_DOCUMENTS
-from attnres_probe.analysis.catalog import CATALOG
+from attnres_probe.analysis.catalog import CATALOG, LiveMapping
 from attnres_probe.analysis.verdicts import EXPECTED
 
 __all__ = [
@@ -57,7 +58,7 @@ HEADLINE: list[tuple[str, str, list[str]]] = [
     ("Gradient uniformity", "Spread of gradient norms over depth (0 = even).", ["act_grad_cv", "param_grad_cv"]),
     ("Magnitude growth", "What the sublayers write: RMS of their outputs, last quarter over first.", ["rms_out_growth"]),
 ]
-LABELS: dict[str, str] = {name: d.label for name, d in CATALOG.items()}
+LABELS: Mapping[str, str] = LiveMapping(lambda: {name: d.label for name, d in CATALOG.items()})  # the catalog's, live
 
 
 def _finite(x: Any) -> bool:

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Literal
 
-from attnres_probe.analysis.catalog import CATALOG
+from attnres_probe.analysis.catalog import CATALOG, LiveMapping
 
 __all__ = ["EXPECTED", "VERDICTS", "Expectation", "comparison_kind", "no_difference", "verdict"]
 
@@ -45,10 +46,11 @@ class Expectation:
     claim: str
 
 
-EXPECTED: dict[str, Expectation] = {  # from the catalog: every diagnostic with a direction the paper states
+# from the catalog, read afresh: every diagnostic with a direction the paper states
+EXPECTED: Mapping[str, Expectation] = LiveMapping(lambda: {
     name: Expectation(d.direction, d.compare, f"The paper reports: {d.paper}") for name, d in CATALOG.items()
     if d.direction is not None
-}
+})
 
 
 def comparison_kind(metric: str) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from attnres_probe.analysis.catalog import CATALOG, routing_names
+from attnres_probe.analysis.catalog import CATALOG, COMPUTE, LiveList, routing_names
 from attnres_probe.trace import DepthTrace
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "WINDOW_METRICS",
     "pooled_metrics",
     "reference_column",
-    "refresh_columns",
     "uniform_weights",
     "window_digests",
     "window_metric_arrays",
@@ -47,12 +46,9 @@ __all__ = [
     "window_profiles",
 ]
 
-# These tables are lists shared by every module that imports them: a diagnostic added with
+# These tables are views of the catalog, read afresh each time: a diagnostic added with
 # :func:`attnres_probe.analysis.catalog.register` appears in all of them (and so on every page).
-WINDOW_METRICS: list[str] = list(CATALOG)  # every diagnostic, in display order
-# diagnostics added with catalog.register: name -> fn(w, ctx) giving a value per token [B, P] from the
-# normalised weights w [B, P, R, S] (the model's, or for the reference column the uniform ones)
-COMPUTE: dict[str, Any] = {}
+WINDOW_METRICS = LiveList(lambda: list(CATALOG))  # every diagnostic, in display order
 
 
 def reference_column(metric: str) -> str:
@@ -60,15 +56,8 @@ def reference_column(metric: str) -> str:
     return f"{metric}@uniform"
 
 
-REFERENCE_COLUMNS: list[str] = [reference_column(n) for n in routing_names()]
-WINDOW_COLUMNS: list[str] = WINDOW_METRICS + REFERENCE_COLUMNS  # what a window table holds besides its keys
-
-
-def refresh_columns() -> None:
-    """Rebuild the shared tables from the catalog, in place (after catalog.register / unregister)."""
-    WINDOW_METRICS[:] = list(CATALOG)
-    REFERENCE_COLUMNS[:] = [reference_column(n) for n in routing_names()]
-    WINDOW_COLUMNS[:] = WINDOW_METRICS + REFERENCE_COLUMNS
+REFERENCE_COLUMNS = LiveList(lambda: [reference_column(n) for n in routing_names()])
+WINDOW_COLUMNS = LiveList(lambda: [*CATALOG, *(reference_column(n) for n in routing_names())])  # besides keys
 # columns added after stats schema 2 was written: a table saved before them lacks them (they read as NaN)
 LATER_COLUMNS = tuple(c for n in ("embed_weight_deep_attn", "embed_weight_deep_mlp") for c in (n, reference_column(n)))
 # what identifies a window across models: document index, first token's offset in it, tokens, digest

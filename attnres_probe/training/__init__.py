@@ -7,8 +7,9 @@ One idea per module:
 - :mod:`~attnres_probe.training.schedule`: the learning rate of a step, AdamW's decay groups;
 - :mod:`~attnres_probe.training.state`: the run folder and its resumable state (read, save,
   verify, restore);
-- :mod:`~attnres_probe.training.loop`: :func:`train`, :func:`evaluate`, the loss of a window;
-- :mod:`~attnres_probe.training.cli`: the ``attnres-probe train`` subcommand.
+- :mod:`~attnres_probe.training.loop`: :func:`train`, :func:`evaluate`, the loss of a window.
+
+The ``attnres-probe train`` command is :mod:`attnres_probe.cli.train`.
 
     from attnres_probe import ModelConfig
     from attnres_probe.training import TrainConfig, train
@@ -17,7 +18,6 @@ One idea per module:
 
 from __future__ import annotations
 
-from attnres_probe.training.cli import add_train_parser
 from attnres_probe.training.config import TrainConfig, TrainError
 from attnres_probe.training.loop import TrainResult, evaluate, frozen_gc, lm_loss, train
 from attnres_probe.training.schedule import learning_rate, make_optimizer, param_groups
@@ -30,7 +30,6 @@ __all__ = [
     "TrainConfig",
     "TrainError",
     "TrainResult",
-    "add_train_parser",
     "evaluate",
     "frozen_gc",
     "learning_rate",

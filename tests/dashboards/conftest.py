@@ -38,12 +38,12 @@ def models() -> dict:
 def corpus_stats(models) -> dict:
     """name -> CorpusStats of a four-document corpus (one backward per window), with weights digests."""
     from attnres_probe import Probe
-    from attnres_probe.corpus import model_digest
+    from attnres_probe.io import weights_sha256
 
     out = {}
     for name, model in models.items():
         stats = Probe(model, name=name).run_corpus(CORPUS * 3, backward=True, progress=False)
-        stats.meta["weights_sha256"] = model_digest(model)
+        stats.meta["weights_sha256"] = weights_sha256(model)
         out[name] = stats
     return out
 

@@ -8,6 +8,7 @@ from dash import html, no_update
 
 from attnres_probe import ByteTokenizer, Probe, figures, metrics
 from attnres_probe.dashboards import Explorer, PromptError, callbacks, create_app
+from attnres_probe.analysis.windows import normalised_weights, uniform_weights
 from attnres_probe.dashboards.layout import build_layout
 from dash_helpers import NAMES, N_CTX, TEXT, make_model
 from helpers import find_components
@@ -38,12 +39,15 @@ def texts(component) -> list[str]:
 def test_token_views_show_each_models_weights_for_the_selected_token(ex):
     out = callbacks.token_views(ex, token(ex, 4), "weights", [])
     for name, fig in zip(ex.names, out["figures"]):
-        if name == "prenorm":  # all ones: blank, with a note naming the control to use
-            assert np.isnan(np.asarray(fig.data[0].z, dtype=float)).all()
-            assert "colour by: contribution share" in fig.layout.annotations[0].text
+        w = ex.initial.traces[name].depth_weights[0, 4].astype(np.float64)
+        if name == "prenorm":  # coefficients all one: its implied weights 1/k, no blank-panel note
+            np.testing.assert_allclose(fig.data[0].z, w / np.nansum(w, -1, keepdims=True), rtol=1e-12)
+            assert not fig.layout.annotations and "implied weight 1/k" in fig.layout.title.text
             continue
-        np.testing.assert_array_equal(fig.data[0].z, ex.initial.traces[name].depth_weights[0, 4].astype(np.float64))
-        assert fig.layout.title.text.startswith(f"{name}<br>token 4 ")
+        np.testing.assert_array_equal(fig.data[0].z, w)
+        # one title line (the page's panel names the model); its parts, the name included, stay in meta
+        assert fig.layout.title.text.startswith("token 4 ") and "<br>" not in fig.layout.title.text
+        assert fig.layout.meta["title_parts"][0] == name
     assert out["panels"] == [callbacks.SHOWN] * 3
     assert "token 4 of" in "".join(texts(out["info"]))
 
@@ -84,12 +88,30 @@ def test_an_unknown_colour_kind_falls_back_to_weights(ex):
 
 
 # -- token strip --------------------------------------------------------------------------------
-def test_token_strip_has_one_text_chip_per_token_and_selects_the_first(ex):
+def test_token_strip_has_one_text_chip_per_token_and_selects_an_informative_one(ex):
+    """#35 item 1: the page opens on the token whose routing departs furthest from uniform (not the
+    first byte, which has no context), marks its chip and says which and why."""
     out = callbacks.token_strip(ex, ex.initial.key)
     assert [c.children for c in out["chips"]] == list(TEXT)
     assert all(isinstance(c, html.Button) for c in out["chips"])
     assert out["chips"][1].id == {"type": "chip", "index": 1}
-    assert out["token"] == {"key": ex.initial.key, "token": 0}
+    traces = ex.initial.traces
+    n = len(TEXT)
+    distance = np.zeros(n)
+    for name in ("full", "block"):  # by hand: total-variation distance to the uniform reference, mean over reads
+        t = traces[name]
+        w = normalised_weights(t, t.depth_weights[0, :n].astype(np.float64))
+        distance += (0.5 * np.nansum(np.abs(w - uniform_weights(t)), -1)).mean(-1) / 2
+    want = int(np.argmax(distance))
+    assert want != 0 and out["token"] == {"key": ex.initial.key, "token": want}
+    assert [c.className for c in out["chips"]].index("chip selected") == want
+    assert f"Opened on token {want} {TEXT[want]!r}" in out["note"] and f"{distance[want]:.2f}" in out["note"]
+
+
+def test_without_an_attnres_model_the_page_opens_on_the_last_token():
+    solo = Explorer({"prenorm": make_model("prenorm")}, text=TEXT)
+    out = callbacks.token_strip(solo, solo.initial.key)
+    assert out["token"]["token"] == len(TEXT) - 1 and "last token" in out["note"]
 
 
 def test_markup_in_a_prompt_stays_plain_text_in_every_component(ex):
@@ -269,7 +291,7 @@ def test_the_corpus_section_warns_once_when_the_documents_are_few(models):
 
 def test_dash_stats_refuses_models_the_stats_were_not_recorded_from(tmp_path, corpus_stats):
     from attnres_probe.corpus import CorpusRunError
-    from attnres_probe.dashboards.cli import load_with_stats
+    from attnres_probe.dashboards.serving import load_with_stats
 
     run = tmp_path / "run"
     (run / "models").mkdir(parents=True)
@@ -404,6 +426,10 @@ def test_reading_views_show_logit_contributions_and_the_logit_lens_of_each_model
         assert "token 2" in out["decomp"][i].layout.title.text and name in out["decomp"][i].layout.title.text
         assert "logit lens" in out["lens"][i].layout.title.text
         assert out["decomp_graphs"][i] == out["lens_graphs"][i] == callbacks.SHOWN and out["notes"][i] == ""
+    # #35 item 4: the panels side by side share one symmetric colour range, the widest of them
+    # (each chart's own range leaves out its last row, the logit itself, as figures.logit_contributions_chart does)
+    widest = max(np.nanmax(np.abs(np.asarray(f.data[0].z, dtype=float)[:-1])) for f in out["decomp"])
+    assert {(f.data[0].zmin, f.data[0].zmax) for f in out["decomp"]} == {(-widest, widest)}
 
 
 def test_reading_views_say_in_words_that_saved_traces_hold_no_activations(models):
@@ -427,7 +453,7 @@ def test_traces_of_other_texts_say_so_on_their_panels(models):
 
 
 def test_dash_names_trace_folders_by_folder_or_by_names(tmp_path, models):
-    from attnres_probe.dashboards.cli import load_entries
+    from attnres_probe.dashboards.serving import load_entries
 
     for d in ("run-a", "run-b"):
         Probe(models["block"], name="block").run(TEXT).save(tmp_path / d)
@@ -538,3 +564,90 @@ def test_the_per_token_difference_view_has_its_own_caption_and_names_the_token(e
 def test_the_reading_views_explain_the_numbered_tokens(ex):
     reading = _find(build_layout(ex), lambda n: getattr(n, "id", None) == "reading")[0]
     assert figures.VOCAB_ID_NOTE in texts(reading)
+
+
+# -- #35 item 8: a shareable view (the state in the address bar) and jumping to a token ----------
+def test_the_view_query_round_trips_and_a_link_opens_its_token_colour_views_and_text(ex):
+    text = "Depth, then routing."
+    key = callbacks.run_prompt(ex, 1, text)["key"]
+    query = callbacks.view_query(ex, {"key": key, "token": 7}, "contrib", ["diff", "expanded"])
+    assert query.startswith("?token=7&kind=contrib&view=expanded%2Cdiff&text=")
+    assert callbacks.read_query(query) == {"token": 7, "kind": "contrib", "view": ["expanded", "diff"], "text": text}
+    # the opening text stays out of the link; a link without a text means the opening text
+    short = callbacks.view_query(ex, {"key": ex.initial.key, "token": 3}, "weights", [])
+    assert short == "?token=3&kind=weights"
+    assert callbacks.linked_token(ex, ex.result(ex.initial.key), short) == 3
+    assert callbacks.linked_token(ex, ex.result(key), short) is None  # about another text
+    # opening the link: its colour and views, its text run, and its token taken up by the strip
+    opened = callbacks.open_link(ex, query)
+    assert (opened["kind"], opened["expanded"], opened["key"], opened["prompt"]) == ("contrib", ["expanded", "diff"], key, text)
+    strip = callbacks.token_strip(ex, opened["key"], query)
+    assert strip["token"] == {"key": key, "token": 7} and "as the link asked" in strip["note"]
+
+
+def test_a_malformed_link_never_breaks_the_page(ex):
+    for search in ("", "?", "?token=-3&kind=<script>&view=nope", "?token=99999999999999", "?token=1e3", None, 5):
+        assert "token" not in callbacks.read_query(search) and "kind" not in callbacks.read_query(search)
+    assert callbacks.read_query("?view=diff,nope")["view"] == ["diff"]
+    out = callbacks.token_strip(ex, ex.initial.key, f"?token={len(TEXT) + 5}")  # out of range: the informative token
+    assert out["token"]["token"] == callbacks.informative_token(ex.initial.traces.values())[0]
+
+
+def test_jumping_to_a_token_by_position_or_text(ex):
+    here = {"key": ex.initial.key, "token": 0}
+    assert callbacks.jump_to(ex, "5", here)["token"] == {"key": ex.initial.key, "token": 5}
+    assert callbacks.jump_to(ex, "-1", here)["token"]["token"] == len(TEXT) - 1
+    far = callbacks.jump_to(ex, str(len(TEXT)), here)
+    assert far["token"] is no_update and f"0..{len(TEXT) - 1}" in far["note"]
+    # text: the first match after the selected token, wrapping round; the note counts the matches
+    first = TEXT.index("at")
+    found = callbacks.jump_to(ex, "at", here)
+    assert found["token"]["token"] == first and f"of {TEXT.count('at')} matches" in found["note"]
+    again = callbacks.jump_to(ex, "at", found["token"])
+    assert again["token"]["token"] == TEXT.index("at", first + 1)
+    missing = callbacks.jump_to(ex, "zebra", here)
+    assert missing["token"] is no_update and "'zebra' is not in this text" in missing["note"]
+    assert callbacks.jump_to(ex, "  ", here)["token"] is no_update
+
+
+def test_every_tenth_chip_shows_its_position(ex):
+    chips = callbacks.token_strip(ex, ex.initial.key)["chips"]
+    marks = {i: c.to_plotly_json()["props"].get("data-mark") for i, c in enumerate(chips)}
+    assert {i: m for i, m in marks.items() if m} == {i: str(i) for i in range(0, len(chips), 10)}
+
+
+# -- #35 item 8: two texts, or two checkpoints of one architecture -------------------------------
+def test_two_checkpoints_of_one_architecture_compare_like_from_like():
+    from attnres_probe.analysis.windows import normalised_weights, pooled_metrics
+    from attnres_probe.dashboards.layout import default_pair
+    from attnres_probe.numeric import token_mean
+
+    two = Explorer({"prenorm": make_model("prenorm"), "full": make_model("full"), "full_b": make_model("full", seed=2)},
+                   text=TEXT)
+    assert default_pair(two) == ("full", "full_b")  # the page opens on the two checkpoints of one architecture
+    out = callbacks.compare_two(two, 1, two.initial.key, "full", "full_b", "", "weights")
+    a, b = two.initial.traces["full"], two.initial.traces["full_b"]
+    mean = lambda t: token_mean(normalised_weights(t, t.depth_weights.astype(np.float64))[t.mask])  # noqa: E731
+    # the page normalises the recorded float32 weights in float32: each weight of a k-source read carries at most
+    # about k units of float32 roundoff, and a difference two of them
+    bound = 2 * a.depth_weights.shape[-1] * np.finfo(np.float32).eps
+    np.testing.assert_allclose(np.asarray(out["figure"].data[0].z, float), mean(a) - mean(b), rtol=0, atol=bound)
+    assert out["graph"] == callbacks.SHOWN and "same text" in out["status"] and "no interval" in out["status"]
+    cells = {r.to_plotly_json()["props"]["data-metric"]: [c.children for c in r.children]
+             for r in out["table"].children[1:]}
+    x, y = pooled_metrics(a)["locality_distance"], pooled_metrics(b)["locality_distance"]
+    assert cells["locality_distance"][4] == callbacks._fmt(x - y) and "(uniform " in cells["locality_distance"][2]
+    assert cells["locality_distance"][1] == "sources back (sublayers; blocks for Block)"
+
+
+def test_two_texts_on_one_model_and_what_cannot_be_compared(ex):
+    text_b = "A second, different text."
+    out = callbacks.compare_two(ex, 1, ex.initial.key, "block", "block", text_b, "contrib")
+    assert "block (text A) − block (text B)" in out["figure"].layout.title.text
+    assert f"text B ({len(text_b)} tokens)" in out["status"]
+    z = np.asarray(out["figure"].data[0].z, float)
+    assert np.isfinite(z).any() and np.nanmax(np.abs(np.nansum(z, -1))) < 1e-6  # share differences: each row sums to ~0
+    refused = callbacks.compare_two(ex, 1, ex.initial.key, "full", "prenorm", "", "weights")
+    assert refused["graph"] == callbacks.HIDDEN and "contribution shares" in refused["status"]
+    assert "text B:" in callbacks.compare_two(ex, 1, ex.initial.key, "full", "full", "x" * (N_CTX + 5), "weights")["status"]
+    assert "press Compare" in callbacks.compare_two(ex, 0, ex.initial.key, "full", "full", "", "weights")["status"]

@@ -14,7 +14,7 @@ from dash.testing.wait import until
 from attnres_probe.dashboards import create_app
 from dash_helpers import TEXT, make_model
 from helpers import BOXES
-from test_dash_browser import figure, wait_for_title
+from test_dash_browser import figure, opening_token, wait_for_title
 
 pytestmark = pytest.mark.browser
 
@@ -57,8 +57,9 @@ def _overlaps(boxes: list[dict], pad: float = 0.5) -> list[tuple[str, str]]:
 def _start(dash_duo, app) -> None:
     dash_duo.start_server(app)
     dash_duo.wait_for_element("#token-strip button", timeout=30)
+    pos = opening_token(app)
     for i in range(3):
-        wait_for_title(dash_duo, f"token-graph-{i}", "token 0 ", timeout=30)
+        wait_for_title(dash_duo, f"token-graph-{i}", f"token {pos} ", timeout=30)
         wait_for_title(dash_duo, f"source-graph-{i}", "at every token", timeout=30)
 
 
@@ -82,9 +83,13 @@ def test_a_96_token_page_is_legible(dash_duo, app96):
         title = driver.execute_script(BOXES, f"#source-graph-{i} .gtitle")
         panel = driver.execute_script(BOXES, f"#source-graph-{i} .main-svg")[0]
         assert title and all(panel["x0"] - 1 <= b["x0"] and b["x1"] <= panel["x1"] + 1 for b in title)  # never cut
-    # item 3: PreNorm's weights panel is blank with one note, which overlaps neither axis title nor the title
+    # item 3 (#35 since): PreNorm's weights panel draws its implied weights, so it carries no blank-panel note;
+    # its logits panel (it has none) keeps the note, which overlaps neither axis title nor the title
+    assert driver.execute_script(BOXES, "#token-graph-0 .annotation-text-g text, #token-graph-0 .annotation text") == []
+    dash_duo.find_element("#kind input[value='logits']").click()
+    until(lambda: driver.execute_script(BOXES, "#token-graph-0 .annotation-text-g text, #token-graph-0 .annotation text"),
+          timeout=20)
     note = driver.execute_script(BOXES, "#token-graph-0 .annotation-text-g text, #token-graph-0 .annotation text")
-    assert note, "the PreNorm panel has no note"
     others = driver.execute_script(BOXES, "#token-graph-0 .ytitle, #token-graph-0 .xtitle, #token-graph-0 .gtitle")
     assert all(not _overlaps([n, o]) for n in note for o in others)
     text = " ".join(b["text"] for b in note)
@@ -113,7 +118,7 @@ def test_one_model_panel_is_not_stretched_across_the_page(dash_duo):
     """#17 item 5: with one model, a heatmap's panel keeps a bounded width instead of filling a 1400 px page."""
     dash_duo.driver.set_window_size(1400, 1000)
     dash_duo.start_server(create_app({"full": make_model("full")}, text=TEXT))
-    wait_for_title(dash_duo, "token-graph-0", "token 0 ", timeout=30)
+    wait_for_title(dash_duo, "token-graph-0", "token ", timeout=30)
     wait_for_title(dash_duo, "mean-graph-0", "mean over", timeout=30)
     page = driver_width(dash_duo, ".page")
     for view in ("token", "mean", "source"):
@@ -153,7 +158,7 @@ def test_a_long_trace_names_the_token_in_the_one_source_hover_and_a_click_select
     col = 150
     time.sleep(0.3)  # Plotly throttles hover: a second one at once would keep the first point
     dash_duo.driver.execute_script(CLICK_JS, "source-graph-0", col, 1)
-    until(lambda: "token 0 " not in (figure(dash_duo, "token-graph-0") or {}).get("title", ""), timeout=20)
+    until(lambda: f"token {col} " in (figure(dash_duo, "token-graph-0") or {}).get("title", ""), timeout=20)
     picked = int(re.search(r"token (\d+) ", figure(dash_duo, "token-graph-0")["title"]).group(1))
     assert picked == col
     assert dash_duo.get_logs() == []

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from attnres_probe.kernels import depth_attn
-from attnres_probe.kernels.numba_depth_attn import SourceTable, depth_attn_numba
+from attnres_probe.kernels.ops.depth_attn.numba import SourceTable
+from attnres_probe.kernels.ops.depth_attn.numba import depth_attn as depth_attn_numba
 
 from closeness import OUTPUTS, check_op, check_outputs_consistent, upstream_for
 
@@ -169,7 +170,7 @@ def test_saturated_logits_stay_within_the_bound_for_their_scale():
 def test_rows_split_over_threads_match_the_reference(monkeypatch):
     """Big calls run on Numba's threads (row ranges, per-range float64 query-gradient sums);
     a caller that finds the threaded path busy runs on its own thread. Both match the reference."""
-    import attnres_probe.kernels.numba_depth_attn as nbk
+    import attnres_probe.kernels.ops.depth_attn.numba as nbk
 
     calls = []
     for name in ("_forward_parallel", "_backward_parallel"):
@@ -197,7 +198,7 @@ def test_the_kernels_float32_exp_matches_exp_over_the_whole_range():
     """``_exp_f32`` (the vectorisable exp of the float32 kernels): relative error <= 3e-7 from
     the smallest normal result to the largest finite one (x = 88.5 needs 2 * 2^127), 0 below,
     inf above, NaN for NaN."""
-    from attnres_probe.kernels.numba_depth_attn import _exp_f32
+    from attnres_probe.kernels.ops.depth_attn.numba import _exp_f32
 
     xs = np.concatenate([np.linspace(-87.33, 88.72, 20001), [-1e-7, 0.0, 1e-7, 88.5, 88.7228]]).astype(np.float32)
     got = np.array([_exp_f32(x) for x in xs], dtype=np.float64)

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from attnres_probe.kernels import depth_attn, phase1, phase2, resolve_backend
-from attnres_probe.kernels import triton_depth_attn as tda
-from attnres_probe.kernels.reference import depth_attn_reference, phase1_reference, phase2_reference
+from attnres_probe.kernels import depth_attn_reference
+from attnres_probe.kernels import triton_utils as tda
+from attnres_probe.kernels.ops.phase1.reference import phase1 as phase1_reference
+from attnres_probe.kernels.ops.phase2.reference import phase2 as phase2_reference
+from attnres_probe.kernels.utils import interpret_mode
 from closeness import C, UNIT_ROUNDOFF
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,7 +113,7 @@ def test_auto_picks_numba_on_cpu_and_the_reference_for_what_numba_refuses(monkey
 
 
 def test_auto_falls_back_to_the_reference_without_numba(monkeypatch):
-    import attnres_probe.kernels as k
+    import attnres_probe.kernels.backends as k
 
     monkeypatch.delenv("ATTNRES_BACKEND", raising=False)
     monkeypatch.setattr(k, "_numba_import_error", lambda: "ModuleNotFoundError: No module named 'numba'")
@@ -158,14 +161,14 @@ def test_bad_backend_name_in_the_environment_raises(monkeypatch):
 # --- what the Triton backend refuses ------------------------------------------------------
 
 
-@pytest.mark.skipif(not tda._interpret_mode() and DEVICE == "cpu", reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.skipif(not interpret_mode() and DEVICE == "cpu", reason="needs CUDA or TRITON_INTERPRET=1")
 def test_triton_rejects_float64_with_a_clear_error():
     x = torch.randn(2, 3, 8, dtype=torch.float64, device=DEVICE)
     with pytest.raises(ValueError, match="float64.*backend='torch'"):
         depth_attn(x, torch.randn(8, dtype=torch.float64, device=DEVICE), backend="triton")
 
 
-@pytest.mark.skipif(not tda._interpret_mode() and DEVICE == "cpu", reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.skipif(not interpret_mode() and DEVICE == "cpu", reason="needs CUDA or TRITON_INTERPRET=1")
 def test_triton_rejects_rows_wider_than_its_limit():
     d = tda.MAX_D + 1
     with pytest.raises(ValueError, match=f"d <= {tda.MAX_D}; got d = {d}"):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from attnres_probe.kernels import depth_attn, phase1, phase2
-from attnres_probe.kernels import triton_depth_attn as tda
+from attnres_probe.kernels.ops.phase1 import triton as tda
 from closeness import C, OUTPUTS, UNIT_ROUNDOFF, assert_within, check_fn, check_op, check_outputs_consistent, conditions, growth, tolerance, upstream_for
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,6 +3,9 @@
     attnres-probe report --demo --out report.html
     attnres-probe report --models runs/prenorm runs/full --text "The cat sat" --out report.html
     attnres-probe report --traces traces/prenorm traces/full --out report.html
+    attnres-probe report --stats runs/corpus --out corpus.html
+
+The report itself is :mod:`attnres_probe.reports` (recording, building the page).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from attnres_probe.validate import MAX_RESAMPLES, arg_range
+from attnres_probe.cli import UserError, arg_range, unescape_text
+from attnres_probe.validate import MAX_RESAMPLES
 
 __all__ = ["add_report_parser"]
 
@@ -72,8 +76,6 @@ def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 
 
 def _user_error(msg: str) -> Exception:
-    from attnres_probe.cli import UserError
-
     return UserError(msg)
 
 
@@ -96,8 +98,6 @@ def _text(args: argparse.Namespace) -> str | None:
             return path.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
             raise _user_error(f"--text-file {path} is not UTF-8 text (byte {exc.start})") from None
-    from attnres_probe.cli import unescape_text
-
     return unescape_text(args.text)
 
 
@@ -192,21 +192,21 @@ def _readings_and_histories(args: argparse.Namespace, traces: list) -> tuple[dic
     from attnres_probe.training.probes import load_history
 
     readings, histories = {}, {}
+    from attnres_probe.loading import demo_source, load_model
+
     if args.demo is not None:
-        from attnres_probe.demo import demo_dir, load_demo
+        from attnres_probe.demo import demo_dir
 
         for t in traces:
-            model, tok = load_demo(t.name)
-            readings[t.name] = record_readings(model, t, tokenizer=tok)
+            loaded = load_model(demo_source(t.name))
+            readings[t.name] = record_readings(loaded.model, t, tokenizer=loaded.tokenizer)
             history = load_history(demo_dir(t.name))  # the demo models record routing over training
             if history:
                 histories[t.name] = history
         return readings, histories or None
-    from attnres_probe.pretrained import load_model_folder
-
     for d, t in zip(args.models, traces):
-        model, tok = load_model_folder(Path(d))
-        readings[t.name] = record_readings(model, t, tokenizer=tok)
+        loaded = load_model(Path(d))
+        readings[t.name] = record_readings(loaded.model, t, tokenizer=loaded.tokenizer)
         history = load_history(d)
         if history:
             histories[t.name] = history
@@ -215,7 +215,7 @@ def _readings_and_histories(args: argparse.Namespace, traces: list) -> tuple[dic
 
 def _run_stats_report(args: argparse.Namespace) -> int:
     """``report --stats DIR``: the corpus report of a finished ``attnres-probe corpus`` run."""
-    from attnres_probe.corpus import load_stats_dir
+    from attnres_probe.corpus.run import load_stats_dir
     from attnres_probe.reports import ReportWriteError
     from attnres_probe.reports.builder import build_stats_report
 
@@ -300,13 +300,10 @@ def _live_models(args: argparse.Namespace, traces, model_dirs: list[str] | None,
     """(trace, Probe) of every model the traces were recorded from (--demo or --models)."""
     if args.traces:
         raise _user_error(f"{flag} needs the models: use it with --models or --demo, not --traces")
-    from attnres_probe.demo import load_demo
-    from attnres_probe.pretrained import load_model_folder
-    from attnres_probe.probe import Probe
+    from attnres_probe.loading import demo_source, load_model
 
     for i, t in enumerate(traces):
-        model, tokenizer = (load_demo(t.name)[0], None) if args.demo is not None else load_model_folder(model_dirs[i])
-        yield t, Probe(model, tokenizer=tokenizer, name=t.name)
+        yield t, load_model(demo_source(t.name) if args.demo is not None else model_dirs[i]).probe(t.name)
 
 
 def _weight_effects(args: argparse.Namespace, traces, text: str | None, model_dirs: list[str] | None):

@@ -499,9 +499,10 @@ class CorpusStats:
         """Write the stats into ``directory`` (created or replaced as a whole): stats.json, arrays.npz, windows.parquet.
 
         The files are written into a hidden folder beside it, which then takes its place
-        (:func:`~attnres_probe.io.write_directory`), so a reader (or a resumed run) sees the old
-        stats or the new ones, never a mix. The folder is locked while saving (a second writer
-        is refused), and what a killed save left beside it is removed first.
+        (:func:`~attnres_probe.io.write_directory`, the folder writer of traces and checkpoints
+        too), so a reader (or a resumed run) sees the old stats or the new ones, never a mix. The
+        folder is locked while saving (a second writer is refused), and what a killed save left
+        beside it is removed first.
 
         Raises:
             NotADirectoryError: ``directory`` is a file.
@@ -525,8 +526,7 @@ class CorpusStats:
             doc["files"] = {n: sha256_file(folder / n) for n in (ARRAYS_FILE, WINDOWS_FILE)}
             (folder / STATS_FILE).write_text(json.dumps(doc, indent=1, default=_json_default, allow_nan=True))
 
-        with exclusive_lock(directory, flag="stats folder"):
-            write_directory(directory, write, _is_stats_folder)
+        write_directory(directory, write, _is_stats_folder, (ARRAYS_FILE, WINDOWS_FILE, STATS_FILE), flag="stats folder")
         return directory
 
     @classmethod

@@ -16,7 +16,7 @@ split the documents between the ranks and combine what each recorded:
   rank that raises is known to all within two batches, and a rank that dies breaks the
   collective on every other rank (gloo notices a closed connection at once; otherwise the
   process-group timeout, ``ATTNRES_DIST_TIMEOUT`` seconds, default 1800, bounds the wait).
-- **Merge.** Each rank's :class:`~attnres_probe.stats.CorpusStats` travels as bytes (JSON, an
+- **Merge.** Each rank's :class:`~attnres_probe.corpus.stats.CorpusStats` travels as bytes (JSON, an
   ``.npz`` read with ``allow_pickle=False``, a Parquet window table: no pickle) through one
   ``all_gather``; every rank merges them in rank order (Chan's update), so every rank returns
   the same result, equal to one process's over the same documents to float rounding (the
@@ -264,7 +264,7 @@ class Ranks:
 
 def merge_all(parts: list[Any], meta: dict[str, Any]) -> Any:
     """One CorpusStats from the ranks' parts, merged in rank order (empty parts add nothing)."""
-    from attnres_probe.stats import CorpusStats
+    from attnres_probe.corpus.stats import CorpusStats
 
     merged = CorpusStats.empty(meta)
     for part in parts:

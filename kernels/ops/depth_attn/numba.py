@@ -1,7 +1,7 @@
 """Fused CPU kernels for depth attention, compiled with Numba (the ``"numba"`` backend).
 
-The math is the reference's (``reference.py``; docs/design.md, "The math"). With the gain folded
-into the query, ``q = query * gain``, every token row and source ``v_i`` gives
+The math is the reference's (``reference.py`` beside this file; docs/design.md, "The math").
+With the gain folded into the query, ``q = query * gain``, every token row and source ``v_i`` gives
 
     r_i = rsqrt(mean(v_i^2) + eps),   z_i = r_i (q . v_i),
     alpha = softmax(z),   lse = logsumexp(z),   h = sum_i alpha_i v_i.
@@ -69,7 +69,7 @@ Conventions and limits:
   in every process instead and never reads or writes it.
 - Phase 1 and phase 2 of the two-phase Block schedule have no Numba kernels: on the CPU the
   model uses the sequential schedule, and ``phase1``/``phase2`` with this backend run the
-  reference.
+  reference (the dispatch table, ``kernels/dispatch.py``, says so).
 """
 
 from __future__ import annotations
@@ -86,9 +86,10 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from .reference import check_width, depth_attn_reference, graph_grads, validate_depth_attn_args
+from ...utils import check_width, graph_grads
+from . import reference
 
-__all__ = ["SUPPORTED_DTYPES", "SourceTable", "depth_attn_numba"]
+__all__ = ["SUPPORTED_DTYPES", "SourceTable", "depth_attn"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
@@ -608,7 +609,7 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         S = len(sources)
         if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, from the reference
             def ref(query, gain, *sources):
-                return depth_attn_reference(list(sources), query, gain, eps, return_weights=True, validate=False, return_logits=True)
+                return reference.depth_attn(list(sources), query, gain, eps, return_weights=True, return_logits=True)
 
             dw, dz = (None if t is None else t[..., :S] for t in (dw, dz))  # the padding has no gradient
             dq, dg, *dv = graph_grads(ref, [query, gain, *sources], [dh, dlse, dw, dz])
@@ -631,44 +632,30 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
         return (None, torch.from_numpy(dqg[0]), dg, None, *map(torch.from_numpy, dv))
 
 
-def depth_attn_numba(
+def depth_attn(
     sources,
     query: torch.Tensor,
     gain: torch.Tensor | None = None,
     eps: float = 1e-6,
     return_weights: bool = False,
-    validate: bool = True,
-    return_contrib: bool = False,
+    *,
+    inv_rms_cache=None,
     return_logits: bool = False,
+    return_contrib: bool = False,
     width: int | None = None,
 ):
-    """Depth attention with the fused Numba CPU kernels (forward and backward).
+    """Depth attention with the fused Numba CPU kernels (forward and backward): see
+    :func:`attnres_probe.kernels.depth_attn`.
 
-    Args:
-        sources: [S, *batch, d] tensor or a sequence of S tensors [*batch, d]; CPU,
-            float32 or float64.
-        query: [d] pseudo-query.
-        gain: [d] key-norm gain, or None for ones.
-        eps: RMS epsilon.
-        return_weights: also return the softmax weights the kernel used.
-        validate: check the arguments (callers that already did may skip it).
-        return_contrib: also return each source's contribution share
-            ``w_i <v_i, h> / |h|^2``, computed in the same kernel call (no gradient).
-        return_logits: also return the logits z the kernel computed.
-        width: the weights, logits and shares have this many columns (>= S; None: S), the
-            columns past S padding (NaN; -inf for the logits), written by the kernel.
-
-    Returns:
-        As :func:`~attnres_probe.kernels.depth_attn`: (mixture [*batch, d] in the sources'
-        dtype, lse [*batch]), then the weights, the logits and the shares [*batch, width],
-        each on request; lse, weights, logits and shares in the compute dtype (float64 if
-        any input is float64, else float32).
+    The arguments are not checked here (the public op checks them); ``width`` is, and the
+    tensors' device and dtype are (CPU, float32 or float64). ``inv_rms_cache`` is ignored: the
+    kernels normalise inside their first pass. The contribution shares are computed in the same
+    kernel call, and the padding past S of the weights, logits and shares is written by the
+    kernel.
 
     Raises:
         ValueError: non-CPU tensors, or a dtype other than float32/float64 (named).
     """
-    if validate:
-        validate_depth_attn_args(sources, query, gain, eps)
     src = list(sources.unbind(0)) if isinstance(sources, torch.Tensor) else list(sources)
     width = len(src) if width is None else check_width(width, len(src))
     options = Options(float(eps), width, bool(return_weights) | 2 * bool(return_logits) | 4 * bool(return_contrib))

@@ -1,4 +1,8 @@
-"""CLI subcommands that drive the probe: ``record``, ``summary`` and ``demo``."""
+"""``attnres-probe record`` and ``attnres-probe summary``: one text through one model.
+
+    attnres-probe record --model runs/block --text "The cat sat" --out traces/block
+    attnres-probe summary --demo full
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from attnres_probe.validate import arg_range
+from attnres_probe.cli import unescape_text
 
 # Short enough (under 128 bytes) for the demo models' context; with another model the default
 # is cut to its context, while a text the user gives is never cut without --truncate.
@@ -26,20 +30,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from attnres_probe import Probe
-    from attnres_probe.demo import load_demo
-    from attnres_probe.pretrained import load_model_folder, not_a_model_folder
+    """The model of ``--model DIR`` or ``--demo NAME`` (default: the block demo model) as a loaded model."""
+    from attnres_probe.loading import demo_source, load_model
 
-    tokenizer = None
     if args.model:
-        if not Path(args.model).is_dir():
-            raise NotADirectoryError(not_a_model_folder("--model", args.model))
-        model, tokenizer = load_model_folder(args.model)
-        name = Path(args.model).name or model.cfg.residual
-    else:
-        name = args.demo or "block"
-        model, _ = load_demo(name)
-    return Probe(model, tokenizer=tokenizer, name=name)
+        return load_model(args.model, flag="--model")
+    return load_model(demo_source(args.demo or "block"))
 
 
 TRUNCATE_READ = 1 << 20  # bytes of --file read with --truncate: far more than any context holds (64 bytes a token)
@@ -62,8 +58,6 @@ def _text(args: argparse.Namespace, n_ctx: int | None = None) -> str:
                 return raw[: exc.start].decode("utf-8")
             raise ValueError(f"--file {path} is not UTF-8 text: {exc.reason} at byte {exc.start}; convert it first, e.g. "
                              f"`iconv -f latin1 -t utf-8 {path} > converted.txt`") from None
-    from attnres_probe.cli import unescape_text
-
     return unescape_text(args.text) if args.text is not None else DEFAULT_TEXT
 
 
@@ -102,12 +96,11 @@ def _run_record(args: argparse.Namespace) -> int:
     from attnres_probe.trace import check_save_target
 
     check_save_target(args.out, overwrite=args.force)  # before the model runs: fail fast
-    probe = _load(args)
+    loaded = _load(args)
+    probe = loaded.probe()
     _say(f"recording the text through {probe.name} (one forward and backward pass) ...")
     trace = probe.run(_text(args, probe.spec.n_ctx), backward=not args.no_backward, truncate=_truncate(args))
-    from attnres_probe.reports.recording import weights_sha256
-
-    trace.meta["weights_sha256"] = weights_sha256(probe.model)  # the model's one digest, as reports show it
+    trace.meta["weights_sha256"] = loaded.digest  # the model's one digest, as reports show it
     out = trace.save(args.out, overwrite=args.force)
     print(repr(trace))
     print(f"saved to {out}")
@@ -115,43 +108,13 @@ def _run_record(args: argparse.Namespace) -> int:
 
 
 def _run_summary(args: argparse.Namespace) -> int:
-    probe = _load(args)
+    probe = _load(args).probe()
     _say(f"recording the text through {probe.name} (one forward and backward pass) ...")
     trace = probe.run(_text(args, probe.spec.n_ctx), backward=not args.no_backward, truncate=_truncate(args))
     print(repr(trace))
     with pd.option_context("display.width", 120, "display.float_format", "{:.4g}".format):
         print(layer_summary(trace).to_string())
     return 0
-
-
-def _run_demo(args: argparse.Namespace) -> int:
-    if args.summary:
-        from attnres_probe import metrics
-        from attnres_probe.demo import DEMO_NAMES, load_demo
-        from attnres_probe import Probe
-
-        traces = []
-        for name in DEMO_NAMES:
-            model, _ = load_demo(name)
-            traces.append(Probe(model, name=name).run(DEFAULT_TEXT, backward=True, truncate=True))
-        for t in traces:
-            print(f"\n== {t.name}")
-            with pd.option_context("display.width", 120, "display.float_format", "{:.4g}".format):
-                print(layer_summary(t).to_string())
-        from attnres_probe.analysis.display import BASIS_NOTE, table_rows
-
-        t = table_rows(metrics.compare(*traces))
-        n = len(t["models"])
-        table = pd.DataFrame([[*r["cells"], *(f"{v} ({c})" if c else v for v, c in zip(r["verdicts"], r["caveats"]))]
-                              for r in t["rows"]], index=[r["metric"] for r in t["rows"]],
-                             columns=[*t["columns"], *[f"verdict: {c}" for c in t["comparisons"]]])
-        with pd.option_context("display.width", 200, "display.max_columns", 2 * n + 2, "display.max_colwidth", 60):
-            print("\n== metrics (one text = one window: no intervals, every verdict inconclusive)\n" + table.to_string())
-        print("\n" + BASIS_NOTE)
-        return 0
-    from attnres_probe.dashboards.cli import run_demo
-
-    return run_demo(host=args.host, port=args.port, open_browser=args.open)
 
 
 def add_record_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -169,18 +132,4 @@ def add_summary_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     _add_model_args(p)
     p.add_argument("--no-backward", action="store_true", help="skip the backward pass (no gradient norms; allows 1-token texts)")
     p.set_defaults(func=_run_summary)
-    return p
-
-
-def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "demo", help="open the dashboard on the bundled demo models",
-        description="Serve the dashboard on the three bundled demo models (PreNorm, Full and Block AttnRes: seed 0 of "
-                    "study v3, 8 layers, 64 wide, byte tokens, trained on Shakespeare with whole plays held out), with "
-                    "what five training seeds show beside them. --summary prints per-layer tables instead.")
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
-    p.add_argument("--port", type=arg_range("int", 0, 65535), default=8050, help="port to serve on (default: %(default)s)")
-    p.add_argument("--open", action="store_true", help="also open the page in a browser")
-    p.add_argument("--summary", action="store_true", help="print per-layer summaries and metrics instead")
-    p.set_defaults(func=_run_demo)
     return p

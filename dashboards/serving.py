@@ -1,16 +1,12 @@
-"""``attnres-probe dash``: serve the dashboard with waitress (loopback by default).
+"""Serving the dashboard: its entries from folders (:func:`load_entries`, :func:`load_with_stats`)
+and waitress on loopback by default (:func:`serve`, :func:`run_demo`).
 
-    attnres-probe dash                                   # the three bundled demo models
-    attnres-probe dash --models runs/prenorm runs/block  # checkpoint folders
-    attnres-probe dash --traces traces/a traces/b        # saved DepthTraces (traces-only mode)
-    attnres-probe dash --stats runs/corpus               # a recorded corpus: intervals and verdicts first
-
-:func:`run_demo` is what ``attnres-probe demo`` (and ``make demo``) calls.
+``attnres-probe dash`` (:mod:`attnres_probe.cli.dash`) drives it; :func:`run_demo` is what
+``attnres-probe demo`` (and ``make demo``) calls.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 import time
@@ -19,11 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from attnres_probe.cli import unescape_text
 from attnres_probe.dashboards.app import allowed_hosts_for, create_app, demo_entries, is_loopback
-from attnres_probe.validate import arg_range
 
-__all__ = ["add_dash_parser", "load_entries", "load_with_stats", "run_demo", "serve"]
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "DEFAULT_THREADS", "DEFAULT_TORCH_THREADS", "demo_app", "load_entries",
+           "load_with_stats", "run_demo", "serve", "set_torch_threads"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8050
@@ -52,7 +47,7 @@ def load_entries(
         ValueError: a folder is not a checkpoint / saved trace.
     """
     from attnres_probe import DepthTrace, Probe
-    from attnres_probe.pretrained import load_model_folder, not_a_model_folder
+    from attnres_probe.loading import load_model
 
     if not models and not traces:
         return demo_entries()
@@ -65,9 +60,8 @@ def load_entries(
     entries: dict[str, Any] = {}
     for d in models or []:
         path = Path(d)
-        if not path.is_dir():
-            raise NotADirectoryError(not_a_model_folder("--models", d))
-        model, tokenizer = load_model_folder(path)
+        loaded = load_model(d, flag="--models")
+        model, tokenizer = loaded.model, loaded.tokenizer
         from attnres_probe.training.probes import load_history
 
         model.train_history = load_history(path)  # routing over training (train --probe-every), if recorded
@@ -106,7 +100,8 @@ def load_with_stats(
     """
     if not stats_dir:
         return load_entries(models, traces, names), None
-    from attnres_probe.corpus import CorpusRunError, check_models_match, load_model, load_stats_dir
+    from attnres_probe.corpus.run import CorpusRunError, check_models_match, load_stats_dir
+    from attnres_probe.loading import load_model
 
     manifest, stats = load_stats_dir(stats_dir)
     if not models and not traces:
@@ -115,7 +110,8 @@ def load_with_stats(
         entries = {}
         for m in manifest["models"]:
             try:
-                model, tokenizer = load_model(m["source"])
+                loaded = load_model(m["source"])
+                model, tokenizer = loaded.model, loaded.tokenizer
                 entries[m["name"]] = Probe(model, tokenizer=tokenizer, name=m["name"]) if tokenizer is not None else model
             except (OSError, ValueError) as exc:
                 raise CorpusRunError(
@@ -156,7 +152,7 @@ def run_demo(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, text: str | Non
 
     Blocks until Ctrl+C. ``torch_threads`` sets torch's intra-op threads for this process (None: leave).
     """
-    _set_torch_threads(torch_threads)
+    set_torch_threads(torch_threads)
     t0 = time.perf_counter()
     app = demo_app(text, host)
     print(f"loaded the demo models in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -170,57 +166,9 @@ def demo_app(text: str | None = None, host: str = DEFAULT_HOST):
     return create_app(demo_entries(), text=text, allowed_hosts=allowed_hosts_for(host), study=load_demo_summary())
 
 
-def _set_torch_threads(n: int | None) -> None:
+def set_torch_threads(n: int | None) -> None:
+    """Set torch's intra-op threads for this process (None or 0: leave them)."""
     if n:
         import torch
 
         torch.set_num_threads(n)
-
-
-def add_dash_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "dash",
-        help="open the interactive depth-routing explorer (Dash)",
-        description="Serve the depth-routing dashboard: AttnRes models beside the PreNorm baseline. "
-        "Binds to 127.0.0.1 by default; with no --models/--traces it loads the bundled demo models.",
-    )
-    p.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s, this machine only)")
-    p.add_argument("--port", type=arg_range("int", 0, 65535), default=DEFAULT_PORT, help="port (default: %(default)s)")
-    p.add_argument("--models", nargs="+", metavar="DIR", help="model folders, ours or flash-linear-attention checkpoints (default: the bundled demo models)")
-    p.add_argument("--traces", nargs="+", metavar="DIR", help="saved DepthTrace folders (alone: traces-only mode)")
-    p.add_argument("--stats", metavar="DIR",
-                   help="a corpus run (attnres-probe corpus --out DIR): lead with its comparisons, intervals and verdicts "
-                        "(models default to the ones it was recorded from; --models must be those models)")
-    p.add_argument("--names", nargs="+", metavar="NAME",
-                   help="panel names, one per folder: --models first, then --traces (default: folder or trace names)")
-    p.add_argument("--text", help="initial prompt (default: a short sentence); \\n and \\t stand for a newline and a tab")
-    p.add_argument("--threads", type=arg_range("int", 1, 256), default=DEFAULT_THREADS, help="waitress worker threads (default: %(default)s)")
-    p.add_argument("--cache-size", type=arg_range("int", 1, 1024), default=16, help="recorded prompts kept on the server (default: %(default)s)")
-    p.add_argument("--torch-threads", type=arg_range("int", 1, 256), default=DEFAULT_TORCH_THREADS,
-                   help="torch intra-op threads (default: %(default)s; more only helps large models on an idle CPU)")
-    p.add_argument("--open", action="store_true", help="open a browser tab")
-    p.set_defaults(func=_run_dash)
-    return p
-
-
-def _run_dash(args: argparse.Namespace) -> int:
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port is {args.port}; choose 1..65535")
-    if args.threads < 1:
-        raise ValueError(f"--threads is {args.threads}; need at least 1")
-    if args.torch_threads < 1:
-        raise ValueError(f"--torch-threads is {args.torch_threads}; need at least 1")
-    _set_torch_threads(args.torch_threads)
-    t0 = time.perf_counter()
-    if args.names and not (args.models or args.traces):
-        raise ValueError("--names names the folders of --models and --traces; pass those too")
-    entries, stats = load_with_stats(args.models, args.traces, args.stats, args.names)
-    study = None
-    if not (args.models or args.traces):  # the demo models: show the study they are seed 0 of
-        from attnres_probe.seed_study import load_demo_summary
-
-        study = load_demo_summary()
-    app = create_app(entries, text=unescape_text(args.text), cache_size=args.cache_size, stats=stats,
-                     allowed_hosts=allowed_hosts_for(args.host), study=study)
-    print(f"loaded {len(entries)} entries in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    return serve(app, host=args.host, port=args.port, threads=args.threads, open_browser=args.open)

@@ -1,14 +1,17 @@
-"""The ``attnres-probe`` command line: ``train``, ``record``, ``summary``, ``dash``, ``report``, ``demo``.
+"""The ``attnres-probe`` command line: ``train``, ``record``, ``summary``, ``dash``, ``report``, ``corpus``,
+``demo``, ``demo-models``, ``study``, ``figures``.
 
-Each subcommand lives beside the code it drives and registers itself through an
-``add_*_parser(subparsers)`` function; this module only assembles them. Errors a user can fix
-print one line to stderr and exit with status 2.
+Every command is a module of this package (``cli/<command>.py``) holding its parser and its
+handler; the library never imports this package. This module assembles them (:data:`SUBCOMMANDS`)
+and runs one. Errors a user can fix print one line to stderr and exit with status 2. A new
+command is one module here and one row of :data:`SUBCOMMANDS` (and its line in README.md's table).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -19,16 +22,20 @@ from attnres_probe._version import __version__
 # module of the command being run is imported (the others cost seconds: torch, Dash); the
 # top-level --help lists every command from this table.
 SUBCOMMANDS: list[tuple[str, str, str, str]] = [
-    ("train", "attnres_probe.training.cli", "add_train_parser", "train a model on an offline byte corpus"),
-    ("record", "attnres_probe.commands", "add_record_parser", "record a text through a model and save the DepthTrace"),
-    ("summary", "attnres_probe.commands", "add_summary_parser", "print a per-layer summary of a model on a text"),
-    ("dash", "attnres_probe.dashboards.cli", "add_dash_parser", "open the interactive depth-routing explorer (Dash)"),
-    ("report", "attnres_probe.reports.cli", "add_report_parser", "export a self-contained HTML report (opens offline)"),
-    ("corpus", "attnres_probe.corpus", "add_corpus_parser", "record a corpus through models: per-window metrics, intervals, verdicts"),
-    ("demo", "attnres_probe.commands", "add_demo_parser", "open the dashboard on the bundled demo models"),
-    ("demo-models", "attnres_probe.demo", "add_demo_models_parser", "regenerate the bundled demo models (PreNorm, Full, Block)"),
-    ("study", "attnres_probe.study", "add_study_parser", "regenerate the study pages (v3: the seeds of docs/study/v3/runs)"),
+    ("train", "attnres_probe.cli.train", "add_train_parser", "train a model on an offline byte corpus"),
+    ("record", "attnres_probe.cli.record", "add_record_parser", "record a text through a model and save the DepthTrace"),
+    ("summary", "attnres_probe.cli.record", "add_summary_parser", "print a per-layer summary of a model on a text"),
+    ("dash", "attnres_probe.cli.dash", "add_dash_parser", "open the interactive depth-routing explorer (Dash)"),
+    ("report", "attnres_probe.cli.report", "add_report_parser", "export a self-contained HTML report (opens offline)"),
+    ("corpus", "attnres_probe.cli.corpus", "add_corpus_parser", "record a corpus through models: per-window metrics, intervals, verdicts"),
+    ("demo", "attnres_probe.cli.demo", "add_demo_parser", "open the dashboard on the bundled demo models"),
+    ("demo-models", "attnres_probe.cli.demo", "add_demo_models_parser", "regenerate the bundled demo models (PreNorm, Full, Block)"),
+    ("study", "attnres_probe.cli.study", "add_study_parser", "regenerate the study pages (v3: the seeds of docs/study/v3/runs)"),
+    ("figures", "attnres_probe.cli.figures", "add_figures_parser", "write the standard figures for a paper (SVG, PDF or 300 dpi PNG at a column's width)"),
 ]
+
+# packages a build may leave out; the commands that need them (dash, report) are then not offered
+OPTIONAL_PACKAGES = ("attnres_probe.dashboards", "attnres_probe.reports")
 
 
 class UserError(Exception):
@@ -57,13 +64,38 @@ def build_parser(command: str | None = None, *, every: bool = True) -> argparse.
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
-            if exc.name and module.startswith(exc.name):
-                continue  # this subcommand's module is not part of this build
+            if exc.name and (module.startswith(exc.name) or exc.name.startswith(OPTIONAL_PACKAGES)):
+                continue  # this subcommand's module, or the package it drives, is not part of this build
             raise
         add = getattr(mod, func, None)
         if add is not None:
             add(sub)
     return parser
+
+
+def arg_range(kind: str, lo: float, hi: float):
+    """An argparse ``type`` for a number flag: ``kind`` "int" or "float", finite, in ``lo``..``hi``;
+    a bad value is refused by argparse with the accepted range in the message
+    ("argument --resamples: 1000000000 is out of range; accepted 1..1000000")."""
+
+    def convert(text: str):
+        try:
+            v = float(text) if kind == "float" else int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'a number' if kind == 'float' else 'an integer'}; "
+                                             f"accepted {_number(lo)}..{_number(hi)}") from None
+        if not math.isfinite(v) or not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{text} is out of range; accepted {_number(lo)}..{_number(hi)}")
+        return v
+
+    convert.__name__ = f"{kind} in {_number(lo)}..{_number(hi)}"
+    return convert
+
+
+def _number(v: float) -> str:
+    """A bound as the messages show it (its repr, cut at 40 characters)."""
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # what people type for our flags (checked against the command's own flags before any spelling match)
@@ -158,11 +190,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"attnres-probe {args.command}: error: {cli_message(exc)}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    # `python -m attnres_probe.cli` (the form torchrun takes) runs this file as __main__, whose UserError
-    # is another class than the commands' attnres_probe.cli.UserError: run the package's main instead,
-    # so every user error is one line here too
-    from attnres_probe.cli import main as package_main
-
-    sys.exit(package_main())

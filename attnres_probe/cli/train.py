@@ -1,4 +1,4 @@
-"""The ``attnres-probe train`` subcommand: flags -> (ModelConfig, TrainConfig) -> :func:`train`."""
+"""The ``attnres-probe train`` command: flags -> (ModelConfig, TrainConfig) -> :func:`~attnres_probe.training.train`."""
 
 from __future__ import annotations
 

@@ -1,0 +1,88 @@
+"""``attnres-probe study``: study v3 over the seeds of ``docs/study/v3/runs`` (:mod:`attnres_probe.seed_study`),
+or the single-model study of the demo models (:mod:`attnres_probe.study`).
+
+    attnres-probe study                                                       # study v3: docs/study/v3
+    attnres-probe study --demo --out study-demo                               # the shipped demo models
+    attnres-probe study --models study_models/seed1 --out study-seed1         # another seed's models
+    attnres-probe study --seeds study-seed0 study-seed1 study-seed2 --out study-seeds
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from attnres_probe.cli import UserError, arg_range
+from attnres_probe.study import N_RESAMPLES, N_WINDOWS, SEED, run_seed_study, run_study
+from attnres_probe.validate import MAX_RESAMPLES
+
+__all__ = ["add_study_parser"]
+
+
+def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "study", help="regenerate the study pages (v3: the seeds of docs/study/v3/runs)",
+        description="Study v3 (docs/study/plan-v3.md): `attnres-probe study --runs docs/study/v3/runs` measures every "
+                    "finished run on the held-out plays and writes results.json, windows.csv and study.md (primary "
+                    "endpoints over seeds with Holm's correction, per-play tables, exploratory diagnostics). Without "
+                    "--runs: the earlier single-model study of the demo models.")
+    p.add_argument("--runs", metavar="DIR", default=None,
+                   help="the runs of plan-v3 (DIR/{prenorm,full,block}/seed{s}, written by docs/study/v3/train_runs.sh; "
+                        "default docs/study/v3/runs); the pages go to --out (default docs/study/v3)")
+    p.add_argument("--demo", action="store_true",
+                   help="instead: the single-model study of the shipped demo models (or --models DIR), intervals over "
+                        "texts only; needs --out")
+    p.add_argument("--out", default=None, help="output folder (default with the runs: docs/study/v3)")
+    p.add_argument("--windows", type=int, default=N_WINDOWS, help="validation windows per model (default: %(default)s, all)")
+    p.add_argument("--resamples", type=arg_range("int", 1, MAX_RESAMPLES), default=N_RESAMPLES, help="bootstrap resamples (default: %(default)s)")
+    p.add_argument("--seed", type=arg_range("int", 0, 2**32 - 1), default=SEED, help="bootstrap seed (default: %(default)s)")
+    p.add_argument("--images", choices=("auto", "png", "html"), default="auto",
+                   help="figure format of the demo-model study: png (needs kaleido and Chromium), html, or auto (png "
+                        "when it can be written)")
+    p.add_argument("--models", metavar="DIR", help="study the demo models in DIR (written by `attnres-probe demo-models --out DIR`, "
+                   "e.g. another seed's) instead of the shipped ones")
+    p.add_argument("--seeds", nargs="+", metavar="FOLDER", help="combine the study folders of several seeds of one recipe "
+                   "(each the --out of `study --models`) into seeds.md: intervals over seeds and windows")
+    p.set_defaults(func=lambda a: _run(a))
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    single = args.demo or args.models or args.seeds
+    if single and args.runs:
+        raise UserError("--runs is the study over seeds; --demo, --models and --seeds are the single-model study: pick one")
+    if not single:
+        from attnres_probe.demo import demo_root
+        from attnres_probe.seed_study import SUMMARY_FILE, run_v3_study
+
+        out = Path(args.out or "docs/study/v3")
+        runs = Path(args.runs or "docs/study/v3/runs")
+        # the pages of the shipped runs also refresh the summary the dashboard shows beside the demo models
+        shipped = runs.resolve() == Path("docs/study/v3/runs").resolve() and out.resolve() == Path("docs/study/v3").resolve()
+        try:
+            results = run_v3_study(runs, out, summary_to=demo_root() / SUMMARY_FILE if shipped else None)
+        except (FileNotFoundError, ValueError) as exc:
+            raise UserError(str(exc)) from None
+        for p in results["primaries"]:
+            print(f"{p['verdict']:<13} {p['key']} {p['title']}: mean {p['mean']:+.3g} {p['unit']}, "
+                  f"{p['paper_way']} of {p['n']} seeds on the paper's side, Holm p {p['p_holm']:.2g}"
+                  if p["p_holm"] is not None else f"{p['verdict']:<13} {p['key']} {p['title']}: not enough seeds")
+        print(f"wrote {out / 'study.md'}")
+        return 0
+    if not args.out:
+        raise UserError("the single-model study needs --out FOLDER (docs/study holds study v3: `attnres-probe study`)")
+    if args.seeds:
+        summary = run_seed_study(args.out, args.seeds, args.resamples, args.seed)
+        width = max(len(f["key"]) for f in summary["findings"])
+        for f in summary["findings"]:
+            print(f"{f['verdict']:<13} {f['key']:<{width}}  consistent in {f['seeds_consistent']} of {len(summary['seeds'])} seeds")
+        print(f"wrote {Path(args.out) / 'seeds.md'}")
+        return 0
+    if not 1 <= args.windows <= N_WINDOWS:
+        raise ValueError(f"--windows is {args.windows}; the demo models have {N_WINDOWS} validation windows (1..{N_WINDOWS})")
+    results = run_study(args.out, args.windows, args.images, args.resamples, args.seed, progress=True, models=args.models)
+    width = max(len(f["key"]) for f in results["findings"])
+    for f in results["findings"]:
+        print(f"{f['verdict']:<13} {f['key']:<{width}}  holds: {f['holds']}")
+    print(f"wrote {Path(args.out) / 'study.md'}")
+    return 0
