@@ -127,7 +127,7 @@ def wrap(text: str, width_px: float, size_px: float) -> tuple[str, int]:
     out: list[str] = []
     for line in _BR.split(text or ""):
         current = ""
-        for word in line.split(" "):
+        for word in _split_long(line.split(" "), width_px, size_px):
             candidate = f"{current} {word}" if current else word
             if current and text_width(candidate, size_px) > width_px:
                 out.append(current)
@@ -136,6 +136,23 @@ def wrap(text: str, width_px: float, size_px: float) -> tuple[str, int]:
                 current = candidate
         out.append(current)
     return "<br>".join(out), len(out)
+
+
+def _split_long(words: list[str], width_px: float, size_px: float) -> list[str]:
+    """Words wider than ``width_px`` (a long model name) cut into pieces that fit (no tags in a piece cut)."""
+    out = []
+    for word in words:
+        if "<" in word or text_width(word, size_px) <= width_px:
+            out.append(word)
+            continue
+        piece = ""
+        for ch in word:
+            if piece and text_width(piece + ch, size_px) > width_px:
+                out.append(piece)
+                piece = ""
+            piece += ch
+        out.append(piece)
+    return out
 
 
 def _lines_px(n: int, size_px: float) -> float:
@@ -845,6 +862,13 @@ def write_images(
     print size; else 700 x 500): SVG and PDF exactly that size at 96 px to the inch (the SVG's root
     sized in inches), PNG at :data:`DPI` dots per inch. Each file is written whole or not at all
     (:func:`attnres_probe.io.atomic_write`).
+
+    Starting kaleido (a Chromium) takes seconds, rendering an image well under one, so every image
+    goes through one ``kaleido.Kaleido`` opened here (like ``plotly.io.write_images``, which gives no
+    word per image; ``kaleido.start_sync_server`` would wait forever where Chromium fails to start).
+    Its page loads no MathJax (plotly's asks a CDN for it, which fails offline and now and then fails
+    the render with it; no figure here uses LaTeX). It runs on its own thread, so a notebook's event
+    loop is no obstacle.
 
     Args:
         figs: path -> figure; the format is ``fmt`` or each path's suffix.

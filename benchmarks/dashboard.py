@@ -87,12 +87,14 @@ def bench_token_selection(app, calls: int, kind: str, expanded: bool, seed: int 
         to_json({k: v for k, v in out.items()})
         with_json.append(time.perf_counter() - t0)
     client = app.server.test_client()
-    for t in toks:
+    for t in toks:  # a click sends two requests: the views, and the view's query for the address bar
         body = update_payload(app, "token-info.children", token_values(app, t, kind, expanded))
+        query = update_payload(app, "view-query.data", token_values(app, t, kind, expanded))
         t0 = time.perf_counter()
         r = client.post("/_dash-update-component", json=body)
+        q = client.post("/_dash-update-component", json=query)
         http.append(time.perf_counter() - t0)
-        assert r.status_code == 200, r.data[:200]
+        assert r.status_code == 200 and q.status_code in (200, 204), (r.data[:200], q.data[:200])
     return {"callback": pct(direct), "+ json": pct(with_json), "http": pct(http)}
 
 
@@ -101,7 +103,9 @@ def initial_callbacks(app) -> list[tuple[str, dict]]:
     ex = app.explorer
     key = ex.initial.key
     calls = [
-        ("token-strip.children", {"trace-key.data": key}),
+        ("kind.value", {"url.search": ""}),  # a link's view (none here)
+        ("token-strip.children", {"trace-key.data": key, "url.search": ""}),
+        ("view-query.data", {"token.data": {"key": key, "token": 0}, "kind.value": "weights", "expanded.value": []}),
         ("token-info.children", {"token.data": {"key": key, "token": 0}, "kind.value": "weights", "expanded.value": []}),
         ("decomp-graph-0.figure", {"token.data": {"key": key, "token": 0}}),
         ("mean-graph-0.figure", {"trace-key.data": key, "kind.value": "weights", "expanded.value": []}),
@@ -109,6 +113,8 @@ def initial_callbacks(app) -> list[tuple[str, dict]]:
         ("magnitudes.figure", {"trace-key.data": key}),
         ("metric-cards.children", {"trace-key.data": key}),
     ]
+    if not ex.stats and not (ex.study and ex.study.get("primaries")):
+        calls.append(("glance.children", {"trace-key.data": key}))  # the first screen's headline for this text
     if ex.attnres_probes:
         model = ex.attnres_probes[0]
         calls.append(("ablation-graph.figure", {"trace-key.data": key, "ablation-model.value": model,

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 from dash import ALL, ClientsideFunction, Input, Output, State, html, no_update
 
-from attnres_probe import figures, metrics
+from attnres_probe import figures
 from attnres_probe.analysis.display import HEADLINE, LABELS, weight_effect_rows
 from attnres_probe.analysis.windows import normalised_weights, uniform_weights
 from attnres_probe.dashboards import layout as ids
@@ -527,7 +527,7 @@ def glance_for_text(ex: Explorer, key: Any) -> Any:
         return html.P(str(exc), className="status error")
     if len(result.traces) < 2 and not any(t.residual != "prenorm" for t in result.traces.values()):
         return html.P("Load an AttnRes model beside the baseline to compare them.", className="help")
-    return glance_table(metrics.compare(*result.traces.values(), names=list(result.traces)))
+    return glance_table(result.compared())
 
 
 def metric_cards(ex: Explorer, key: Any) -> list:
@@ -536,7 +536,7 @@ def metric_cards(ex: Explorer, key: Any) -> list:
         result = ex.result(key)
     except UnknownKeyError as exc:
         return [html.P(str(exc), className="status error")]
-    frame = metrics.compare(*result.traces.values(), names=list(result.traces))
+    frame = result.compared()
     return [*comparison_notes(frame), *headline_cards(frame, ex.colors)]
 
 

@@ -61,6 +61,15 @@ class Result:
     traces: dict[str, DepthTrace]
     nbytes: int = 0
     ablations: OrderedDict = field(default_factory=OrderedDict)
+    comparison: Any = None  # metrics.compare of its traces, made once (the headline table and the cards share it)
+
+    def compared(self) -> Any:
+        """``metrics.compare`` of the traces (one window: estimates, no intervals), computed once."""
+        if self.comparison is None:
+            from attnres_probe import metrics
+
+            self.comparison = metrics.compare(*self.traces.values(), names=list(self.traces))
+        return self.comparison
 
     @property
     def first(self) -> DepthTrace:

@@ -34,9 +34,8 @@ for (const e of svg.querySelectorAll('text')) {
     if (s.display === 'none' || s.visibility === 'hidden' || s.opacity === '0') shown = false;
   }
   if (!shown) continue;
-  const bb = e.getBBox();
   out.push({x0: r.left - root.left, x1: r.right - root.left, y0: r.top - root.top, y1: r.bottom - root.top,
-            bbox: bb.width * bb.height, text: e.textContent,
+            text: e.textContent,
             where: (e.getAttribute('class') || '') + ' ' + (e.parentNode.getAttribute('class') || '')});
 }
 return {width: root.width, height: root.height, boxes: out};
@@ -197,7 +196,7 @@ def test_the_standard_set_has_no_overlapping_or_clipped_text_at_either_size(demo
     # the raster at 300 dpi, the PDF 7 in wide
     png = (tmp_path / "magnitudes.png").read_bytes()
     width, height = struct.unpack(">II", png[16:24])
-    assert width == round(7 * 300) and height == round(double["magnitudes"].layout.height * 300 / 96)
+    assert width == round(7 * 300) and abs(height - double["magnitudes"].layout.height * 300 / 96) <= 1
     assert b"pHYs" in png[:64]
     box = re.search(rb"/MediaBox \[0 0 ([\d.]+) ([\d.]+)\]", (tmp_path / "magnitudes.pdf").read_bytes())
     assert box and float(box.group(1)) == pytest.approx(7 * 72, abs=0.5)

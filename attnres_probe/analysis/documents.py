@@ -40,7 +40,7 @@ from attnres_probe.analysis.compare import Windows, _align, _row, compare_window
 from attnres_probe.analysis.windows import WINDOW_METRICS, reference_column
 from attnres_probe.trace import unique_names
 
-__all__ = ["COLUMNS", "LOO_RESAMPLES", "document_breakdown", "document_labels", "document_table"]
+__all__ = ["CHANGES_MARK", "COLUMNS", "LOO_RESAMPLES", "document_breakdown", "document_labels", "document_table"]
 
 COLUMNS = (
     "model", "metric", "baseline", "comparison", "expected", "doc", "document", "n_windows", "n_tokens", "value",
@@ -391,17 +391,19 @@ def document_table(frame: pd.DataFrame, metrics: Sequence[str] | None = None, ma
     def num(x: Any, kind: str) -> str:  # as the headline writes an estimate: "+0.0123", "×0.93"
         return fmt_estimate({"estimate": x, "comparison": kind, "pooled": np.nan})
 
-    groups = {k: g.set_index("doc") for k, g in f.groupby(["metric", "model", "baseline"], sort=False)}
+    records = {(r["metric"], r["model"], r["baseline"], r["doc"]): r for r in f.to_dict("records")}
+    firsts: dict[tuple, dict] = {}  # a row of each comparison: its numbers over every document
+    for k, r in records.items():
+        firsts.setdefault(k[:3], r)
     docs = f.drop_duplicates("doc").set_index("doc")["document"]
-    changing = f[f["changes_verdict"]]["doc"].unique()
+    changing = set(f[f["changes_verdict"]]["doc"].tolist())
     influence = f.assign(size=f["shift"].abs() / f.groupby(["metric", "model"])["pooled"].transform(
         lambda s: np.maximum(np.abs(s), 1e-12))).groupby("doc")["size"].max()
     order = sorted(docs.index, key=lambda d: (d not in changing, -float(np.nan_to_num(influence.get(d, 0.0))), d))
     shown = order[: max(int(max_rows), len(changing))]
     columns, total = [], []
     for k in keys:
-        g = groups[k]
-        first = g.iloc[0]
+        first = firsts[k]
         columns.append({"metric": k[0], "label": LABELS.get(k[0], k[0]), "model": k[1], "baseline": k[2],
                         "verdict": str(first["verdict"]), "comparison": str(first["comparison"])})
         total.append({"text": num(first["pooled"], first["comparison"]), "mark": "", "changes": False,
@@ -412,12 +414,11 @@ def document_table(frame: pd.DataFrame, metrics: Sequence[str] | None = None, ma
     for d in shown:
         cells, windows = [], 0
         for k in keys:
-            g = groups[k]
-            if d not in g.index:
+            r = records.get((*k, d))
+            if r is None:
                 cells.append({"text": "", "mark": "", "title": "", "changes": False, "value": float("nan"), "metric": k[0],
                               "model": k[1]})
                 continue
-            r = g.loc[d]
             windows = max(windows, int(r["n_windows"]))
             without = (f"without it: {num(r['pooled_without'], r['comparison'])} ({r['verdict_without']}; shift "
                        f"{float(r['shift']):+.3g})" if np.isfinite(r["pooled_without"]) else "without it: —")

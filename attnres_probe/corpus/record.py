@@ -203,10 +203,11 @@ def _record_locked(out, data, models, demo, names, batch_size, backward, save_ev
             loaded = {m["name"]: CorpusStats.load(out / m["dir"]) for m in manifest["models"]}
             frame = metrics.compare(*loaded.values(), names=list(loaded), n_resamples=n_resamples, seed=seed)
             atomic_write(out / COMPARISON_FILE, lambda p: frame.to_csv(p, index=False))
-            from attnres_probe.analysis.documents import document_breakdown
+            from attnres_probe.analysis.documents import LOO_RESAMPLES, document_breakdown
 
             docs_frame = document_breakdown(*loaded.values(), names=list(loaded), documents=document_names(manifest),
-                                            n_resamples=n_resamples, seed=seed)
+                                            n_resamples=n_resamples, loo_resamples=min(LOO_RESAMPLES, n_resamples),
+                                            seed=seed)
             atomic_write(out / DOCUMENTS_FILE, lambda p: docs_frame.to_csv(p, index=False))
             manifest["complete"] = True
             from attnres_probe.analysis.display import documents_warning
