@@ -200,7 +200,9 @@ def test_source_heatmap_is_reads_by_tokens_with_token_tick_labels():
     assert z.shape == (5, 3)
     np.testing.assert_allclose(z[:, 0], np.asarray(BLOCK_W)[:, 1], atol=1e-6)
     assert list(fig.layout.xaxis.tickvals) == [0, 1, 2]
-    assert list(fig.layout.xaxis.ticktext) == ["a", "a", "␣"]  # duplicates kept, positional x
+    # duplicates kept, positional x; each label is the token's position over its text (#35 item 4)
+    assert list(fig.layout.xaxis.ticktext) == ["0<br>a", "1<br>a", "2<br>␣"]
+    assert figures.token_ticks(["a", "b"], positions=True, start=10) == ([10, 11], ["10<br>a", "11<br>b"])
 
 
 def test_source_heatmap_accepts_a_source_label():

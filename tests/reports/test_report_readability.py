@@ -34,8 +34,8 @@ def test_report_holds_the_reading_views_and_routing_over_training(report96):
     assert "Stored for the first 8 tokens" in html
     assert 'id="over-training"' in html
     assert "colour by: contribution share" in html and "kind=&#39;contrib&#39;" not in html and "kind='contrib'" not in html
-    # the mean-routing figures have no colour control: PreNorm's blank weights panel points to the shares below
-    assert "Its contribution shares are in the" in html and "next figure, beside AttnRes" in html
+    # #35: the mean-routing figure draws PreNorm's implied weights (1/k), not a blank panel with a note
+    assert "implied weight 1/k" in html and "no routing to colour here" not in html
 
 
 def test_a_report_of_saved_traces_says_it_holds_no_activations(tmp_path):
@@ -51,10 +51,14 @@ def test_report_at_96_tokens_in_chromium(report96):
         driver.get(report96.as_uri())
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert errors == []
-        # item 3: the PreNorm note on the mean heatmaps overlaps no subplot title or axis title
+        # item 3 (#35 since): PreNorm's panel of the mean heatmaps is drawn (its implied weights, which sum to one
+        # in every read), and its subplot title, which says so, overlaps no other title or axis title
         heat = driver.execute_script("return document.querySelector('#heatmaps div.plot').id")
+        z = driver.execute_script(f"return Array.from(document.getElementById('{heat}')._fullData[0].z, r => Array.from(r))")
+        rows = [[v for v in row if v is not None and v == v] for row in z]
+        assert all(abs(sum(r) - 1) < 1e-6 for r in rows if r)
         texts = driver.execute_script(BOXES, f"#{heat} .annotation text, #{heat} .xtitle, #{heat} .ytitle, #{heat} .gtitle")
-        notes = [b for b in texts if "no routing to colour here" in b["text"] and "next figure" in b["text"]]
+        notes = [b for b in texts if "implied weight 1/k" in b["text"]]
         assert notes
         for n in notes:
             for o in texts:
