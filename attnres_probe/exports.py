@@ -44,6 +44,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import plotly.graph_objects as go
 
+from attnres_probe.analysis.windows import informative_token
+
 __all__ = [
     "DPI",
     "FORMATS",
@@ -709,7 +711,7 @@ def _slug(name: str) -> str:
 
 
 def standard_figures(
-    traces: Sequence, size: str = "double", *, token: int = -1, baseline: Any = None, title: bool = True,
+    traces: Sequence, size: str = "double", *, token: int | None = None, baseline: Any = None, title: bool = True,
     notes: Callable[[str], None] | None = None,
 ) -> dict[str, go.Figure]:
     """The figures of a paper on these models, laid out for ``size`` (:func:`for_print`), by file stem.
@@ -724,7 +726,8 @@ def standard_figures(
         traces: the models' :class:`~attnres_probe.trace.DepthTrace` of one text (gradients recorded
             for ``gradients``).
         size: ``"single"`` or ``"double"``.
-        token: the token of ``routing_token`` (negative counts from the last).
+        token: the token of ``routing_token`` (negative counts from the last); None: the token whose
+            depth weights depart furthest from uniform (``analysis.windows.informative_token``).
         baseline: the trace the differences are taken against (default: the first PreNorm trace;
             none: no ``difference`` figure).
         title: keep each figure's title.
@@ -742,6 +745,8 @@ def standard_figures(
     paper_width_px(size)
     say_note = notes or (lambda _msg: None)
     for t in traces:
+        if token is None:
+            token = informative_token(traces)[0]
         t.token_index(token, 0)  # a token outside the text: its own message, before any figure is built
     if baseline is None:
         baseline = next((t for t in traces if t.residual == "prenorm"), None)

@@ -25,7 +25,7 @@ from dash import ALL, ClientsideFunction, Input, Output, State, html, no_update
 
 from attnres_probe import figures
 from attnres_probe.analysis.display import HEADLINE, LABELS, weight_effect_rows
-from attnres_probe.analysis.windows import normalised_weights, uniform_weights
+from attnres_probe.analysis.windows import informative_token
 from attnres_probe.dashboards import layout as ids
 from attnres_probe.dashboards.cards import comparison_notes, glance_table, headline_cards, metric_table
 from attnres_probe.dashboards.state import Explorer, PromptError, UnknownKeyError
@@ -161,6 +161,9 @@ def token_strip(ex: Explorer, key: Any, search: Any = None) -> dict:
     linked = linked_token(ex, result, search)
     if linked is not None:
         start, why = linked, f"Opened on token {linked} {toks[linked]!r}, as the link asked."
+    else:
+        asked = link_problem(ex, result, search)
+        why = f"{asked} {why}" if asked else why
     chips = [
         html.Button(t if t else "∅", id={"type": ids.CHIP, "index": i}, className="chip selected" if i == start else "chip",
                     title=f"token {i}: {t!r}", **({"data-mark": str(i)} if i % 10 == 0 else {}))
@@ -193,6 +196,8 @@ def read_query(search: Any) -> dict:
     token = (q.get("token") or [""])[0]
     if token.isdigit() and len(token) <= 9:
         out["token"] = int(token)
+    elif token.startswith("-") and token[1:].isdigit() and len(token) <= 10:
+        out["token"] = int(token)  # from the end, as the jump box reads it
     if (q.get("kind") or [None])[0] in KINDS:
         out["kind"] = q["kind"][0]
     if q.get("view"):
@@ -230,7 +235,28 @@ def linked_token(ex: Explorer, result, search: Any) -> int | None:
         return None
     same = result.text == q["text"] if "text" in q else result.key == ex.initial.key
     n = int(result.first.mask[0].sum())
-    return q["token"] if same and q["token"] < n else None
+    pos = q["token"] + n if q["token"] < 0 else q["token"]
+    return pos if same and 0 <= pos < n else None
+
+
+def link_problem(ex: Explorer, result, search: Any) -> str:
+    """What of a link could not be followed for this text, in words ("" when nothing)."""
+    if not isinstance(search, str) or not search.startswith("?") or result.key != ex.initial.key and "text=" not in search:
+        return ""
+    q = urllib.parse.parse_qs(search[1:])
+    said = []
+    token = (q.get("token") or [None])[0]
+    n = int(result.first.mask[0].sum())
+    if token is not None:
+        parsed = read_query(search).get("token")
+        if parsed is None:
+            said.append(f"The link's token {token[:20]!r} is not a position (0..{n - 1}).")
+        elif parsed >= n:
+            said.append(f"The link's token {parsed} is past this text's last token ({n - 1}).")
+    kind = (q.get("kind") or [None])[0]
+    if kind is not None and kind not in KINDS:
+        said.append(f"The link's colour {kind[:20]!r} is not one of {', '.join(KINDS)}.")
+    return " ".join(said)
 
 
 def open_link(ex: Explorer, search: Any) -> dict:
@@ -290,36 +316,6 @@ def jump_to(ex: Explorer, value: Any, token: Any) -> dict:
             "note": f"token {pos} {toks[pos]!r}" + (f" (1 of {count} matches: press Enter again for the next)" if count > 1 else "")}
 
 
-def informative_token(traces) -> tuple[int, str]:
-    """The token a page opens on, and why: in sequence 0, the token whose depth weights depart furthest
-    from uniform, averaged over the AttnRes models (per read, the total-variation distance between
-    its normalised weights and the uniform weights on the same sources, PreNorm's implied weights;
-    mean over reads). Without an AttnRes model, the last token (it sees the most context).
-
-    Returns:
-        (position, a sentence saying which token and why)
-    """
-    traces = list(traces)
-    first = traces[0]
-    n = int(first.mask[0].sum())
-    if n == 0:
-        return 0, ""
-    routed = [t for t in traces if t.residual != "prenorm" and t.depth_weights is not None and int(t.mask[0].sum()) == n]
-    if not routed or n == 1:
-        return n - 1, f"Opened on the last token ({n - 1}): it sees the most context." if n > 1 else ""
-    distance = np.zeros(n)
-    for t in routed:
-        w = normalised_weights(t, np.asarray(t.depth_weights[0, :n], np.float64))  # [n, R, S]
-        tv = 0.5 * np.nansum(np.abs(w - uniform_weights(t)), axis=-1)  # [n, R]
-        distance += tv.mean(axis=-1) / len(routed)
-    pos = int(np.argmax(distance))
-    tok = first.str_tokens[0][pos] if pos < len(first.str_tokens[0]) else ""
-    models = ", ".join(t.name for t in routed)
-    return pos, (f"Opened on token {pos} {tok!r}, where {models} route furthest from uniform (mean total-variation "
-                 f"distance {distance[pos]:.2f} over reads; 0 = PreNorm's uniform mixture, 1 = no overlap). "
-                 "Click any token to route it.")
-
-
 # -- per-token views --------------------------------------------------------------------------
 def token_views(ex: Explorer, token: Any, kind: Any, expanded: Any) -> dict:
     """Per-token depth heatmap of every model for the selected token.
@@ -367,8 +363,7 @@ def token_views(ex: Explorer, token: Any, kind: Any, expanded: Any) -> dict:
             note = " ".join(x for x in (note, why) if x)
         if fig is None:  # the first screen: one title line; the panel names the model
             fig = figures.compact(figures.token_heatmap(trace, token=pos, kind=kind, expanded=expanded))
-        else:  # a difference keeps "model − baseline" in its one line
-            fig = figures.compact(fig, drop_first=False)
+        # a difference keeps its title's lines ("model − baseline", the token, the quantity): one line is cut
         figs.append(fig)
         panels.append(SHOWN)
         notes.append(note)
@@ -386,7 +381,7 @@ def difference_caption(ex: Explorer, kind: str) -> str:
     why = (f" {base} has no routing {'weights' if kind == 'weights' else 'logits'} (its coefficients are all one), so the "
            "difference is in contribution shares whatever the colour choice." if shown != kind else "")
     return (f"Difference view: each AttnRes panel is that model minus {base}, cell by cell, for the selected token "
-            f"(difference in {figures.KIND_TITLES[shown]}, on the sublayer axis).{why} Blue is negative (the model is lower "
+            f"(difference in {figures.KIND_TITLES[shown]}, on one source axis: Block's blocks where Block is drawn, else sublayers).{why} Blue is negative (the model is lower "
             f"there than {base}), red positive (higher), white the same; the {base} panel shows {base} itself.")
 
 
@@ -646,12 +641,20 @@ def compare_two(ex: Explorer, n_clicks: Any, key: Any, a: Any, b: Any, text_b: A
     kind = "contrib" if _kind(kind) == "logits" else _kind(kind)
     same_text = result_a.key == result_b.key
     la, lb = f"{a}" + ("" if same_text else " (text A)"), f"{b}" + ("" if same_text else " (text B)")
+    cleared = {"figure": no_update, "graph": HIDDEN, "table": None}
+    if kind == "weights" and "prenorm" in (ta.residual, tb.residual):
+        return {**cleared, "status": "PreNorm's weights are its implied uniform weights 1/k, the reference every routing "
+                                     "number is already set against: choose colour by 'contribution share' to compare "
+                                     "PreNorm with another model."}
     try:
         fig = figures.difference_heatmap(ta, tb, kind=kind)
     except ValueError as exc:
-        return {**keep, "figure": no_update, "graph": HIDDEN, "status": str(exc)}
+        return {**cleared, "status": str(exc)}
     fig.update_layout(title={"text": f"{html_text(la)} − {html_text(lb)}: mean {figures.KIND_TITLES[kind]}"})
     va, vb = pooled_metrics(ta), pooled_metrics(tb)
+    # routing diagnostics are on each model's own source axis (Block's in blocks): A − B only on one axis
+    one_axis = ta.residual == tb.residual and list(ta.block_starts or []) == list(tb.block_starts or []) or \
+        "block" not in (ta.residual, tb.residual)
     rows = [html.Tr([html.Th("diagnostic"), html.Th("unit"), html.Th(la), html.Th(lb), html.Th("A − B")])]
     for name in COMPARED:
         if name not in va or name not in vb:
@@ -659,10 +662,12 @@ def compare_two(ex: Explorer, n_clicks: Any, key: Any, a: Any, b: Any, text_b: A
         x, y = float(va[name]), float(vb[name])
         ref = reference_column(name)
         refs = [f" (uniform {_fmt(float(v[ref]))})" if ref in v else "" for v in (va, vb)]
+        routing = CATALOG[name].reference == "uniform"
+        diff = _fmt(x - y) if one_axis or not routing else "— (other axes: compare each with its uniform)"
         rows.append(html.Tr([html.Td(LABELS.get(name, name), className="metric-name"),
                              html.Td(CATALOG[name].unit, className="unit"),
                              html.Td(_fmt(x) + refs[0], className="num"), html.Td(_fmt(y) + refs[1], className="num"),
-                             html.Td(_fmt(x - y), className="num")], **{"data-metric": name}))
+                             html.Td(diff, className="num")], **{"data-metric": name}))
     what = "the same text" if same_text else f"text A ({ta.n_tokens} tokens) and text B ({tb.n_tokens} tokens)"
     return {"figure": fig, "graph": SHOWN, "table": html.Table(rows, className="metric-table compare-table"),
             "status": f"{a} against {b} on {what}: one window each, so no interval."}

@@ -127,9 +127,9 @@ def glance_table(frame) -> html.Table:
                 if c is None:
                     cells.append(html.Td(""))
                     continue
-                interval = [" ", html.Span(c["interval"], className="vs interval")] if c["interval"] else []
-                cells.append(html.Td([html.Span(c["estimate"], className="value"), *interval, " ",
-                                      _verdict_badge(c["verdict"], c["note"])],
+                interval = [html.Div(c["interval"], className="vs interval")] if c["interval"] else []  # its own line
+                cells.append(html.Td([html.Span(c["estimate"], className="value"), " ",
+                                      _verdict_badge(c["verdict"], c["note"]), *interval],
                                      className="num glance-cell", **{"data-model": model}))
             expected = first["expected"].removeprefix("paper: ") if first["expected"] else f"against {first['baseline']}"
             body.append(html.Tr([

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dash import dcc, html
 
-from attnres_probe.analysis.display import WEIGHT_EFFECT_NOTE
+from attnres_probe.analysis.display import WEIGHT_EFFECT_NOTE, documents_warning
 from attnres_probe.dashboards.cards import comparison_notes, glance_study, glance_table, headline_cards, metric_table
 from attnres_probe.dashboards.state import ABLATION_MODES, Explorer
 
@@ -202,11 +202,15 @@ def _headline(ex: Explorer) -> list:
     if ex.stats:
         frame = ex.stats_frame
         n = ", ".join(f"{name} {s.n_windows} windows" for name, s in ex.stats.items())
-        title, note, body = "Corpus: AttnRes against its references", f"{n}; 95% bootstrap intervals over windows.", \
-            glance_table(frame)
+        warning = documents_warning(frame)
+        title, body = "Corpus: AttnRes against its references", glance_table(frame)
+        note = [f"{n}; 95% bootstrap intervals, documents resampled with their windows.",
+                html.Span(" " + warning, className="few-documents") if warning else None]
     elif getattr(ex, "study", None) and ex.study.get("primaries"):
         seeds = ex.study["seeds"]
-        title = f"What {len(seeds)} training seed{'s' if len(seeds) != 1 else ''} show (study v3)"
+        planned = ex.study.get("planned_seeds", 5)
+        title = f"What {len(seeds)} training seed{'s' if len(seeds) != 1 else ''} show (study v3" + (
+            f"; {planned} planned, the rest still training)" if len(seeds) < planned else ")")
         note = "Pre-registered endpoints; a t-test over seeds, Holm-corrected. The demo models are seed 0 (details below)."
         body = glance_study(ex.study)
     else:
@@ -475,10 +479,8 @@ def _corpus(ex: Explorer) -> html.Section | None:
             html.H3("Mean routing over the corpus"),
             _help("Mean over every token of the corpus (hover a cell for its standard deviation over tokens and its count); "
                   "the last chart shows each cell's spread over tokens."),
-            dcc.Graph(id=CORPUS_WEIGHTS, figure=figures.corpus_side_by_side(
-                [s for s in stats if s.meta.get("residual") != "prenorm"] or stats, "weights",
-                names=[n for n, s in zip(names, stats) if s.meta.get("residual") != "prenorm"] or names),
-                config=GRAPH_CONFIG, className="graph"),
+            dcc.Graph(id=CORPUS_WEIGHTS, figure=figures.corpus_side_by_side(stats, "weights", names=names),  # PreNorm: 1/k
+                      config=GRAPH_CONFIG, className="graph"),
             dcc.Graph(id=CORPUS_CONTRIB, figure=figures.corpus_side_by_side(stats, "contrib", names=names),
                       config=GRAPH_CONFIG, className="graph"),
             dcc.Graph(id=CORPUS_SPREAD, figure=figures.corpus_side_by_side(stats, "contrib", names=names, value="sd"),

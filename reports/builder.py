@@ -58,6 +58,7 @@ SECTIONS: dict[str, str] = {
     "magnitudes": "Magnitudes by depth",
     "gradients": "Gradient norms by depth",  # the chart's own title, and the corpus report's heading
     "explorer": "Per-token explorer",
+    "over-training": "Routing over training",
     "ablation": "Ablation",
     "weight-effect": "Weight beside effect",
     "formulas": "Metric formulas",
@@ -185,7 +186,8 @@ def render_report(
     shown_text = text if text is not None else _text_of(traces[0])
     ablation = _ablation_context(ablations, plots, ablation_read)
     effect = _weight_effect_context(weight_effects, plots)
-    sections = {k: v for k, v in SECTIONS.items() if (k != "ablation" or ablation) and (k != "weight-effect" or effect)}
+    sections = {k: v for k, v in SECTIONS.items() if (k != "ablation" or ablation) and (k != "weight-effect" or effect)
+                and (k != "over-training" or histories)}
     if not any(t.residual == "prenorm" for t in traces):  # nothing is compared with a baseline
         sections["metrics"] = "Metrics"
     provenance = {
@@ -299,7 +301,6 @@ def render_stats_report(
     created = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0)
     vers = versions()
     frame = metrics.compare(*items, names=names, n_resamples=n_resamples, seed=seed)
-    attn = [(n, s) for n, s in zip(names, items) if s.meta.get("residual") != "prenorm"] or list(zip(names, items))
     models = [_stats_model_row(s, n) for n, s in zip(names, items)]
     data = {k: public_path(v) if isinstance(v, str) and Path(v).is_absolute() else v
             for k, v in dict((manifest or {}).get("data") or {}).items()}
@@ -319,7 +320,7 @@ def render_stats_report(
         "metrics": _metrics_context(frame),
         "documents": _documents_context(items, names, manifest, n_resamples, seed),
         "heatmaps": [
-            plots.add(figures.corpus_side_by_side([s for _, s in attn], "weights", names=[n for n, _ in attn])),
+            plots.add(figures.corpus_side_by_side(items, "weights", names=names)),  # PreNorm's implied weights 1/k
             plots.add(figures.corpus_side_by_side(items, "contrib", names=names)),
             plots.add(figures.corpus_side_by_side(items, "contrib", names=names, value="sd")),
         ],

@@ -354,11 +354,10 @@ DOCUMENTS_NOTE = (
     "Rows are documents, columns the headline comparisons (each AttnRes model against its reference). A cell is "
     "that document's own value: the comparison's estimate over its windows alone. {mark} marks a document whose "
     "removal changes the verdict: the pooled estimate and verdict recomputed without it (leave-one-document-out) "
-    "differ from the verdict over every document; hover a cell for the estimate and verdict without it. A verdict "
-    "that one document carries rests on that text, not on the corpus. The last row is every document together. "
-    "Many marks in one column mean a verdict near the edge, not one text that drives it; the bootstrap already "
-    "leaves any one document out of about a third of its resamples, so no single document can make a verdict on "
-    "its own. The verdicts over every document are the ones above ({n} resamples); each leave-one-out interval uses "
+    "differ from the verdict over every document; hover a cell for the estimate and verdict without it. One mark in "
+    "a column: that verdict leans on that text. Many marks: the verdict is near the edge, and several texts can tip "
+    "it. Rows are ordered with the marked documents first, then by how far leaving them out moves the estimate. "
+    "The last row is every document together. The verdicts over every document are the ones above ({n} resamples); each leave-one-out interval uses "
     "{loo} (seed {seed}). documents.csv beside comparison.csv holds every diagnostic."
 )
 

@@ -44,6 +44,7 @@ __all__ = [
     "window_metric_arrays",
     "window_metrics",
     "window_profiles",
+    "informative_token",
 ]
 
 # These tables are views of the catalog, read afresh each time: a diagnostic added with
@@ -322,3 +323,33 @@ def window_digests(trace: DepthTrace) -> list[str]:
         ids = np.ascontiguousarray(row[m], dtype=np.int64)
         out.append(hashlib.blake2b(ids.tobytes(), digest_size=8).hexdigest())
     return out
+
+
+def informative_token(traces) -> tuple[int, str]:
+    """The token a page opens on, and why: in sequence 0, the token whose depth weights depart furthest
+    from uniform, averaged over the AttnRes models (per read, the total-variation distance between
+    its normalised weights and the uniform weights on the same sources, PreNorm's implied weights;
+    mean over reads). Without an AttnRes model, the last token (it sees the most context).
+
+    Returns:
+        (position, a sentence saying which token and why)
+    """
+    traces = list(traces)
+    first = traces[0]
+    n = int(first.mask[0].sum())
+    if n == 0:
+        return 0, ""
+    routed = [t for t in traces if t.residual != "prenorm" and t.depth_weights is not None and int(t.mask[0].sum()) == n]
+    if not routed or n == 1:
+        return n - 1, f"Opened on the last token ({n - 1}): it sees the most context." if n > 1 else ""
+    distance = np.zeros(n)
+    for t in routed:
+        w = normalised_weights(t, np.asarray(t.depth_weights[0, :n], np.float64))  # [n, R, S]
+        tv = 0.5 * np.nansum(np.abs(w - uniform_weights(t)), axis=-1)  # [n, R]
+        distance += tv.mean(axis=-1) / len(routed)
+    pos = int(np.argmax(distance))
+    tok = first.str_tokens[0][pos] if pos < len(first.str_tokens[0]) else ""
+    models = ", ".join(t.name for t in routed)
+    return pos, (f"Opened on token {pos} {tok!r}, where {models} route furthest from uniform (mean total-variation "
+                 f"distance {distance[pos]:.2f} over reads; 0 = PreNorm's uniform mixture, 1 = no overlap). "
+                 "Click any token to route it.")

@@ -50,8 +50,9 @@ def add_figures_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                                      "newline and a tab")
     text.add_argument("--file", metavar="PATH", help="read the text from a UTF-8 file")
     p.add_argument("--truncate", action="store_true", help="keep the first n_ctx tokens of a longer text")
-    p.add_argument("--token", type=arg_range("int", -10**6, 10**6), default=-1, metavar="N",
-                   help="the token whose routing the last figure shows (negative counts from the end; default: the last)")
+    p.add_argument("--token", type=arg_range("int", -10**6, 10**6), default=None, metavar="N",
+                   help="the token whose routing the last figure shows (negative counts from the end; default: the one "
+                        "whose depth weights depart furthest from uniform, as the dashboard opens on)")
     p.add_argument("--size", choices=SIZES, default="double",
                    help=f"single: one column, {PAPER_WIDTH_IN['single']} in wide; double: the page, "
                         f"{PAPER_WIDTH_IN['double']} in wide (default: %(default)s)")

@@ -26,6 +26,16 @@ window.dash_clientside = Object.assign({}, window.dash_clientside, {
         },
         mark_chips: function (state, ids) {
             var sel = state ? state.token : -1;
+            // the strip scrolls (not the page) so the selected chip is in view, after the classes are set
+            window.setTimeout(function () {
+                var strip = document.getElementById("token-strip");
+                var chip = strip && strip.children[sel];
+                if (!chip) { return; }
+                var top = chip.offsetTop - strip.offsetTop, bottom = top + chip.offsetHeight;
+                if (top < strip.scrollTop || bottom > strip.scrollTop + strip.clientHeight) {
+                    strip.scrollTop = Math.max(0, top - (strip.clientHeight - chip.offsetHeight) / 2);
+                }
+            }, 0);
             return ids.map(function (id) { return id.index === sel ? "chip selected" : "chip"; });
         },
         // the selected token marked in every "one source at every token" heatmap: a thin box around its

@@ -586,11 +586,17 @@ def test_the_view_query_round_trips_and_a_link_opens_its_token_colour_views_and_
 
 
 def test_a_malformed_link_never_breaks_the_page(ex):
-    for search in ("", "?", "?token=-3&kind=<script>&view=nope", "?token=99999999999999", "?token=1e3", None, 5):
+    for search in ("", "?", "?token=abc&kind=<script>&view=nope", "?token=99999999999999", "?token=1e3", None, 5):
         assert "token" not in callbacks.read_query(search) and "kind" not in callbacks.read_query(search)
     assert callbacks.read_query("?view=diff,nope")["view"] == ["diff"]
-    out = callbacks.token_strip(ex, ex.initial.key, f"?token={len(TEXT) + 5}")  # out of range: the informative token
+    assert callbacks.read_query("?token=-1")["token"] == -1  # from the end, as the jump box reads it
+    assert callbacks.token_strip(ex, ex.initial.key, "?token=-1")["token"]["token"] == len(TEXT) - 1
+    # a link the page cannot follow opens the informative token and says what was wrong with the link
+    out = callbacks.token_strip(ex, ex.initial.key, f"?token={len(TEXT) + 5}")
     assert out["token"]["token"] == callbacks.informative_token(ex.initial.traces.values())[0]
+    assert f"The link's token {len(TEXT) + 5} is past this text's last token ({len(TEXT) - 1})" in out["note"]
+    bad = callbacks.token_strip(ex, ex.initial.key, "?token=abc&kind=%3Cb%3E")["note"]
+    assert "The link's token 'abc' is not a position" in bad and "The link's colour '<b>' is not one of" in bad
 
 
 def test_jumping_to_a_token_by_position_or_text(ex):
@@ -648,6 +654,16 @@ def test_two_texts_on_one_model_and_what_cannot_be_compared(ex):
     z = np.asarray(out["figure"].data[0].z, float)
     assert np.isfinite(z).any() and np.nanmax(np.abs(np.nansum(z, -1))) < 1e-6  # share differences: each row sums to ~0
     refused = callbacks.compare_two(ex, 1, ex.initial.key, "full", "prenorm", "", "weights")
-    assert refused["graph"] == callbacks.HIDDEN and "contribution shares" in refused["status"]
+    assert refused["graph"] == callbacks.HIDDEN and "'contribution share'" in refused["status"]
+    assert refused["table"] is None  # a refused comparison clears the last one's table
     assert "text B:" in callbacks.compare_two(ex, 1, ex.initial.key, "full", "full", "x" * (N_CTX + 5), "weights")["status"]
     assert "press Compare" in callbacks.compare_two(ex, 0, ex.initial.key, "full", "full", "", "weights")["status"]
+
+
+def test_compare_subtracts_routing_only_on_one_source_axis(ex):
+    """Full's routing is on sublayers, Block's on blocks: no A − B of different units (shares and loss still subtract)."""
+    out = callbacks.compare_two(ex, 1, ex.initial.key, "full", "block", "", "contrib")
+    cells = {r.to_plotly_json()["props"]["data-metric"]: [c.children for c in r.children] for r in out["table"].children[1:]}
+    assert cells["locality_distance"][4].startswith("— (other axes")
+    assert cells["locality_recent_mass"][4].startswith("— (other axes")
+    assert not cells["embed_contrib_deep"][4].startswith("—") and not cells["mean_loss"][4].startswith("—")

@@ -32,7 +32,7 @@ def test_report_holds_the_reading_views_and_routing_over_training(report96):
     html = report96.read_text()
     assert "Reading the residual stream at this token" in html and "logit lens" in html
     assert "Stored for the first 8 tokens" in html
-    assert 'id="over-training"' in html
+    assert 'id="over-training"' in html and 'href="#over-training"' in html  # the navigation links to it
     assert "colour by: contribution share" in html and "kind=&#39;contrib&#39;" not in html and "kind='contrib'" not in html
     # #35: the mean-routing figure draws PreNorm's implied weights (1/k), not a blank panel with a note
     assert "implied weight 1/k" in html and "no routing to colour here" not in html
