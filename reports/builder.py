@@ -70,7 +70,7 @@ PLOT_CONFIG = {"displaylogo": False, "responsive": True, "typesetMath": False}
 VERSION_PACKAGES = ("torch", "transformer_lens", "numpy", "pandas", "plotly", "dash", "jinja2")
 KIND_ORDER = ("weights", "logits", "contrib")  # index into the explorer's per-cell triples
 # the same words as the dashboard's "colour by:" control, which the PreNorm panels' notes name
-EXPLORER_KINDS = {"auto": "auto (depth weights for AttnRes, contribution share for PreNorm)", "weights": "depth weights α",
+EXPLORER_KINDS = {"auto": "auto (depth weights; PreNorm's implied weights 1/k)", "weights": "depth weights α",
                   "contrib": "contribution share", "logits": "depth logits z"}
 
 
@@ -757,7 +757,7 @@ def _explorer_reading(reading: dict, name: str, positions: list[tuple[int, int]]
 
 
 def _explorer_model(trace: DepthTrace, name: str, positions: list[tuple[int, int]], plots: _Plots, digits: int) -> dict:
-    auto = "contrib" if trace.residual == "prenorm" else "weights"  # PreNorm's weights are all one: show its shares
+    auto = "weights"  # every model's weights; PreNorm's are its implied weights 1/k (figures.implied_weights)
     b0, p0 = positions[0]
     fig = figures.token_heatmap(trace, token=p0, batch=b0, kind=auto)
     fig.update_layout(title={"text": fig.layout.title.text.replace(trace.name, name, 1)})

@@ -200,7 +200,8 @@ def test_explorer_offers_every_token_and_one_heatmap_per_model(soup, traces):
     assert len(section.select("div.plot")) == len(traces)
     data = json.loads(soup.find("script", id="explorer-0-json").string)
     assert [m["name"] for m in data["models"]] == ["prenorm", "full", "block"]
-    assert [m["auto"] for m in data["models"]] == ["contrib", "weights", "weights"]
+    # every model opens on its weights; PreNorm's are its implied weights 1/k (#35), not its shares
+    assert [m["auto"] for m in data["models"]] == ["weights", "weights", "weights"]
 
 
 def test_explorer_data_holds_each_tokens_cells_rounded(soup, traces):
