@@ -107,6 +107,17 @@ class ModelConfig:
 
         return SourceAxis.from_config(self).n_sources
 
+    # what TransformerLens's ActivationCache helpers read off a model's config
+    @property
+    def normalization_type(self) -> str:
+        """``"RMS"``: every norm is an RMSNorm with a learned gain, not folded into the weights."""
+        return "RMS"
+
+    @property
+    def attn_only(self) -> bool:
+        """False: every block has an MLP."""
+        return False
+
     # -- validation ----------------------------------------------------------------------
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field and the accepted values."""

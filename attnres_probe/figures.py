@@ -55,6 +55,8 @@ __all__ = [
     "log_axis",
     "logit_contributions_chart",
     "logit_lens_chart",
+    "attention_pattern_chart",
+    "token_pattern",
     "magnitude_bands",
     "magnitudes",
     "mean_heatmap",
@@ -132,6 +134,12 @@ def cell_values(trace: DepthTrace, expanded: bool, index: tuple | None = None) -
     if trace.residual == "prenorm":
         out["weights"] = implied_weights(out["weights"])
     return out, list(labels)
+
+
+def quote_token(tok: str) -> str:
+    """A token label in quotes for a title or an axis: the label as it is (a newline's label is
+    already the two characters ``\\n``), not its Python repr, which doubles the backslash."""
+    return f"'{tok}'"
 
 
 def implied_weights(coefficients: np.ndarray) -> np.ndarray:
@@ -378,7 +386,7 @@ def token_heatmap(
     pos = trace.token_index(token, batch)
     cells, labels = cell_values(trace, expanded, index=(batch, pos))
     tok = trace.str_tokens[batch][pos] if pos < len(trace.str_tokens[batch]) else ""
-    parts = [trace.name, f"token {pos} {tok!r} (sequence {batch})", kind_title(trace, kind)]
+    parts = [trace.name, f"token {pos} {quote_token(tok)} (sequence {batch})", kind_title(trace, kind)]
     return _cell_heatmap(trace, cells, labels, kind, parts, expanded)
 
 
@@ -433,7 +441,7 @@ def source_heatmap(
         # a long trace: only the coloured value, as float32 (sent base64-packed); no per-cell
         # token text or (weight, logit, share) triple, which would be 4-6 times the data. The
         # token text goes once per column, as the category of x ("12 'a'"), which the hover names.
-        categories = [f"{i} {t!r}" for i, t in enumerate(toks)]
+        categories = [f"{i} {quote_token(t)}" for i, t in enumerate(toks)]
         heat = go.Heatmap(
             z=z.astype(np.float32), x=categories, y=trace.read_labels,
             hovertemplate=f"token %{{x}}<br>read %{{y}}<br>{kind_title(trace, kind)} %{{z:.4~g}}<extra></extra>",
@@ -613,7 +621,7 @@ def difference_heatmap(
     else:  # as token_heatmap's title: position, the token's text, sequence
         pos = trace.token_index(token, batch)
         tok = trace.str_tokens[batch][pos] if pos < len(trace.str_tokens[batch]) else ""
-        what = f"token {pos} {tok!r} (sequence {batch})"
+        what = f"token {pos} {quote_token(tok)} (sequence {batch})"
     parts = [f"{trace.name} − {baseline.name}", what, f"difference in {KIND_TITLES[kind]}"]
     heat = go.Heatmap(
         z=z, x=labels, y=trace.read_labels, customdata=np.stack(vals, axis=-1), hoverongaps=False,
@@ -723,7 +731,7 @@ def logit_contributions_chart(lc, k: int = 5, name: str | None = None) -> go.Fig
     m = float(np.nanmax(np.abs(contrib))) if contrib.size else 1.0
     pos = lc.position
     tok = lc.str_tokens[pos] if pos < len(lc.str_tokens) else ""
-    parts = [name or "model", f"token {pos} {tok!r}", f"direct contributions to the top-{len(ids)} next tokens"]
+    parts = [name or "model", f"token {pos} {quote_token(tok)}", f"direct contributions to the top-{len(ids)} next tokens"]
     # the colour scale fits the sources' contributions, so the sum row (the logits, usually larger)
     # saturates it: that row prints its values
     text = [[""] * z.shape[1] for _ in contrib] + [[f"{v:.3g}" for v in z[-1]]]
@@ -763,7 +771,7 @@ def logit_lens_chart(frame: pd.DataFrame, position: int, name: str | None = None
         r = reads.index(row.read)
         z[r, row.rank] = row.prob
         text[r, row.rank] = _vocab_label(str(row.token), int(row.token_id)) + (" ✓" if row.is_next else "")
-    what = f"token {position}" + (f" {token!r}" if token is not None else "")
+    what = f"token {position}" + (f" {quote_token(token)}" if token is not None else "")
     parts = [name or "model", what, "what each read predicts next (logit lens)"]
     heat = go.Heatmap(
         z=z, x=[f"top {i + 1}" for i in range(k)], y=reads, text=text, texttemplate="%{text}", textfont={"size": 11},
@@ -776,6 +784,67 @@ def logit_lens_chart(frame: pd.DataFrame, position: int, name: str | None = None
         xaxis={"title": {"text": "rank (✓ = the token that follows)"}, "showgrid": False, "side": "bottom"},
         yaxis={"title": {"text": "read"}, "autorange": "reversed", "showgrid": False},
     ))
+
+
+# -- attention patterns (hook_pattern) at one token ---------------------------------------------
+PATTERN_AXIS_TITLE = "attention weight (softmax over key positions)"  # the chart's quantity (its title's last line)
+PATTERN_COLOR = "#4C72B0"
+
+
+def attention_pattern_chart(
+    weights: Sequence[float] | np.ndarray,
+    str_tokens: Sequence[str],
+    token: int,
+    layer: int,
+    head: int,
+    name: str | None = None,
+    color: str | None = None,
+) -> go.Figure:
+    """One query token's attention pattern in one layer and head (``blocks.{layer}.attn.hook_pattern``
+    [batch, head, token, :]): a bar per key position 0..token, the softmax over the positions the
+    causal mask lets the token see (they sum to one; later positions are masked, weight 0, and not
+    drawn). The y axis starts at 0 and fits the largest weight.
+
+    Args:
+        weights: the pattern row over key positions (at least ``token + 1`` values).
+        str_tokens: the text's tokens (key labels on the x axis and in the hover).
+        token: the query position.
+        layer, head: which attention (for the title).
+        name: the model's name (the title's first line).
+        color: the bars' colour (default one blue for every model).
+
+    Returns:
+        Figure with one Bar: ``x`` key positions, ``y`` weights, ``customdata`` the key tokens.
+    """
+    w = np.asarray(weights, dtype=np.float64)[: token + 1]
+    keys = list(range(len(w)))
+    toks = [str(str_tokens[k]) if k < len(str_tokens) else "" for k in keys]
+    tok = toks[token] if 0 <= token < len(toks) else ""
+    parts = [name or "model", f"token {token} {quote_token(tok)} · layer {layer} head {head}", PATTERN_AXIS_TITLE]
+    tickvals, ticktext = token_ticks(toks, plot_px=420, positions=len(keys) > 1)
+    top = float(np.nanmax(w)) if w.size and np.isfinite(w).any() else 1.0
+    bar = go.Bar(
+        x=keys, y=w, customdata=[show_token(t) for t in toks], marker={"color": color or PATTERN_COLOR},
+        hovertemplate="key %{x} %{customdata}<br>attention weight %{y:.4~g}<extra></extra>",
+    )
+    return go.Figure(data=[bar], layout=dict(
+        title=_title_layout(parts), meta={"title_parts": parts, "layer": layer, "head": head, "token": token},
+        margin=_title_margin(parts), plot_bgcolor="white", height=320 + 20 * len(parts), bargap=0.1,
+        xaxis={"title": {"text": f"key position (tokens 0..{token} the query sees)"}, "tickvals": tickvals,
+               "ticktext": ticktext, "tickangle": 0, "showgrid": False, "range": [-0.5, max(token, 0) + 0.5]},
+        yaxis={"title": {"text": "attention weight"}, "range": [0.0, max(top, 1e-6) * 1.05], "gridcolor": "#eee",
+               "zeroline": True},
+    ))
+
+
+def token_pattern(trace: DepthTrace, layer: int, head: int, token: int, batch: int = 0,
+                  color: str | None = None) -> go.Figure:
+    """:func:`attention_pattern_chart` of a trace recorded with ``patterns=True`` (``trace.pattern``)."""
+    pos = trace.token_index(token, batch)
+    row = trace.pattern(layer, head, token=pos, batch=batch)
+    n_layers, n_heads = trace.patterns.shape[1], trace.patterns.shape[2]
+    return attention_pattern_chart(row, trace.str_tokens[batch], pos, layer % n_layers, head % n_heads, name=trace.name,
+                                   color=color)
 
 
 # -- depth profiles ---------------------------------------------------------------------------

@@ -25,9 +25,12 @@ from transformer_lens import ActivationCache, HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
 import attnres_probe.kernels as kernels  # the top-level kernels/ folder (pyproject's package-dir map)
+from attnres_probe import generation, text_api
+from attnres_probe.activation_cache import AttnResCache, accumulated_bias, residual_directions
 from attnres_probe.axis import SourceAxis
 from attnres_probe.checkpoint_store import load_checkpoint_as, save_checkpoint
 from attnres_probe.config import ModelConfig
+from attnres_probe.hook_checks import warn_if_non_finite
 from attnres_probe.losses import next_token_loss
 
 __all__ = [
@@ -83,6 +86,19 @@ class Attention(nn.Module):
 
     One projection ``W_QKV`` gives the queries (n_heads), keys and values (n_kv_heads each:
     grouped-query attention when fewer); optional per-head q/k RMSNorm and rotary positions.
+
+    ``hook_attn_scores`` and ``hook_pattern`` follow TransformerLens: [batch, head, query_pos,
+    key_pos], the scaled scores q.k/sqrt(d_head) (``-inf`` above the diagonal) and their softmax
+    over key positions (0 there; float32 for half-precision inputs). They are computed only while
+    a hook is attached to either (forward or backward); without one the forward is SDPA's and
+    costs nothing more. With one, :meth:`explicit_attention` computes them:
+
+    - hooks that only look (``run_with_cache``, a recorder) leave the output SDPA's, bit for bit
+      the forward without hooks;
+    - a hook that returns changed scores or a changed pattern (or changes them in place) is an
+      intervention: the output is ``pattern @ v`` from what it returns;
+    - a backward hook at either point (``run_with_cache(incl_bwd=True)``) needs the pattern in
+      the graph: the output is ``pattern @ v``, equal to SDPA's within rounding (a test bounds it).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -98,6 +114,8 @@ class Attention(nn.Module):
         self.hook_q = HookPoint()  # [batch, pos, head, d_head] (after the q/k norm, before rotary)
         self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
         self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
+        self.hook_attn_scores = HookPoint()  # [batch, head, query_pos, key_pos] scaled q.k (-inf where masked; computed only when hooked)
+        self.hook_pattern = HookPoint()  # [batch, head, query_pos, key_pos] softmax over key positions (0 where masked; only when hooked)
         self.hook_z = HookPoint()  # [batch, pos, head, d_head] attention output per head, before W_O
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,11 +128,50 @@ class Attention(nn.Module):
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        z = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=Hkv != H
-        )
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, P, dh)
+        z = self.explicit_attention(q, k, v, sdpa_unless_changed=True) if self.patterns_hooked else None
+        if z is None:
+            z = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
         z = self.hook_z(z.transpose(1, 2))  # (B, P, H, dh)
         return self.W_O(z.reshape(B, P, H * dh))
+
+    @property
+    def patterns_hooked(self) -> bool:
+        """Whether a hook (forward or backward) is attached to ``hook_attn_scores`` or ``hook_pattern``."""
+        return any(bool(hp._forward_hooks or hp._backward_hooks) for hp in (self.hook_attn_scores, self.hook_pattern))
+
+    def explicit_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_unless_changed: bool = False
+    ) -> torch.Tensor | None:
+        """Causal attention computed step by step through ``hook_attn_scores`` and ``hook_pattern``.
+
+        q [batch, head, pos, d_head], k and v [batch, kv_head, pos, d_head] (after rotary);
+        returns z [batch, head, pos, d_head] from the pattern the hooks return. With
+        ``sdpa_unless_changed`` it returns None instead when the hooks changed neither the scores
+        nor the pattern and no backward hook is attached to either (the caller then uses SDPA).
+        """
+        B, H, P, dh = q.shape
+        Hkv = k.shape[1]
+        if Hkv != H:  # grouped-query attention: query head h reads kv head h // (H / Hkv), as SDPA's enable_gqa
+            k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+        dtype = kernels.compute_dtype(q)  # float32 (float64 for float64 inputs)
+        causal = torch.full((P, P), float("-inf"), dtype=dtype, device=q.device).triu(1)  # 0 on and below the diagonal
+        # scores = q.k / sqrt(d_head) + causal, in one op ([batch * head, query, key])
+        scores = torch.baddbmm(causal.expand(B * H, P, P), q.to(dtype).flatten(0, 1), k.to(dtype).flatten(0, 1).transpose(1, 2),
+                               alpha=1.0 / math.sqrt(dh)).view(B, H, P, P)
+        version = scores._version
+        scores_h = self.hook_attn_scores(scores)
+        changed = scores_h is not scores or scores._version != version
+        pattern = torch.softmax(scores_h, dim=-1)
+        if changed:  # a hook's scores may mask a whole row: 0 there, not NaN
+            pattern = torch.where(torch.isnan(pattern), torch.zeros_like(pattern), pattern)
+        version = pattern._version
+        pattern_h = self.hook_pattern(pattern)
+        changed = changed or pattern_h is not pattern or pattern._version != version
+        graph = self.hook_attn_scores._backward_hooks or self.hook_pattern._backward_hooks
+        if sdpa_unless_changed and not changed and not graph:
+            return None  # the hooks only looked: the output stays SDPA's, bit for bit
+        return torch.matmul(pattern_h.to(v.dtype), v)
 
 
 class MLP(nn.Module):
@@ -151,13 +208,21 @@ class DepthMixer(nn.Module):
     ``norm.weight`` [d_model], the key RMSNorm gain (ones). The gain is folded into the query
     inside the op: ``(w * gain) . v / rms(v)``.
 
-    Hooks, all [batch, pos, n_src] on the common source axis: ``hook_logits`` (the op's own
-    logits; ``-inf`` in unavailable columns), ``hook_weights`` and ``hook_contrib`` (NaN in
-    unavailable columns). A hook that returns changed logits or weights is an intervention:
-    the mixture is recomputed from them (changed logits are softmaxed first). ``hook_contrib``
-    shows each source's share of the mixture the read finally used, ``w_i <v_i, h> / |h|^2``;
-    the op computes the shares only while a hook is attached there (an observation: its
-    return value is ignored).
+    Hooks, all [batch, pos, n_src] on the common source axis, masked as TransformerLens masks an
+    attention pattern: ``hook_logits`` (the op's own logits; ``-inf`` in the columns this read
+    cannot see), ``hook_weights`` and ``hook_contrib`` (0 there). :attr:`visible` is the number
+    of columns the read sees (the first ``visible``); traces and charts show the unseen columns
+    as NaN ("unavailable"), not 0.
+
+    A hook that returns changed logits or weights is an intervention: the mixture is recomputed
+    from them (changed logits are softmaxed first, over the visible columns). Weights a hook
+    returns are used **as given**: the mixture is ``sum_i w_i v_i`` over the visible columns,
+    not renormalised, so a hook that zeroes a source and wants a distribution divides by the
+    row's sum itself (``w / w.sum(-1, keepdim=True)``: the masked zeros do not disturb it), and
+    one that scales every weight by 2 doubles the read. Values a hook writes into unseen
+    columns are ignored. ``hook_contrib`` shows each source's share of the mixture the read
+    finally used, ``w_i <v_i, h> / |h|^2``; the op computes the shares only while a hook is
+    attached there (an observation: its return value is ignored).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -166,9 +231,10 @@ class DepthMixer(nn.Module):
         self.n_src = cfg.n_sources
         self.query = nn.Parameter(torch.zeros(cfg.d_model))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)  # only .weight is used: the key gain
+        self.visible = self.n_src  # columns this read sees (the model sets it per read)
         self.hook_logits = HookPoint()  # [batch, pos, n_sources] depth scores (-inf where unavailable)
-        self.hook_weights = HookPoint()  # [batch, pos, n_sources] softmax depth weights (NaN where unavailable)
-        self.hook_contrib = HookPoint()  # [batch, pos, n_sources] contribution shares (NaN where unavailable; computed only when hooked)
+        self.hook_weights = HookPoint()  # [batch, pos, n_sources] softmax depth weights (0 where unavailable)
+        self.hook_contrib = HookPoint()  # [batch, pos, n_sources] contribution shares (0 where unavailable; computed only when hooked)
 
     @property
     def folded_query(self) -> torch.Tensor:
@@ -177,7 +243,7 @@ class DepthMixer(nn.Module):
 
     def on_axis(self, t: torch.Tensor, fill: float) -> torch.Tensor:
         """A read's [..., k] weights, logits or shares on the common source axis [..., n_src]:
-        the columns past k hold ``fill`` (NaN; -inf for logits)."""
+        the columns past k hold ``fill`` (0; -inf for logits)."""
         return F.pad(t, (0, self.n_src - t.shape[-1]), value=fill)
 
     def forward(
@@ -221,7 +287,7 @@ class DepthMixer(nn.Module):
             sources: the k sources the op mixed.
             mix: [batch, pos, d] the op's mixture.
             logits: [batch, pos, n_src] the op's logits on the common source axis (-inf past k).
-            weights: [batch, pos, n_src] the op's weights (NaN past k).
+            weights: [batch, pos, n_src] the op's weights (0 past k).
             contrib: [batch, pos, n_src] the op's contribution shares, if it computed them
                 (else they are computed here when ``hook_contrib`` has a hook).
 
@@ -235,7 +301,7 @@ class DepthMixer(nn.Module):
         if changed:
             z = logits_h[..., :k]
             w = torch.softmax(z.to(kernels.compute_dtype(z)), dim=-1).to(weights.dtype)
-            weights = self.on_axis(w, float("nan"))
+            weights = self.on_axis(w, 0.0)
         version = weights._version
         weights_h = self.hook_weights(weights)
         changed = changed or weights_h is not weights or weights._version != version
@@ -246,7 +312,7 @@ class DepthMixer(nn.Module):
             contrib = None  # the op's shares describe the mixture before the intervention
         if self.hook_contrib._forward_hooks:
             if contrib is None:
-                contrib = self.on_axis(kernels.contribution_shares(sources, mix, weights_h[..., :k]), float("nan"))
+                contrib = self.on_axis(kernels.contribution_shares(sources, mix, weights_h[..., :k]), 0.0)
             self.hook_contrib(contrib)
         return mix
 
@@ -316,6 +382,8 @@ class AttnResTransformer(HookedRootModule):
             otherwise. Both are exact.
     """
 
+    _checking_finite = False  # set while attnres_probe.hook_checks runs a forward again to find a non-finite hook
+
     def __init__(self, cfg: ModelConfig, backend: str | None = None, schedule: str | None = None):
         super().__init__()
         if not isinstance(cfg, ModelConfig):
@@ -347,6 +415,8 @@ class AttnResTransformer(HookedRootModule):
         self.ln_final = RMSNorm(d, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.W_U = nn.Parameter(torch.empty(d, cfg.d_vocab))
+        for mixer, k in zip(self.mixers, self.axis.counts):
+            mixer.visible = k
         self.init_weights()
         self.setup()
 
@@ -431,13 +501,72 @@ class AttnResTransformer(HookedRootModule):
         """The unembedding [d_model, d_vocab]: ``W_U``, or ``W_E`` transposed when tied."""
         return self.W_E.T if self.cfg.tie_embeddings else self.W_U
 
-    # -- input handling ------------------------------------------------------------------
-    def to_tokens(self, text: str, truncate: bool = False) -> torch.Tensor:
-        """Byte tokens [1, pos] on the model's device, checked against the context length."""
-        from attnres_probe.tokenizer import ByteTokenizer
+    # -- text in and out, as TransformerLens (attnres_probe.text_api, attnres_probe.generation) --
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer: a ByteTokenizer for a 256-token vocabulary (None for others)
+        unless set; ``load_pretrained`` sets the checkpoint's own. Settable; with None, a
+        256-token model still reads bytes."""
+        return text_api.model_tokenizer(self)
 
-        tokens = ByteTokenizer().to_tokens(text)
-        return self.check_tokens(tokens, truncate=truncate)
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any) -> None:
+        text_api.set_model_tokenizer(self, tokenizer)
+
+    def to_tokens(self, input: str | list[str], prepend_bos: bool | None = None, padding_side: str | None = None,
+                  move_to_device: bool = True, truncate: bool = False) -> torch.Tensor:
+        """Token ids [batch, pos] of a text or a list of texts of equal token length (no padding:
+        the forward takes no attention mask), checked against the context (``truncate=True``
+        keeps the first n_ctx) and vocabulary. ``prepend_bos=True`` needs a tokenizer with a BOS
+        token (bytes have none; None and False add nothing). See :mod:`attnres_probe.text_api`."""
+        return text_api.to_tokens(self, input, prepend_bos, padding_side, move_to_device, truncate)
+
+    def to_str_tokens(self, input: Any, prepend_bos: bool | None = None, padding_side: str | None = None) -> Any:
+        """One label per token of a text, ids [pos] / [1, pos] or a list of ids (``list[str]``);
+        a list of lists for a list of texts or a [batch, pos] batch."""
+        return text_api.to_str_tokens(self, input, prepend_bos, padding_side)
+
+    def to_string(self, tokens: Any) -> str | list[str]:
+        """Text of ids [pos] (a str) or [batch, pos] (a list of str)."""
+        return text_api.to_string(self, tokens)
+
+    def to_single_token(self, string: str) -> int:
+        """The id of a string that is exactly one token."""
+        return text_api.to_single_token(self, string)
+
+    def generate(self, input: Any = "", max_new_tokens: int = 10, stop_at_eos: bool = True,
+                 eos_token_id: int | list[int] | None = None, do_sample: bool = True, top_k: int | None = None,
+                 top_p: float | None = None, temperature: float = 1.0, seed: int | None = None,
+                 use_past_kv_cache: bool = True, prepend_bos: bool | None = None, padding_side: str | None = None,
+                 return_type: str = "input", verbose: bool = False) -> Any:
+        """Continue a text, a list of texts of equal token length, or token ids, as TransformerLens.
+
+        Greedy with ``do_sample=False`` or ``temperature=0``; otherwise sampled from
+        softmax(logits / temperature), restricted to ``top_k`` / ``top_p``, with a local
+        generator seeded by ``seed`` (same seed, same output; the global RNG is untouched).
+        Every step is this model's forward on the sequence so far, under ``torch.no_grad``, through
+        its hook points: hooks attached (``add_hook``, ``with model.hooks(fwd_hooks=...)``) act at
+        every step. No KV cache (``use_past_kv_cache`` changes nothing). When the prompt and the
+        generated tokens exceed n_ctx, each step conditions on the last n_ctx tokens (positions
+        counted from the window's start). ``stop_at_eos`` stops at the tokenizer's EOS or
+        ``eos_token_id`` (bytes have no EOS: pass e.g. ``eos_token_id=10`` to stop at a newline;
+        a batch's finished rows are filled with EOS). The train/eval mode is left as it is.
+
+        Returns:
+            ``return_type="input"``: text for text (str, or a list for a list), ids for ids;
+            ``"str"``: the text (prompt included); ``"tokens"``: ids [batch, pos] (prompt included).
+        """
+        return generation.generate(self, input, max_new_tokens, stop_at_eos, eos_token_id, do_sample, top_k, top_p,
+                                   temperature, seed, use_past_kv_cache, prepend_bos, padding_side, return_type, verbose)
+
+    def tokens_to_residual_directions(self, tokens: Any) -> torch.Tensor:
+        """``ln_final.weight * unembed[:, tokens]``: [d_model] for one token (str, int), else
+        [*tokens.shape, d_model] (the final norm's gain folded in, as TransformerLens's folded W_U)."""
+        return residual_directions(self, tokens)
+
+    def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> torch.Tensor:
+        """The output biases summed along the residual stream before ``layer``, [d_model] (PreNorm only)."""
+        return accumulated_bias(self, layer, mlp_input, include_mlp_biases)
 
     def check_tokens(self, tokens: Any, truncate: bool = False) -> torch.Tensor:
         """Validate tokens ([pos] or [batch, pos] integer ids, or a str) and return [batch, pos] on device."""
@@ -494,11 +623,15 @@ class AttnResTransformer(HookedRootModule):
             else:
                 h = self._forward_block_two_phase(v0, backend)
         logits = self.ln_final(self.hook_resid_final(h)) @ self.unembed  # (B, P, vocab)
+        loss = None
+        if return_type in ("loss", "both"):
+            loss = next_token_loss(logits, tokens, reduction="none" if loss_per_token else "mean")
+        if not self._checking_finite and any(hp._forward_hooks for hp in self.hook_dict.values()):
+            warn_if_non_finite(self, tokens, {"logits": logits, "loss": loss})  # names the hook point that went first
         if return_type == "logits":
             return logits
         if return_type is None:
             return None
-        loss = next_token_loss(logits, tokens, reduction="none" if loss_per_token else "mean")
         return loss if return_type == "loss" else (logits, loss)
 
     def _sublayers(self):
@@ -590,7 +723,7 @@ class AttnResTransformer(HookedRootModule):
             o_bar, lse, z_p = kernels.phase2(o_bar, lse, partial, mixer.query, mixer.norm.weight, self.cfg.norm_eps, backend=backend)
             sources, z = [*blocks, partial], torch.cat([z, z_p.unsqueeze(-1)], dim=-1)
         weights = torch.exp(z - lse.unsqueeze(-1))  # (B, P, k)
-        return mixer.observe(sources, o_bar, mixer.on_axis(z, float("-inf")), mixer.on_axis(weights, float("nan")))
+        return mixer.observe(sources, o_bar, mixer.on_axis(z, float("-inf")), mixer.on_axis(weights, 0.0))
 
     # -- conveniences --------------------------------------------------------------------
     def loss(self, tokens: Any, per_token: bool = False) -> torch.Tensor:
@@ -643,42 +776,3 @@ class AttnResTransformer(HookedRootModule):
             extra += f", positional={c.positional!r}, mlp={c.mlp!r}, n_kv_heads={c.n_kv_heads}, tied={c.tie_embeddings}"
         run = "".join(f", {k}={v!r}" for k, v in (("backend", self.backend), ("schedule", self.schedule)) if v is not None)
         return f"residual={c.residual!r}, n_layers={c.n_layers}, d_model={c.d_model}{extra}{run}"
-
-
-class AttnResCache(ActivationCache):
-    """TransformerLens's ``ActivationCache`` for an :class:`AttnResTransformer`.
-
-    On the PreNorm baseline every helper works as in TransformerLens. Under AttnRes a read is a
-    softmax-weighted mixture of earlier sources, not their running sum, so the helpers that add
-    up residual-stream pieces (``accumulated_resid``, ``decompose_resid``,
-    ``get_full_resid_decomposition``, ``logit_lens``) would describe a stream that does not
-    exist: they raise, and name the routing-aware ones (:meth:`Probe.logit_lens`,
-    :meth:`Probe.logit_contributions`; docs/design.md, "Reading the residual stream under AttnRes").
-    """
-
-    def _refuse(self, helper: str) -> None:
-        raise ValueError(
-            f"cache.{helper}() sums residual-stream pieces, but under AttnRes ({self.model.cfg.residual!r}) each read is a "
-            "weighted mixture of earlier sources: use Probe(model).logit_lens(tokens) (what each read predicts) or "
-            "Probe(model).logit_contributions(tokens, token=...) (each source's direct share of the final logits)"
-        )
-
-    def accumulated_resid(self, *args: Any, **kwargs: Any):
-        if self.model.cfg.residual != "prenorm":
-            self._refuse("accumulated_resid")
-        return super().accumulated_resid(*args, **kwargs)
-
-    def decompose_resid(self, *args: Any, **kwargs: Any):
-        if self.model.cfg.residual != "prenorm":
-            self._refuse("decompose_resid")
-        return super().decompose_resid(*args, **kwargs)
-
-    def get_full_resid_decomposition(self, *args: Any, **kwargs: Any):
-        if self.model.cfg.residual != "prenorm":
-            self._refuse("get_full_resid_decomposition")
-        return super().get_full_resid_decomposition(*args, **kwargs)
-
-    def logit_lens(self, *args: Any, **kwargs: Any):
-        if self.model.cfg.residual != "prenorm":
-            self._refuse("logit_lens")
-        return super().logit_lens(*args, **kwargs)

@@ -388,8 +388,9 @@ def load_pretrained(
         tokenizer: read the tokenizer too (False: return None for it).
 
     Returns:
-        (model in eval mode, tokenizer or None). A checkpoint without ``attnres_block_size``
-        is the PreNorm baseline, so a run of the same recipe can be compared.
+        (model in eval mode, tokenizer or None; the tokenizer is also ``model.tokenizer``). A
+        checkpoint without ``attnres_block_size`` is the PreNorm baseline, so a run of the same
+        recipe can be compared.
 
     Raises:
         PretrainedError: a missing or unreadable file, another model_type, an option the model
@@ -414,5 +415,7 @@ def load_pretrained(
     tok = _tokenizer(directory) if tokenizer else None
     model = AttnResTransformer(cfg, backend=backend)
     model.load_state_dict(_state_dict(cfg, weights), strict=True)
+    if tok is not None:
+        model.tokenizer = tok  # model.to_tokens, to_string, generate read text with the checkpoint's tokenizer
     return model.to(device=device, dtype=dtype).eval(), tok
 

@@ -14,6 +14,7 @@ another thread neither writes into a recording nor is changed by an ablation.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -36,8 +37,9 @@ class Probe:
         model: an :class:`~attnres_probe.AttnResTransformer`, or any TransformerLens-style
             PreNorm model exposing the hook points listed in :mod:`attnres_probe.hooks.spec`.
         tokenizer: turns text into ids (needs ``to_tokens(text)`` or ``encode(text)``, and
-            optionally ``to_str_tokens``). Default: :class:`~attnres_probe.ByteTokenizer` for
-            models with a 256-token vocabulary.
+            optionally ``to_str_tokens``). Default: the model's ``tokenizer`` (an fla model's
+            after :func:`~attnres_probe.load_pretrained`), else :class:`~attnres_probe.ByteTokenizer`
+            for models with a 256-token vocabulary.
         name: label of this model in traces, charts and comparisons (default: its residual mode).
 
     Raises:
@@ -48,6 +50,8 @@ class Probe:
         self.model = model
         self.spec = spec_for(model, name)
         self._params = list(model.parameters())  # listed once: walking the module tree is slow
+        if tokenizer is None:  # the model's own (TransformerLens's model.tokenizer; set by load_pretrained)
+            tokenizer = getattr(model, "tokenizer", None)
         if tokenizer is None and self.spec.d_vocab == 256:
             tokenizer = ByteTokenizer()
         self.tokenizer = tokenizer
@@ -116,6 +120,7 @@ class Probe:
         backward: bool = True,
         truncate: bool = False,
         contributions: bool = True,
+        patterns: bool = False,
     ) -> DepthTrace:
         """Run text (or tokens [batch, pos]) and record everything.
 
@@ -127,13 +132,21 @@ class Probe:
                 one text is cheap, and its gradients are half of what a trace shows.
             truncate: keep the first n_ctx tokens of a longer input instead of raising.
             contributions: compute contribution shares (skip to save time).
+            patterns: also keep every layer's attention pattern in the trace (``trace.patterns``
+                [batch, layer, head, query_pos, key_pos] float32, ``trace.pattern(layer, head,
+                token=...)``): 4 bytes per entry, ``4 B n_layers n_heads P^2`` in all (2 MiB for
+                one 128-token sequence of a demo model, 8 layers x 4 heads; 576 MiB for 1024
+                tokens, 12 layers x 12 heads), kept on the CPU. They come from the recorded
+                forward itself, whose hooks only look: every other number of the trace is bit
+                for bit what it is without patterns; the forward computes each layer's scores
+                and softmax explicitly besides SDPA. Default False: nothing is kept or computed.
 
         Returns:
             The :class:`DepthTrace`.
         """
         tokens, str_tokens = self.tokenize(text_or_tokens, truncate=truncate)
         mask = torch.ones_like(tokens, dtype=torch.bool)
-        return self.record(tokens, mask, str_tokens, backward=backward, contributions=contributions)
+        return self.record(tokens, mask, str_tokens, backward=backward, contributions=contributions, patterns=patterns)
 
     def record(
         self,
@@ -143,8 +156,9 @@ class Probe:
         backward: bool = True,
         contributions: bool = True,
         extra_meta: dict | None = None,
+        patterns: bool = False,
     ) -> DepthTrace:
-        """Record already-validated tokens [batch, pos] with a right-padding ``mask``."""
+        """Record already-validated tokens [batch, pos] with a right-padding ``mask`` (``patterns``: see :meth:`run`)."""
         if backward and int(mask[:, 1:].sum()) == 0:
             raise ValueError(
                 "a backward pass needs at least two tokens (the loss predicts token t+1); pass backward=False "
@@ -154,7 +168,8 @@ class Probe:
         rec = Recorder(self.model, spec, contributions=contributions, gradients=backward)  # hooks scoped to this thread
         params = [p for p in self._params if p.requires_grad] if backward else []
         grads: dict[int, torch.Tensor] = {}
-        with rec, torch.set_grad_enabled(backward):
+        pat = self._pattern_recorder() if patterns else contextlib.nullcontext()
+        with rec, pat, torch.set_grad_enabled(backward):
             logits = self.logits(tokens)
             rec.raise_if_failed()
             per_tok, loss = trace_loss(logits, tokens, mask)
@@ -187,8 +202,60 @@ class Probe:
             param_grad=param_grad,
             mixer_grad=mixer_grad,
             meta=meta,
+            patterns=pat.result().numpy() if patterns else None,
             **arrays,
         )
+
+    def _pattern_recorder(self, layers: list[int] | None = None, positions: Any = None, stop: bool = False):
+        """A :class:`~attnres_probe.hooks.patterns.PatternRecorder` on the given layers' ``hook_pattern`` (all: None).
+
+        Raises:
+            ValueError: the model has no attention-pattern hook points, or a layer is out of range.
+        """
+        from attnres_probe.hooks.patterns import PatternRecorder
+
+        names = self.spec.pattern_hooks
+        if not names:
+            raise ValueError(f"{type(self.model).__name__} has no blocks.{{i}}.attn.hook_pattern hook points: "
+                             "attention patterns cannot be recorded")
+        n = len(names)
+        layers = list(range(n)) if layers is None else [int(i) for i in layers]
+        bad = [i for i in layers if not -n <= i < n]
+        if bad:
+            raise ValueError(f"layer {bad[0]} is out of range; the model has layers 0..{n - 1}")
+        return PatternRecorder(self.model, [names[i] for i in layers], rows=positions, stop=stop)
+
+    def attention_patterns(
+        self, text_or_tokens: Any, layers: Any = None, positions: Any = None, truncate: bool = False
+    ) -> np.ndarray:
+        """Attention patterns (``blocks.{i}.attn.hook_pattern``) of one forward pass without gradients.
+
+        Only the layers asked for are hooked (the others run no explicit attention), and the
+        forward ends at the last of them (the layers after it are not run).
+
+        Args:
+            text_or_tokens: a string, or token ids [pos] / [batch, pos].
+            layers: transformer blocks to keep (ints; None: all), in the order given.
+            positions: query positions to keep (None: all); keys are always every position.
+            truncate: keep the first n_ctx tokens of a longer input instead of raising.
+
+        Returns:
+            float32 [batch, len(layers), head, len(positions) or pos, pos]: the softmax over key
+            positions, 0 above the diagonal (4 bytes per entry).
+
+        Raises:
+            ValueError: the model has no attention-pattern hook points, or a layer is out of range.
+        """
+        from attnres_probe.hooks.patterns import PatternsComplete
+
+        rec = self._pattern_recorder(None if layers is None else list(layers), positions, stop=True)
+        tokens, _ = self.tokenize(text_or_tokens, truncate=truncate)
+        with rec, torch.no_grad():
+            try:
+                self.logits(tokens)
+            except PatternsComplete:
+                pass  # every layer asked for is recorded: the rest of the forward is not needed
+        return rec.result().numpy()
 
     def kernels(self) -> dict[str, str | None]:
         """What computed the depth mixing of a recording, as every trace's metadata records it:
@@ -361,6 +428,24 @@ class Probe:
         from attnres_probe.ablation import ablate
 
         return ablate(self, text_or_tokens, sources=sources, reads=reads, mode=mode, joint=joint, truncate=truncate)
+
+    # -- routing patching ----------------------------------------------------------------
+    def patch(self, clean: Any, corrupted: Any, metric: Any = None, *, position: int = -1, reads: Any = None,
+              per_source: bool = False, what: str = "weights", positions: Any = None, joint: bool = False,
+              batch_size: int = 32, truncate: bool = False):
+        """Patch one read's depth weights (or whole input) from a clean run into a corrupted run of the
+        same token length and report the fraction of the metric recovered,
+        ``(m_patched - m_corrupted) / (m_clean - m_corrupted)``, per read (or read and source).
+
+        Default metric: ``logits[position, clean_top] - logits[position, corrupted_top]`` (each run's
+        predicted next token). PreNorm models are refused (fixed routing). Sanity checks: patching
+        nothing recovers 0, the final read's whole input (``what="input", reads=["final"]``) 1. See
+        :func:`attnres_probe.patching.patch` for every argument and the conventions.
+        """
+        from attnres_probe.patching import patch
+
+        return patch(self, clean, corrupted, metric, position=position, reads=reads, per_source=per_source, what=what,
+                     positions=positions, joint=joint, batch_size=batch_size, truncate=truncate)
 
     # -- reading the residual stream (routing-aware) -------------------------------------
     def _own_model(self, what: str) -> None:

@@ -20,6 +20,9 @@ grad_in         [B, P, R]          norm of dLoss/dh at every mixed input (NaN wi
                                    under AttnRes only the path through that read's sublayer
 param_grad      [L]                norm of each sublayer's parameter gradient (attention + its norm, ...)
 mixer_grad      [R]                norm of each depth mixer's parameter gradient (NaN for PreNorm)
+patterns        [B, n_layers, H,   optional (None unless recorded: ``Probe.run(..., patterns=True)``):
+                P, P] float32      every layer's attention pattern, query positions x key positions
+                                   (softmax over keys; 0 above the diagonal); 4 B n_layers H P^2 bytes
 ==============  =================  ==========================================================
 
 ``meta`` holds the model description (name, residual, config, read/source/sublayer labels,
@@ -80,11 +83,14 @@ class DepthTrace:
     param_grad: np.ndarray
     mixer_grad: np.ndarray
     meta: dict[str, Any]
+    patterns: np.ndarray | None = None  # [B, n_layers, H, P, P] attention patterns, recorded on request
 
     def __post_init__(self) -> None:
         for name in ALL_ARRAYS:
             arr = np.asarray(getattr(self, name))
             setattr(self, name, arr.astype(DTYPES.get(name, np.float32), copy=False))
+        if self.patterns is not None:
+            self.patterns = np.asarray(self.patterns).astype(np.float32, copy=False)
         self._check_shapes()
         if "flags" not in self.meta:
             self.meta["flags"] = self.nonfinite_flags()
@@ -97,6 +103,13 @@ class DepthTrace:
             got = getattr(self, name).shape
             if got != shape:
                 raise TraceError(f"trace array {name!r} has shape {got}; expected {shape} from the tokens and labels")
+        if self.patterns is not None:
+            got = self.patterns.shape
+            H = got[2] if len(got) == 5 else 0
+            shape = array_shapes(B, P, len(self.read_labels), len(self.source_labels), H=max(H, 1))["patterns"]
+            if got != shape:
+                raise TraceError(f"trace array 'patterns' has shape {got}; expected {shape} ([batch, layer, head, "
+                                 "query_pos, key_pos]) from the tokens and labels")
 
     @property
     def read_labels(self) -> list[str]:
@@ -139,6 +152,50 @@ class DepthTrace:
     @property
     def n_tokens(self) -> int:
         return int(self.mask.sum())
+
+    @property
+    def has_patterns(self) -> bool:
+        """Whether the trace holds attention patterns (recorded with ``patterns=True``)."""
+        return self.patterns is not None
+
+    def pattern(self, layer: int, head: int | None = None, token: int | None = None, batch: int = 0) -> np.ndarray:
+        """Attention pattern of one layer (and head) of sequence ``batch``, over its real tokens.
+
+        Args:
+            layer: transformer block (0-based; negative counts from the last).
+            head: one head, or None for every head.
+            token: one query position (negative counts from the last real token), or None for all.
+            batch: which sequence.
+
+        Returns:
+            float32, key positions last, over the sequence's n real tokens: [n] (a head and a
+            token: the softmax over key positions, 0 after ``token``), [H, n] (every head at a
+            token), [n, n] (a head, every query) or [H, n, n].
+
+        Raises:
+            ValueError: the trace holds no patterns (record with ``Probe(model).run(text, patterns=True)``).
+            IndexError: layer, head or token out of range.
+        """
+        if self.patterns is None:
+            raise ValueError("this trace holds no attention patterns: record it with Probe(model).run(text, patterns=True)")
+        n_layers, H = self.patterns.shape[1], self.patterns.shape[2]
+        layer = _integer("layer", layer, "an integer index")
+        if not -n_layers <= layer < n_layers:
+            raise IndexError(f"layer {layer} is out of range; this trace has layers 0..{n_layers - 1}")
+        if head is not None:
+            head = _integer("head", head, "an integer index or None")
+            if not -H <= head < H:
+                raise IndexError(f"head {head} is out of range; this trace has heads 0..{H - 1}")
+        batch = _integer("batch", batch, "an integer index")
+        if not 0 <= batch < self.tokens.shape[0]:
+            raise IndexError(f"batch {batch} is out of range; this trace has {self.tokens.shape[0]} sequences")
+        n = int(self.mask[batch].sum())
+        block = self.patterns[batch, layer % n_layers]  # [H, P, P]
+        if head is not None:
+            block = block[head % H]
+        if token is not None:
+            return block[..., self.token_index(token, batch), :n]
+        return block[..., :n, :n]
 
     # -- selection -----------------------------------------------------------------------
     def read_index(self, read: int | str) -> int:
@@ -341,7 +398,10 @@ class DepthTrace:
             NotADirectoryError: ``directory`` is a file.
             OSError: the write failed (one line naming the folder and the cause).
         """
-        return save_trace(directory, {n: getattr(self, n) for n in ALL_ARRAYS}, self.meta, overwrite=overwrite)
+        arrays = {n: getattr(self, n) for n in ALL_ARRAYS}
+        if self.patterns is not None:
+            arrays["patterns"] = self.patterns
+        return save_trace(directory, arrays, self.meta, overwrite=overwrite)
 
     @classmethod
     def load(cls, directory: str | Path) -> DepthTrace:

@@ -1,7 +1,8 @@
 """A trace on disk: the schema of ``trace.json``, and the save and load of a trace folder.
 
-A saved trace is one folder: six Parquet tables (one column per array, raveled) and
-``trace.json`` (schema version, package version, every array's shape, the tables' sha256, the
+A saved trace is one folder: six Parquet tables (one column per array, raveled), a seventh,
+``patterns.parquet``, when the trace holds attention patterns (their lower triangles: the
+entries above the diagonal are zero), and ``trace.json`` (schema version, package version, every array's shape, the tables' sha256, the
 trace's metadata), written last because it vouches for the tables. The folder is written by
 :func:`attnres_probe.io.write_directory` (locked, swapped in whole).
 
@@ -30,6 +31,7 @@ __all__ = [
     "ALL_ARRAYS",
     "FILES",
     "META_FILE",
+    "OPTIONAL_ARRAYS",
     "SCHEMA_VERSION",
     "TraceError",
     "array_shapes",
@@ -38,7 +40,7 @@ __all__ = [
     "save_trace",
 ]
 
-SCHEMA_VERSION = 2  # 2: grad_out (a version-1 trace loads with grad_out all NaN)
+SCHEMA_VERSION = 3  # 2: grad_out (a version-1 trace loads with grad_out all NaN); 3: optional attention patterns
 META_FILE = "trace.json"
 MAX_META_BYTES = 256 * 2**20
 
@@ -59,6 +61,10 @@ FILES = {  # the tables of a saved trace and the arrays each holds
     "mixers.parquet": MIXER_ARRAYS,
 }
 DTYPES = {"tokens": np.int64, "mask": np.bool_}  # every other array is float32
+# arrays a trace may hold or not (None): attention patterns [B, n_layers, H, P, P], recorded on request
+# (Probe.run(..., patterns=True)); saved as the lower triangle of every [P, P] pattern
+OPTIONAL_FILES = {"patterns.parquet": ("patterns",)}
+OPTIONAL_ARRAYS = ("patterns",)
 ADDED_IN = {"grad_out": 2}  # arrays a trace of an older schema version does not hold (NaN when loaded)
 
 
@@ -66,10 +72,12 @@ class TraceError(ValueError):
     """A trace directory is missing, corrupt, or from a newer schema."""
 
 
-def array_shapes(B: int, P: int, R: int, S: int) -> dict[str, tuple[int, ...]]:
-    """The shape of every array of a trace with B sequences, P positions, R reads and S sources."""
+def array_shapes(B: int, P: int, R: int, S: int, H: int | None = None) -> dict[str, tuple[int, ...]]:
+    """The shape of every array of a trace with B sequences, P positions, R reads and S sources;
+    with H (attention heads) also that of the optional ``patterns``: [B, n_layers, H, P, P]
+    (n_layers = (R - 1) / 2; query positions, then key positions)."""
     L = R - 1
-    return {
+    shapes = {
         **{n: (B, P) for n in TOKEN_ARRAYS},
         **{n: (B, P, R, S) for n in CUBE},
         **{n: (B, P, R) for n in READ_ARRAYS},
@@ -77,6 +85,25 @@ def array_shapes(B: int, P: int, R: int, S: int) -> dict[str, tuple[int, ...]]:
         **{n: (L,) for n in LAYER_ARRAYS},
         **{n: (R,) for n in MIXER_ARRAYS},
     }
+    if H is not None:
+        shapes["patterns"] = (B, L // 2, H, P, P)
+    return shapes
+
+
+def pattern_triangle(patterns: np.ndarray) -> np.ndarray:
+    """The lower triangles (diagonal included) of patterns [..., P, P], raveled: what is saved."""
+    P = patterns.shape[-1]
+    rows, cols = np.tril_indices(P)
+    return np.ascontiguousarray(patterns[..., rows, cols]).ravel()
+
+
+def pattern_from_triangle(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Patterns of ``shape`` [..., P, P] from :func:`pattern_triangle`'s values (zero above the diagonal)."""
+    P = shape[-1]
+    rows, cols = np.tril_indices(P)
+    out = np.zeros(shape, np.float32)
+    out[..., rows, cols] = values.reshape(*shape[:-2], len(rows))
+    return out
 
 
 RANKS = {n: len(shape) for n, shape in array_shapes(1, 1, 3, 2).items()}
@@ -98,7 +125,7 @@ def check_save_target(directory: str | Path, overwrite: bool = False) -> Path:
         )
     # hidden files (a save's leftover temporary file, a desktop's index file) do not count
     entries = [p for p in directory.iterdir() if not p.name.startswith(".")] if directory.is_dir() else []
-    if any(p.name not in {META_FILE, *FILES} for p in entries):
+    if any(p.name not in {META_FILE, *FILES, *OPTIONAL_FILES} for p in entries):
         raise FileExistsError(
             f"{directory} is not empty and does not hold a saved DepthTrace; "
             "save into a new or empty folder (nothing was written)"
@@ -133,18 +160,22 @@ def save_trace(directory: str | Path, arrays: Mapping[str, np.ndarray], meta: di
     directory = check_save_target(directory, overwrite)  # fail fast, before taking the lock
     had_trace = is_trace_folder(directory)
     json.dumps(meta, default=_json_default)  # an unstorable value fails before anything is written
+    optional = {n: arrays[n] for n in OPTIONAL_ARRAYS if arrays.get(n) is not None}
+    files = {**FILES, **{f: names for f, names in OPTIONAL_FILES.items() if all(n in optional for n in names)}}
 
     def write(folder: Path) -> None:
         hashes = {}
-        for fname, names in FILES.items():
+        for fname, names in files.items():
             path = folder / fname
-            pd.DataFrame({n: np.asarray(arrays[n]).ravel() for n in names}).to_parquet(path, index=False)
+            columns = {n: pattern_triangle(np.asarray(arrays[n], np.float32)) if n == "patterns" else np.asarray(arrays[n]).ravel()
+                       for n in names}
+            pd.DataFrame(columns).to_parquet(path, index=False)
             fault_point(f"trace.save:{fname}")
             hashes[fname] = sha256_file(path)
         doc = {
             "schema_version": SCHEMA_VERSION,
             "attnres_probe": __version__,
-            "shapes": {n: list(np.shape(arrays[n])) for n in ALL_ARRAYS},
+            "shapes": {n: list(np.shape(arrays[n])) for n in (*ALL_ARRAYS, *optional)},
             "files": hashes,
             "meta": meta,
         }
@@ -152,7 +183,7 @@ def save_trace(directory: str | Path, arrays: Mapping[str, np.ndarray], meta: di
         fault_point("trace.save:written")
 
     try:
-        write_directory(directory, write, is_trace_folder, [*FILES, META_FILE],
+        write_directory(directory, write, is_trace_folder, [*files, META_FILE],
                         check=lambda target: check_save_target(target, overwrite))  # again, now that no one else writes here
     except (FileExistsError, NotADirectoryError):
         raise
@@ -204,6 +235,27 @@ def load_trace(directory: str | Path) -> tuple[dict[str, np.ndarray], dict[str, 
             if values.size != math.prod(shape):
                 raise TraceError(f"{path}: column {n!r} has {values.size} values; shape {shape} needs {math.prod(shape)}")
             arrays[n] = values.reshape(shape)
+    for fname, names in OPTIONAL_FILES.items():
+        if not any(n in shapes for n in names):
+            continue  # not recorded (or an older schema): None
+        path = directory / fname
+        if not path.is_file():
+            raise TraceError(f"{path} is missing ({META_FILE} lists its arrays)")
+        if doc["files"].get(fname) != sha256_file(path):
+            raise TraceError(f"{path} does not match the checksum in {META_FILE}: the trace is corrupt")
+        try:
+            table = pd.read_parquet(path)
+        except Exception as exc:  # pyarrow raises several types for a damaged file
+            raise TraceError(f"{path} is not a readable Parquet file ({exc})") from None
+        for n in names:
+            shape = shapes[n]
+            if n not in table.columns:
+                raise TraceError(f"{path} has no column {n!r}: the trace is corrupt")
+            values = table[n].to_numpy()
+            need = math.prod(shape[:-2]) * shape[-1] * (shape[-1] + 1) // 2  # lower triangles
+            if values.size != need:
+                raise TraceError(f"{path}: column {n!r} has {values.size} values; shape {shape} needs {need}")
+            arrays[n] = pattern_from_triangle(values, shape)
     full = array_shapes(*shapes["depth_weights"])
     for n in ADDED_IN:
         if n not in arrays:
@@ -259,6 +311,16 @@ def _check_doc(doc: Any, meta_path: Path, directory: Path) -> dict[str, tuple[in
             raise bad(f"shapes.{n} must be a list of {RANKS[n]} non-negative integers; got {shape!r}")
         shapes[n] = tuple(shape)
     B, P, R, S = shapes["depth_weights"]
+    patterns = doc["shapes"].get("patterns")
+    if patterns is not None:  # optional: [B, n_layers, H, P, P]
+        if not isinstance(patterns, list) or len(patterns) != 5 or not all(_is_int(d) and d >= 0 for d in patterns):
+            raise bad(f"shapes.patterns must be a list of 5 non-negative integers; got {patterns!r}")
+        H = patterns[2]
+        if patterns != list(array_shapes(B, P, R, S, H=H)["patterns"]) or H < 1:
+            raise bad(f"shapes.patterns is {patterns}; the other arrays make it {list(array_shapes(B, P, R, S, H=max(H, 1))['patterns'])}")
+        if not isinstance(files.get("patterns.parquet"), str):
+            raise bad("files.patterns.parquet (its sha256) is missing or not a string")
+        shapes["patterns"] = tuple(patterns)
     for n, shape in array_shapes(B, P, R, S).items():
         if n in shapes and shapes[n] != shape:  # (an array of a newer schema is absent from an older trace)
             raise bad(f"shapes.{n} is {list(shapes[n])}; the other arrays make it {list(shape)}")

@@ -108,6 +108,8 @@ def initial_callbacks(app) -> list[tuple[str, dict]]:
         ("view-query.data", {"token.data": {"key": key, "token": 0}, "kind.value": "weights", "expanded.value": []}),
         ("token-info.children", {"token.data": {"key": key, "token": 0}, "kind.value": "weights", "expanded.value": []}),
         ("decomp-graph-0.figure", {"token.data": {"key": key, "token": 0}}),
+        ("pattern-graph-0.figure", {"token.data": {"key": key, "token": 0}, "pattern-layer.value": 0,
+                                    "pattern-head.value": 0}),  # attention patterns: one forward up to layer 0 per model
         ("mean-graph-0.figure", {"trace-key.data": key, "kind.value": "weights", "expanded.value": []}),
         ("source-graph-0.figure", {"trace-key.data": key, "source.value": "embed", "kind.value": "weights"}),
         ("magnitudes.figure", {"trace-key.data": key}),

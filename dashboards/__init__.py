@@ -12,8 +12,18 @@ folders, waitress); the command is :mod:`attnres_probe.cli.dash`.
 
 from __future__ import annotations
 
-from attnres_probe.dashboards.app import create_app, create_server
-from attnres_probe.dashboards.serving import run_demo, serve
-from attnres_probe.dashboards.state import Explorer, PromptError
+import importlib
+from typing import Any
 
 __all__ = ["Explorer", "PromptError", "create_app", "create_server", "run_demo", "serve"]
+
+# imported on first use (PEP 562): Dash and torch cost seconds, and the command line reads
+# attnres_probe.dashboards.defaults before it knows whether it will serve anything
+_HOMES = {"create_app": "app", "create_server": "app", "run_demo": "serving", "serve": "serving",
+          "Explorer": "state", "PromptError": "state"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"attnres_probe.dashboards.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'attnres_probe.dashboards' has no attribute {name!r}")

@@ -27,6 +27,8 @@ from attnres_probe import figures
 from attnres_probe.analysis.display import HEADLINE, LABELS, weight_effect_rows
 from attnres_probe.analysis.windows import informative_token
 from attnres_probe.dashboards import layout as ids
+from attnres_probe.dashboards import patching as patching_views
+from attnres_probe.dashboards import patterns as pattern_views
 from attnres_probe.dashboards.cards import comparison_notes, glance_table, headline_cards, metric_table
 from attnres_probe.dashboards.state import Explorer, PromptError, UnknownKeyError
 
@@ -166,7 +168,7 @@ def token_strip(ex: Explorer, key: Any, search: Any = None) -> dict:
         why = f"{asked} {why}" if asked else why
     chips = [
         html.Button(t if t else "∅", id={"type": ids.CHIP, "index": i}, className="chip selected" if i == start else "chip",
-                    title=f"token {i}: {t!r}", **({"data-mark": str(i)} if i % 10 == 0 else {}))
+                    title=f"token {i}: {figures.quote_token(t)}", **({"data-mark": str(i)} if i % 10 == 0 else {}))
         for i, t in enumerate(toks)
     ]
     notes = [why] if why else []
@@ -797,6 +799,8 @@ def register(app, ex: Explorer) -> None:
         inputs=[Input(ids.TWO_RUN, "n_clicks"), State(ids.KEY, "data"), State(ids.TWO_A, "value"), State(ids.TWO_B, "value"),
                 State(ids.TWO_TEXT, "value"), State(ids.TWO_KIND, "value")],
     )(_bind(compare_two, ex))
+    patching_views.register(app, ex)  # routing patching of two prompts (dashboards/patching.py)
+    pattern_views.register(app, ex)  # attention pattern at the selected token (dashboards/patterns.py)
     # browser-side: a chip click or a click on a one-source heatmap selects a token; the chip is highlighted
     app.clientside_callback(
         ClientsideFunction("attnres", "pick_token"),

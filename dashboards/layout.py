@@ -12,6 +12,8 @@ from dash import dcc, html
 
 from attnres_probe.analysis.display import WEIGHT_EFFECT_NOTE, documents_warning
 from attnres_probe.dashboards.cards import comparison_notes, glance_study, glance_table, headline_cards, metric_table
+from attnres_probe.dashboards.patching import patching_section
+from attnres_probe.dashboards.patterns import pattern_section
 from attnres_probe.dashboards.state import ABLATION_MODES, Explorer
 
 __all__ = ["build_layout", "panel_id", "KIND_OPTIONS"]
@@ -691,6 +693,7 @@ def build_layout(ex: Explorer) -> html.Div:
             _header(ex),
             _glance(ex),
             _token_views(ex),
+            pattern_section(ex),  # attention pattern at the selected token (dashboards/patterns.py)
             _corpus(ex),
             _reading_views(ex),
             _mean_views(ex),
@@ -701,6 +704,7 @@ def build_layout(ex: Explorer) -> html.Div:
             _cards(ex),
             _compare_two(ex),
             _ablation(ex),
+            patching_section(ex),
             _weight_effect(ex),
             html.Footer("attnres-probe · charts from attnres_probe.figures · traces stay on the server", className="help"),
         ],

@@ -16,14 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from attnres_probe.dashboards.app import allowed_hosts_for, create_app, demo_entries, is_loopback
+from attnres_probe.dashboards.defaults import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_THREADS, DEFAULT_TORCH_THREADS
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "DEFAULT_THREADS", "DEFAULT_TORCH_THREADS", "demo_app", "load_entries",
            "load_with_stats", "run_demo", "serve", "set_torch_threads"]
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8050
-DEFAULT_THREADS = 8
-DEFAULT_TORCH_THREADS = 1  # small models, several request threads: intra-op threads only spin-wait on a busy CPU
 
 
 def _unique(name: str, taken: dict[str, Any]) -> str:

@@ -94,7 +94,7 @@ class ViewTrace(DepthTrace):
     @classmethod
     def of(cls, trace: DepthTrace, name: str | None = None) -> "ViewTrace":
         meta = trace.meta if name is None or name == trace.name else {**trace.meta, "name": name}
-        return cls(**{n: getattr(trace, n) for n in _ARRAYS}, meta=meta)
+        return cls(**{n: getattr(trace, n) for n in _ARRAYS}, meta=meta, patterns=trace.patterns)
 
 
 def _trace_bytes(trace: DepthTrace) -> int:

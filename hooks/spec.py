@@ -39,6 +39,9 @@ class ModelSpec:
             of keeping sources itself.
         sublayer_params: per sublayer, the parameters of that sublayer (and its pre-norm).
         mixer_params: per read, the depth mixer's parameters (AttnRes only).
+        pattern_hooks: per transformer block, its attention-pattern hook
+            (``blocks.{i}.attn.hook_pattern``, [batch, head, query_pos, key_pos]), or None when
+            the model has none; used only when patterns are asked for.
         n_ctx, d_vocab: input limits.
         meta: description stored in traces (name, config, labels).
     """
@@ -55,6 +58,7 @@ class ModelSpec:
     meta: dict[str, Any] = field(default_factory=dict)
     contrib_hooks: list[str] | None = None
     pos_embed: bool = True  # source 0 = hook_embed + hook_pos_embed (False: hook_embed alone, rotary models)
+    pattern_hooks: list[str] | None = None
 
     @property
     def residual(self) -> str:
@@ -118,6 +122,7 @@ def _spec_attnres(model, name: str | None) -> ModelSpec:
         n_ctx=cfg.n_ctx,
         d_vocab=cfg.d_vocab,
         pos_embed=cfg.positional != "rope",
+        pattern_hooks=[b.attn.hook_pattern.name for b in blocks],
     )
     spec.meta = _meta(spec, name or cfg.residual, cfg.to_dict(), model)
     return spec
@@ -151,6 +156,7 @@ def _spec_foreign(model: nn.Module, name: str | None) -> ModelSpec:
                 if isinstance(mod, nn.Module):
                     params += [p for p in mod.parameters() if p.requires_grad]
             sub_params.append(params)
+    patterns = [f"blocks.{i}.attn.hook_pattern" for i in range(n)]  # TransformerLens's pattern hooks
     config: dict[str, Any] = {}
     for key in ("d_model", "n_layers", "n_heads", "d_head", "d_mlp", "n_ctx", "d_vocab", "normalization_type", "act_fn"):
         value = getattr(cfg, key, None)
@@ -166,6 +172,7 @@ def _spec_foreign(model: nn.Module, name: str | None) -> ModelSpec:
         mixer_params=None,
         n_ctx=int(getattr(cfg, "n_ctx", 0) or 0) or 10**9,
         d_vocab=int(getattr(cfg, "d_vocab", 0) or 0) or 10**9,
+        pattern_hooks=patterns if all(p in hook_dict for p in patterns) else None,
     )
     spec.meta = _meta(spec, name or type(model).__name__, config, model)
     spec.meta["foreign"] = True

@@ -11,7 +11,9 @@ Escaping: the Jinja2 template autoescapes every string; JSON inside ``<script>``
 
 Size: the explorer stores, for every token and model, the weight, logit and contribution of each
 available cell rounded to ``explorer_digits`` significant digits (unavailable trailing cells are
-left out). Three 17-read demo models on 256 tokens add about 2 MB to plotly.js's 4.8 MB.
+left out). Three 17-read demo models on 256 tokens add about 2 MB to plotly.js's 4.8 MB; their
+attention patterns at the first 64 tokens (every layer and head, in thousandths:
+:mod:`attnres_probe.reports.patterns`) about 0.5 MB more.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ import plotly.offline
 from markupsafe import Markup
 
 from attnres_probe import figures, metrics
+from attnres_probe.analysis.windows import informative_token
 from attnres_probe._version import __version__
 from attnres_probe.io import atomic_write
+from attnres_probe.reports.patterns import explorer_pattern_items
 from attnres_probe.trace import DepthTrace, unique_names
 
 __all__ = [
@@ -117,8 +121,10 @@ def build_report(
         explorer_digits: significant digits of the explorer's values.
         command: the command line that produced the report, shown under "Reproduce".
         readings: model name -> :func:`attnres_probe.reports.recording.record_readings` (the
-            logit decomposition and logit lens per token, shown in the per-token explorer); without
-            them the explorer says that saved traces hold no activations.
+            logit decomposition and logit lens per token, shown in the per-token explorer, and the
+            attention patterns of its first tokens); without them the explorer says that saved
+            traces hold no activations (and shows the attention patterns of traces recorded with
+            ``patterns=True``).
         histories: run name -> routing probes of its training (``train --probe-every``), drawn
             by :func:`attnres_probe.figures.over_training`.
         weight_effects: model name -> :func:`attnres_probe.ablation.weight_beside_effect` (routing
@@ -700,10 +706,18 @@ def _explorers(
         models = [_explorer_model(traces[i], names[i], positions, plots, digits) for i in members]
         reads = [_explorer_reading(readings[traces[i].name], names[i], positions, plots)
                  for i in members if readings and traces[i].name in readings]
+        pats = explorer_pattern_items([traces[i] for i in members], [names[i] for i in members], readings, positions, plots,
+                                      colors=figures.model_colors(names))  # attention patterns (reports/patterns.py)
+        # open on the informative token of sequence 0 (as the dashboard does), among the tokens whose
+        # readings are stored when there are readings (positions list sequence 0 first)
+        stored = max((sum(t is not None for t in r["data"]["tokens"]) for r in reads), default=0)
+        in_seq0 = sum(1 for b, _ in positions if b == 0)
+        start, why = informative_token([traces[i] for i in members], limit=min(in_seq0, stored) if reads else in_seq0)
         data = (
-            '{"tokens":' + json.dumps(tokens, ensure_ascii=False, separators=(",", ":")) + ',"kinds":' + json.dumps(list(KIND_ORDER), separators=(",", ":"))
+            '{"start":' + str(start) + ',"tokens":' + json.dumps(tokens, ensure_ascii=False, separators=(",", ":")) + ',"kinds":' + json.dumps(list(KIND_ORDER), separators=(",", ":"))
             + ',"models":[' + ",".join(m["data"] for m in models) + "]"
-            + ',"readings":' + json.dumps([r["data"] for r in reads], ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "}"
+            + ',"readings":' + json.dumps([r["data"] for r in reads], ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            + ',"patterns":[' + ",".join(p["data"] for p in pats) + "]}"
         )
         out.append(
             {
@@ -714,7 +728,13 @@ def _explorers(
                 "shown": len(positions),
                 "plots": [m["plot"] for m in models],
                 "reading_plots": [p for r in reads for p in r["plots"]],
-                "reading_tokens": max((sum(t is not None for t in r["data"]["tokens"]) for r in reads), default=0),
+                "reading_tokens": stored,
+                "pattern_plots": [p["plot"] for p in pats],
+                "pattern_tokens": max((p["n"] for p in pats), default=0),
+                "pattern_layers": max((p["layers"] for p in pats), default=0),
+                "pattern_heads": max((p["heads"] for p in pats), default=0),
+                "start": start,
+                "why": why,
                 "data": _script_json(data),
             }
         )

@@ -138,10 +138,13 @@ READING_TOKENS = 64  # tokens with a precomputed logit decomposition and logit l
 
 def record_readings(model, trace: DepthTrace, tokenizer=None, n_tokens: int = READING_TOKENS, k: int = 5) -> dict:
     """The routing-aware logit decomposition and the logit lens of ``model`` at the first
-    ``n_tokens`` tokens of the trace's first sequence, for the report's per-token explorer.
+    ``n_tokens`` tokens of the trace's first sequence, and its attention patterns there, for the
+    report's per-token explorer.
 
     Returns:
-        {"name", "positions": [int], "contribs": [LogitContributions], "lens": DataFrame, "k": k}
+        {"name", "positions": [int], "contribs": [LogitContributions], "lens": DataFrame, "k": k,
+        "patterns": [layer, head, n, n] float32 (one more forward pass, without gradients; None for
+        a model without ``hook_pattern`` points)}
     """
     import torch
 
@@ -153,4 +156,5 @@ def record_readings(model, trace: DepthTrace, tokenizer=None, n_tokens: int = RE
     tokens = torch.from_numpy(trace.tokens[:1, : min(int(trace.mask[0].sum()), n + 1)].astype("int64"))
     positions = list(range(n))
     contribs, lens = probe.token_readings(tokens, positions=positions, k=k)
-    return {"name": trace.name, "positions": positions, "contribs": contribs, "lens": lens, "k": k}
+    patterns = probe.attention_patterns(tokens[:, :n])[0] if probe.spec.pattern_hooks else None
+    return {"name": trace.name, "positions": positions, "contribs": contribs, "lens": lens, "k": k, "patterns": patterns}

@@ -104,26 +104,28 @@ def headless_chromium(window: str | None = "1400,1000", browser_log: bool = Fals
 
 # -- routing edits through hook_weights (matched-quantity tests) -------------------------------
 def route(model, fn):
-    """Attach ``fn(w) -> new weights`` at every read's hook_weights (available columns: not NaN)."""
-    for name, hp in model.hook_dict.items():
-        if name.endswith("hook_weights"):
-            hp.add_hook(lambda w, hook: fn(w))
+    """Attach ``fn(w, k) -> new weights`` at every read's hook_weights (the read sees its first k
+    columns, ``mixer.visible``; the others are 0, TransformerLens's masking)."""
+    for mixer in model.mixers:
+        mixer.hook_weights.add_hook(lambda w, hook, k=mixer.visible: fn(w, k))
     return model
 
 
-def uniform_routing(w: torch.Tensor) -> torch.Tensor:
-    """Equal weights over the sources a read sees."""
-    avail = ~torch.isnan(w)
-    k = avail.sum(-1, keepdim=True).clamp_min(1)
-    return torch.where(avail, 1.0 / k, w)
+def visible_columns(w: torch.Tensor, k: int) -> torch.Tensor:
+    """[n_src] bool: the first k columns of a read's row."""
+    return torch.arange(w.shape[-1], device=w.device) < k
 
 
-def local_routing(w: torch.Tensor) -> torch.Tensor:
+def uniform_routing(w: torch.Tensor, k: int) -> torch.Tensor:
+    """Equal weights over the k sources a read sees."""
+    return torch.where(visible_columns(w, k), 1.0 / k, 0.0).to(w.dtype).expand_as(w)
+
+
+def local_routing(w: torch.Tensor, k: int) -> torch.Tensor:
     """0.9 on the most recent source a read sees, the rest spread evenly."""
-    avail = ~torch.isnan(w)
-    k = avail.sum(-1, keepdim=True)
-    last = avail & (avail.cumsum(-1) == k)
-    return torch.where(avail, torch.where(last, 0.9, 0.1 / (k - 1).clamp_min(1)), w)
+    cols = torch.arange(w.shape[-1], device=w.device)
+    row = torch.where(cols == k - 1, 0.9, 0.1 / max(k - 1, 1))
+    return torch.where(cols < k, row, 0.0).to(w.dtype).expand_as(w)
 
 
 def find_components(node, pred) -> list:

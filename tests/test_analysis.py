@@ -432,17 +432,13 @@ def test_embedding_weight_before_attention_and_before_the_mlp_are_measured_apart
     are set to give the embedding 0.6 (the rest spread evenly), MLP reads to uniform weights."""
     model = tiny_model(residual, n_layers=4)
 
-    def embed_heavy(w):
-        avail = ~torch.isnan(w)
-        k = avail.sum(-1, keepdim=True)
-        first = avail & (avail.cumsum(-1) == 1)
-        return torch.where(avail, torch.where(first, 0.6, 0.4 / (k - 1).clamp_min(1)), w)
+    def embed_heavy(w, k):
+        cols = torch.arange(w.shape[-1])
+        return torch.where(cols < k, torch.where(cols == 0, 0.6, 0.4 / max(k - 1, 1)), 0.0).expand_as(w)
 
-    for name, hp in model.hook_dict.items():
-        if name.endswith("attn_res.hook_weights"):
-            hp.add_hook(lambda w, hook: embed_heavy(w))
-        elif name.endswith("hook_weights"):
-            hp.add_hook(lambda w, hook: _uniform(w))
+    for name, mixer in zip(model.read_labels, model.mixers):
+        edit = embed_heavy if name.endswith("attn") else _uniform
+        mixer.hook_weights.add_hook(lambda w, hook, k=mixer.visible, edit=edit: edit(w, k))
     trace = Probe(model, name=residual).run(sample_tokens(16, batch=3, seed=2))
     table = window_metrics(trace)
     if residual == "full":

@@ -241,6 +241,16 @@ def test_an_unknown_flag_gets_the_commands_usage_and_the_nearest_flags(argv, hin
     assert f"usage: attnres-probe {argv[0]}" in err and f"see `attnres-probe {argv[0]} --help`" in err
 
 
+def test_a_flag_near_none_gets_no_suggestion_and_dash_refuses_it_before_importing_dash():
+    """The shared leading "--" made "--bogus" look like "--host"; and the dash command imported Dash
+    and torch (seconds) before telling a user about a typo."""
+    code = ("import sys\nfrom attnres_probe.cli import main\ntry:\n    main(['dash', '--bogus'])\nexcept SystemExit as e:\n"
+            "    print(e.code, 'dash' in sys.modules, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["2", "False", "False"], done.stdout + done.stderr
+    assert "unrecognized arguments: --bogus;" in done.stderr and "did you mean" not in done.stderr
+
+
 def test_slow_steps_are_said_where_a_person_watches_and_nowhere_else(tmp_path, capsys, monkeypatch):
     """#35 item 5: record said nothing for seconds; a pipe or a log gets only results and errors."""
     tiny_model("full").save(tmp_path / "m")

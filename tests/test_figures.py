@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from attnres_probe import figures
+from attnres_probe import AttnResTransformer, ModelConfig, Probe, figures
 from trace_factory import BLOCK_W, FULL_W, make_trace
 
 nan = np.nan
@@ -401,8 +401,8 @@ def test_a_per_token_difference_names_the_token_as_the_other_panels_do():
     full, base = make_trace("full"), make_trace("prenorm")
     tok = full.str_tokens[0][1]
     diff = figures.difference_heatmap(full, base, token=1)
-    assert f"token 1 {tok!r} (sequence 0)" in diff.layout.title.text
-    assert f"token 1 {tok!r} (sequence 0)" in figures.token_heatmap(full, token=1).layout.title.text
+    assert f"token 1 {figures.quote_token(tok)} (sequence 0)" in diff.layout.title.text
+    assert f"token 1 {figures.quote_token(tok)} (sequence 0)" in figures.token_heatmap(full, token=1).layout.title.text
 
 
 def _history(n_reads: int, weights: bool) -> list[dict]:
@@ -489,3 +489,12 @@ def test_difference_views_subtract_like_from_like_and_a_share_row_sums_to_zero()
     pre_blocks = both[..., 1]  # PreNorm's shares summed into Block's blocks: block1 = L0.attn + L0.mlp at the final read
     shares = np.nanmean(np.where(pre.mask[..., None, None], pre.contrib, np.nan), axis=(0, 1))
     assert pre_blocks[-1, 1] == pytest.approx(shares[-1, 1] + shares[-1, 2], abs=1e-6)
+
+
+def test_a_newline_token_reads_as_backslash_n_in_titles_not_its_doubled_repr():
+    """A title showed a newline token as '\\\\n' (Python's repr of the label \\n)."""
+    model = AttnResTransformer(ModelConfig(d_model=16, n_layers=1, n_heads=2, n_ctx=8, residual="full"))
+    trace = Probe(model).run("a\nb", backward=False)
+    assert trace.str_tokens[0][1] == "\\n"
+    title = figures.token_heatmap(trace, token=1).layout.title.text
+    assert "token 1 '\\n'" in title and "\\\\n" not in title

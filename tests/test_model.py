@@ -61,7 +61,8 @@ def test_weights_times_sources_equal_the_mixed_input_at_every_read(residual, kw)
         assert w.shape[-1] == model.cfg.n_sources
         k = len(srcs[r])
         torch.testing.assert_close(w[..., :k].sum(-1), torch.ones(w.shape[:-1]), atol=1e-6, rtol=0)
-        assert torch.isnan(w[..., k:]).all(), f"read {r}: unavailable columns must be NaN"
+        assert (w[..., k:] == 0).all(), f"read {r}: unavailable columns must be 0 (TransformerLens's masked pattern)"
+        assert model.mixers[r].visible == k
         assert torch.isfinite(w[..., :k]).all()
         mix = sum(w[..., i, None] * s for i, s in enumerate(srcs[r]))
         torch.testing.assert_close(mix, cache[hname], atol=1e-6, rtol=0)
@@ -83,8 +84,7 @@ def test_weight_hook_intervention_reroutes_the_read(residual):
     tokens = sample_tokens(8)
 
     def embed_only(w, hook):
-        out = torch.full_like(w, float("nan"))
-        out[..., :] = torch.where(torch.isnan(w), w, torch.zeros_like(w))
+        out = torch.zeros_like(w)
         out[..., 0] = 1.0
         return out
 
@@ -156,7 +156,7 @@ def test_first_read_has_one_source_with_weight_one():
     _, cache = model.run_with_cache(sample_tokens(5))
     w = cache["blocks.0.attn_res.hook_weights"]
     torch.testing.assert_close(w[..., 0], torch.ones(w.shape[:2]))
-    assert torch.isnan(w[..., 1:]).all()
+    assert (w[..., 1:] == 0).all()  # unseen columns: 0 at the hook
 
 
 def test_every_design_hook_point_exists_and_fires():

@@ -325,11 +325,12 @@ def window_digests(trace: DepthTrace) -> list[str]:
     return out
 
 
-def informative_token(traces) -> tuple[int, str]:
+def informative_token(traces, limit: int | None = None) -> tuple[int, str]:
     """The token a page opens on, and why: in sequence 0, the token whose depth weights depart furthest
     from uniform, averaged over the AttnRes models (per read, the total-variation distance between
     its normalised weights and the uniform weights on the same sources, PreNorm's implied weights;
     mean over reads). Without an AttnRes model, the last token (it sees the most context).
+    ``limit``: choose among the first ``limit`` tokens only (a page that stores only those).
 
     Returns:
         (position, a sentence saying which token and why)
@@ -340,6 +341,8 @@ def informative_token(traces) -> tuple[int, str]:
     if n == 0:
         return 0, ""
     routed = [t for t in traces if t.residual != "prenorm" and t.depth_weights is not None and int(t.mask[0].sum()) == n]
+    if limit is not None:
+        n = max(1, min(n, int(limit)))
     if not routed or n == 1:
         return n - 1, f"Opened on the last token ({n - 1}): it sees the most context." if n > 1 else ""
     distance = np.zeros(n)
@@ -350,6 +353,6 @@ def informative_token(traces) -> tuple[int, str]:
     pos = int(np.argmax(distance))
     tok = first.str_tokens[0][pos] if pos < len(first.str_tokens[0]) else ""
     models = ", ".join(t.name for t in routed)
-    return pos, (f"Opened on token {pos} {tok!r}, where {models} route furthest from uniform (mean total-variation "
+    return pos, (f"Opened on token {pos} '{tok}', where {models} route furthest from uniform (mean total-variation "
                  f"distance {distance[pos]:.2f} over reads; 0 = PreNorm's uniform mixture, 1 = no overlap). "
                  "Click any token to route it.")

@@ -120,7 +120,10 @@ def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None, extras
     for arg in extras:
         if arg.startswith("-"):
             flag = arg.split("=", 1)[0]
-            near = [f for f in SYNONYMS.get(flag, ()) if f in flags] or difflib.get_close_matches(flag, flags, n=2, cutoff=0.6)
+            # compared without the leading "--", which every flag shares ("--bogus" is not near "--host")
+            bare = {f[2:]: f for f in flags}
+            near = [f for f in SYNONYMS.get(flag, ()) if f in flags] or [
+                bare[m] for m in difflib.get_close_matches(flag.lstrip("-"), list(bare), n=2, cutoff=0.6)]
             if near:
                 hints.append(f"{arg}: did you mean {' or '.join(near)}?")
     message = f"unrecognized arguments: {' '.join(extras)}"

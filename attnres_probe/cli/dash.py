@@ -15,9 +15,7 @@ import sys
 import time
 
 from attnres_probe.cli import arg_range, unescape_text
-from attnres_probe.dashboards import serving
-from attnres_probe.dashboards.app import allowed_hosts_for, create_app
-from attnres_probe.dashboards.serving import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_THREADS, DEFAULT_TORCH_THREADS
+from attnres_probe.dashboards.defaults import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_THREADS, DEFAULT_TORCH_THREADS
 
 __all__ = ["add_dash_parser"]
 
@@ -49,6 +47,9 @@ def add_dash_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 
 def _run_dash(args: argparse.Namespace) -> int:
+    from attnres_probe.dashboards import serving  # Dash and torch: seconds, so only once the arguments parsed
+    from attnres_probe.dashboards.app import allowed_hosts_for, create_app
+
     if not 0 < args.port < 65536:
         raise ValueError(f"--port is {args.port}; choose 1..65535")
     if args.threads < 1:

@@ -105,7 +105,7 @@ def test_token_strip_has_one_text_chip_per_token_and_selects_an_informative_one(
     want = int(np.argmax(distance))
     assert want != 0 and out["token"] == {"key": ex.initial.key, "token": want}
     assert [c.className for c in out["chips"]].index("chip selected") == want
-    assert f"Opened on token {want} {TEXT[want]!r}" in out["note"] and f"{distance[want]:.2f}" in out["note"]
+    assert f"Opened on token {want} '{TEXT[want]}'" in out["note"] and f"{distance[want]:.2f}" in out["note"]
 
 
 def test_without_an_attnres_model_the_page_opens_on_the_last_token():

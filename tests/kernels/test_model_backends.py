@@ -192,7 +192,7 @@ ROUTING_HOOKS = {  # the final read (out_res) sees every source: its rows have n
     "halve the final weights in place": ("out_res.hook_weights", lambda w, hook: w.mul_(0.5)),
     "sharpen logits": ("blocks.1.mlp_res.hook_logits", lambda z, hook: z * 3.0),  # softmaxed again by the read
     "sharpen the final logits in place": ("out_res.hook_logits", lambda z, hook: z.mul_(3.0)),
-    "embedding only": ("blocks.1.attn_res.hook_weights", lambda w, hook: torch.where(torch.isnan(w), w, torch.zeros_like(w)).index_fill(-1, torch.tensor([0]), 1.0)),
+    "embedding only": ("blocks.1.attn_res.hook_weights", lambda w, hook: torch.zeros_like(w).index_fill(-1, torch.tensor([0]), 1.0)),
 }
 
 

@@ -87,6 +87,15 @@ def test_the_payload_in_the_text_never_runs(browser):
     assert driver.execute_script("return window.__xss === undefined")
 
 
+def test_explorer_opens_drawn_for_its_opening_token(browser, traces):
+    driver, _ = browser
+    start = int(driver.execute_script("return document.querySelector('#explorer .explorer').getAttribute('data-token')"))
+    assert start > 0 and driver.execute_script("return document.querySelector('#explorer select.token').value") == str(start)
+    z, title = _z(driver, _explorer_divs(driver)[1])  # the full model, drawn for that token
+    np.testing.assert_allclose(z, np.asarray(traces[1].cube("weights")[0, start], np.float64), rtol=2e-3, atol=1e-6)
+    assert f"token {start} " in title
+
+
 def test_token_selector_swaps_each_models_heatmap(browser, traces):
     driver, _ = browser
     divs = _explorer_divs(driver)

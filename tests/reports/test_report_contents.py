@@ -204,6 +204,21 @@ def test_explorer_offers_every_token_and_one_heatmap_per_model(soup, traces):
     assert [m["auto"] for m in data["models"]] == ["weights", "weights", "weights"]
 
 
+def test_explorer_opens_on_the_informative_token_and_says_why(soup, traces):
+    """#35: the explorer opened on token 0 (often the least informative); it now opens where the
+    dashboard does, analysis.windows.informative_token, among the tokens with stored readings."""
+    from attnres_probe.analysis.windows import informative_token
+
+    data = json.loads(soup.find("script", id="explorer-0-json").string)
+    section = soup.find("section", id="explorer")
+    readings = [r for r in data["readings"] if r]
+    limit = min(len(traces[0].str_tokens[0]), max((sum(t is not None for t in r["tokens"]) for r in readings), default=10**9))
+    start, why = informative_token(traces, limit=limit)
+    assert data["start"] == start > 0
+    assert section.select_one("input.token")["value"] == str(start)
+    assert section.select_one("p.opened-on").get_text() == why and f"Opened on token {start} " in why
+
+
 def test_explorer_data_holds_each_tokens_cells_rounded(soup, traces):
     data = json.loads(soup.find("script", id="explorer-0-json").string)
     full = data["models"][1]

@@ -118,11 +118,12 @@ def test_per_token_titles_end_above_the_first_heatmap_row(report96):
         from selenium.webdriver.support.ui import WebDriverWait
 
         for step in ("first token", "token 5"):
-            try:  # plotly draws the figures after the page's load event: wait for all nine titles
-                boxes = WebDriverWait(driver, 20).until(lambda d: (b := d.execute_script(TITLE_GAP, "#explorer div.plot")) and len(b) == 9 and b)
+            try:  # plotly draws the figures after the page's load event: wait for all twelve titles
+                boxes = WebDriverWait(driver, 20).until(lambda d: (b := d.execute_script(TITLE_GAP, "#explorer div.plot")) and len(b) == 12 and b)
             except TimeoutException:
                 boxes = driver.execute_script(TITLE_GAP, "#explorer div.plot")
-            assert len(boxes) == 9, (step, boxes)  # three heatmaps, three logit decompositions, three logit lenses
+            # three heatmaps, three attention patterns, three logit decompositions, three logit lenses
+            assert len(boxes) == 12, (step, boxes)
             for pid, bottom, top, text, below_edge in boxes:
                 assert bottom + 4 <= top, (step, pid, text, bottom, top)  # above the plot
                 assert below_edge >= 0, (step, pid, text, below_edge)  # and not cut by the figure's top edge

@@ -55,8 +55,9 @@ def depth_attn(
             :func:`~attnres_probe.kernels.contribution_shares`). The Numba backend computes
             them in the forward pass itself, the others afterwards.
         width: give the weights, logits and shares this many columns (at least S; None: S), the
-            columns past S padded with NaN (-inf for the logits): a read's row of the model's
-            common source axis, as its hooks show them. With a width, these outputs are the
+            columns past S padded with 0 (-inf for the logits): a read's row of the model's
+            common source axis, as its hooks show them (TransformerLens's masking: a masked
+            pattern entry is 0, a masked score -inf). With a width, these outputs are the
             caller's own (fresh tensors, safe to edit in place); the padding has no gradient.
             Kept for speed: the Numba kernels write the padded rows themselves, where padding
             afterwards costs a copy per output, about 90 us of a 500 us forward read (S=5

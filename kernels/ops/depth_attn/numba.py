@@ -23,7 +23,7 @@ cache, for the mixture (two sources at a time); on request a third reads them on
 from cache, for the contribution shares.
 The weights, logits and inverse RMS ([3, S, M], small) are kept for the backward; the
 weights and logits the op returns are written from the same tile, already padded to the
-caller's width (a read's row of the model's common source axis: NaN, -inf for the logits),
+caller's width (a read's row of the model's common source axis: 0, -inf for the logits),
 so the model shows them to its hooks without a copy or a pad. The kernels use NumPy's error
 model: a division by zero gives inf/NaN, as in PyTorch, instead of raising.
 
@@ -276,14 +276,14 @@ def _forward_rows(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, 
             each is stored as contiguous runs of rows (written; the backward's).
         w_out, z_out, c: [n_rows, W] (W >= S) the weights, logits and contribution shares
             ``w_i <v_i, h> / |h|^2`` the op returns, each written when its bit of ``want`` is
-            set (1, 2, 4); columns S..W-1 are padding: -inf for the logits, NaN for the others.
+            set (1, 2, 4); columns S..W-1 are padding: -inf for the logits, 0 for the others.
     """
     S = src.shape[0]
     q = _fold(query, gain, has_gain)
     zero = one - one
     inv_d = one / d
     want_w, want_z, want_c = want & 1, want & 2, want & 4
-    nan, minus_inf = one * np.nan, one * -np.inf
+    minus_inf = one * -np.inf
     r_t = np.empty((S, _TILE), q.dtype)  # sum of squares, then 1/rms
     z_t = np.empty((S, _TILE), q.dtype)  # dot products, then logits
     e_t = np.empty((S, _TILE), q.dtype)  # exp(z - max), then weights
@@ -333,7 +333,7 @@ def _forward_rows(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, 
                 wzi[1, i, m0 + t] = z_t[i, t]
                 wzi[2, i, m0 + t] = r_t[i, t]
         if want_w:
-            _store_padded(w_out, m0, T, e_t, nan)
+            _store_padded(w_out, m0, T, e_t, zero)
         if want_z:
             _store_padded(z_out, m0, T, z_t, minus_inf)
         # pass 2, two sources at a time (half the stores into h); an odd source 0 goes alone
@@ -372,7 +372,7 @@ def _forward_rows(src, n_rows, d, query, gain, has_gain, eps, one, h, lse, wzi, 
                         dot += v[m, k] * h[m, k]
                     c[m, i] = e_t[i, t] * dot / hh
                 for i in range(S, c.shape[1]):
-                    c[m, i] = nan
+                    c[m, i] = zero
 
 
 @nb.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=_CACHE)
@@ -561,7 +561,7 @@ class DepthAttnNumbaFunction(torch.autograd.Function):
     ``sources`` (which checked them), ``query`` and ``gain`` [d] (gain may be None),
     contiguous CPU tensors of the table's dtype, ``options`` an :class:`Options`, every source
     [*batch, d]. Outputs are h and lse, then, each on request, the weights, the logits and
-    the contribution shares [*batch, width] (columns S..width-1 padding: NaN, -inf for the
+    the contribution shares [*batch, width] (columns S..width-1 padding: 0, -inf for the
     logits; the shares are an observation: no gradient flows through them). Gradients flow
     to every source, the query and the gain, from every output but the shares. The kernels
     fold the gain into the query themselves (``q = query * gain``) and write the query and

@@ -84,5 +84,5 @@ def finish(outs: tuple, sources: Sources, return_weights: bool, return_logits: b
     # the reference's own weights and logits are saved for its backward
     pad = (0, width - n_src)
     mix, lse, *rest = outs
-    fills = [float("nan")] * return_weights + [float("-inf")] * return_logits + [float("nan")] * return_contrib
+    fills = [0.0] * return_weights + [float("-inf")] * return_logits + [0.0] * return_contrib
     return (mix, lse, *(F.pad(t, pad, value=v) if pad[1] else t.clone() for t, v in zip(rest, fills)))

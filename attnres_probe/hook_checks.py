@@ -1,0 +1,89 @@
+"""Non-finite outputs under hooks: which hook point went first.
+
+A hook that edits routing or activations can turn a forward's logits or loss into NaN or inf
+without a word (a row of weights divided by a zero sum, say). :func:`warn_if_non_finite` is what
+:meth:`AttnResTransformer.forward <attnres_probe.AttnResTransformer.forward>` calls when hooks
+are attached: if the output is not finite it runs the forward once more, under ``no_grad``, with
+a finiteness check appended at every hook point (after the user's hooks, so it sees what they
+returned), and warns once, naming the first hook point, in forward order, whose value was not
+finite and whether hooks were attached there. The user's hooks run again in that second
+forward; a forward whose output is finite costs one ``isfinite`` reduction and nothing more.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = ["NonFiniteWarning", "first_non_finite_hook", "hooks_attached", "warn_if_non_finite"]
+
+
+# hook points whose values hold -inf by convention (TransformerLens's masked scores): only NaN and +inf count there
+SCORE_HOOKS = ("hook_logits", "hook_attn_scores")
+
+
+class NonFiniteWarning(RuntimeWarning):
+    """A forward with hooks attached gave non-finite logits or loss."""
+
+
+def hooks_attached(model: Any) -> list[str]:
+    """Names of the hook points of ``model`` that have forward hooks now."""
+    return [name for name, hp in model.hook_dict.items() if hp._forward_hooks]
+
+
+def first_non_finite_hook(model: Any, tokens: torch.Tensor) -> str | None:
+    """The first hook point, in forward order, whose value (after its hooks) is not finite in
+    a forward of ``tokens`` under the hooks attached now; None if every one is finite."""
+    found: list[str] = []
+    handles = []
+
+    def check(name: str):
+        scores = name.endswith(SCORE_HOOKS)  # -inf marks what a read or a query cannot see: not an error
+
+        def hook(module: Any, args: Any, output: Any) -> None:
+            if not found and isinstance(output, torch.Tensor) and output.is_floating_point():
+                bad = (torch.isnan(output) | torch.isposinf(output)) if scores else ~torch.isfinite(output)
+                if bool(bad.any()):
+                    found.append(name)
+
+        return hook
+
+    try:
+        for name, hp in model.hook_dict.items():
+            handles.append(hp.register_forward_hook(check(name)))
+        with torch.no_grad():
+            model._checking_finite = True
+            try:
+                model(tokens, return_type=None)
+            finally:
+                model._checking_finite = False
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else None
+
+
+def warn_if_non_finite(model: Any, tokens: torch.Tensor, outputs: dict[str, torch.Tensor]) -> None:
+    """Warn once (:class:`NonFiniteWarning`) if any of ``outputs`` ({what: tensor}) is not
+    finite, naming the hook point that first produced a non-finite value. Call only while hooks
+    are attached (:func:`hooks_attached`)."""
+    bad = [what for what, t in outputs.items() if t is not None and not bool(torch.isfinite(t.detach()).all())]
+    if not bad or getattr(model, "_checking_finite", False):
+        return
+    hooked = set(hooks_attached(model))
+    first = first_non_finite_hook(model, tokens)
+    if first is None:
+        where = ("no hook point held a non-finite value when the forward was run again (the hooks may not "
+                 "be deterministic); the non-finite values arose after the last hook point")
+    else:
+        where = (f"the first hook point with a non-finite value is {first!r} "
+                 + ("(hooks are attached there)" if first in hooked else "(no hook is attached there: look at the hooks before it)"))
+    warnings.warn(
+        f"the forward's {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not finite with hooks attached at "
+        f"{len(hooked)} hook point(s); {where}. Depth weights a hook returns are used as given (not renormalised); "
+        "unavailable columns of hook_weights are 0 and of hook_logits -inf",
+        NonFiniteWarning,
+        stacklevel=3,
+    )

@@ -1,0 +1,187 @@
+"""Attention patterns in the report's per-token explorer (reports/patterns.py): what is stored, its
+size, the page's text, and (in Chromium) the chart the page draws for a chosen token, layer and head."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+from bs4 import BeautifulSoup
+
+from attnres_probe import Probe
+from attnres_probe.reports import build_report, record_text
+from attnres_probe.reports.patterns import PATTERN_TOKENS, SCALE, pattern_source
+from attnres_probe.reports.recording import record_readings
+from helpers import CHROME_FLAGS, tiny_model
+
+TEXT = "The cat sat on the mat; the dog sat on the log."  # 47 tokens, two windows of the tiny models' 24
+RESIDUALS = ("prenorm", "full", "block")
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {r: tiny_model(r, n_heads=4, n_kv_heads=2, positional="rope") if r == "block" else tiny_model(r) for r in RESIDUALS}
+
+
+@pytest.fixture(scope="module")
+def traces(models):
+    return [record_text(m, TEXT, name=r) for r, m in models.items()]
+
+
+@pytest.fixture(scope="module")
+def readings(models, traces):
+    return {t.name: record_readings(models[t.name], t, n_tokens=16) for t in traces}
+
+
+@pytest.fixture(scope="module")
+def report(traces, readings, tmp_path_factory):
+    path = tmp_path_factory.mktemp("patterns") / "report.html"
+    build_report(traces, path, readings=readings)
+    return path
+
+
+def explorer_data(html: str) -> dict:
+    soup = BeautifulSoup(html, "html.parser")
+    return json.loads(soup.select_one("script#explorer-0-json").string)
+
+
+def hooked(model, tokens) -> np.ndarray:
+    """[layer, head, query, key] of the model's hook_pattern on ``tokens`` [1, n]."""
+    _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_pattern"))
+    return np.stack([cache["pattern", i][0].numpy() for i in range(model.cfg.n_layers)])
+
+
+def test_readings_record_every_layers_pattern_of_the_first_tokens(models, traces, readings):
+    for t in traces:
+        got = readings[t.name]["patterns"]
+        model = models[t.name]
+        assert got.shape == (model.cfg.n_layers, model.cfg.n_heads, 16, 16)
+        want = hooked(model, np.asarray(t.tokens[:1, :16]).astype("int64"))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_the_explorer_stores_each_models_triangles_in_thousandths(report, traces, readings):
+    from attnres_probe import figures
+
+    data = explorer_data(report.read_text(encoding="utf-8"))
+    assert [p["name"] for p in data["patterns"]] == list(RESIDUALS)
+    for pm in data["patterns"]:
+        pat = readings[pm["name"]]["patterns"]
+        L, H, n = pat.shape[0], pat.shape[1], 16
+        assert (pm["L"], pm["H"], pm["n"], pm["scale"]) == (L, H, n, SCALE)
+        assert pm["keys"] == [figures.show_token(t) for t in traces[0].str_tokens[0][:n]]
+        for layer in range(L):
+            for head in range(H):
+                tri = np.asarray(pm["w"][layer][head])
+                assert tri.shape == (n * (n + 1) // 2,) and tri.dtype.kind == "i"
+                for p in (0, 5, n - 1):
+                    row = tri[p * (p + 1) // 2: (p + 1) * (p + 2) // 2] / SCALE
+                    np.testing.assert_allclose(row, pat[layer, head, p, : p + 1], atol=0.5 / SCALE + 1e-9)
+
+
+def test_the_page_explains_the_view_and_offers_every_layer_and_head(report):
+    soup = BeautifulSoup(report.read_text(encoding="utf-8"), "html.parser")
+    explorer = soup.select_one("#explorer-0")
+    assert [o["value"] for o in explorer.select("select.pattern-layer option")] == ["0", "1"]
+    assert [o["value"] for o in explorer.select("select.pattern-head option")] == ["0", "1", "2", "3"]  # the most heads
+    notes = " ".join(p.get_text() for p in explorer.select("p.note"))
+    assert "hook_pattern" in notes and "Stored for the first 16 tokens, in thousandths" in notes
+    assert len(explorer.select(".pattern-grid div.plot")) == 3
+    # the depth-routing grid keeps one chart per model: the pattern charts sit in their own grid
+    assert len(explorer.select(".grid:not(.reading) div.plot")) == 3
+
+
+def test_traces_recorded_with_patterns_need_no_readings(models, tmp_path):
+    trace = Probe(models["full"], name="full").run(TEXT[:20], patterns=True)
+    page = tmp_path / "saved.html"
+    build_report([trace], page)
+    data = explorer_data(page.read_text(encoding="utf-8"))
+    (pm,) = data["patterns"]
+    assert pm["n"] == 20
+    p = 7
+    row = np.asarray(pm["w"][1][0][p * (p + 1) // 2: (p + 1) * (p + 2) // 2]) / SCALE
+    np.testing.assert_allclose(row, trace.pattern(1, 0, token=p)[: p + 1], atol=0.5 / SCALE + 1e-9)
+
+
+def test_without_patterns_the_explorer_says_how_to_get_them(traces, tmp_path):
+    page = tmp_path / "plain.html"
+    build_report(traces, page)
+    soup = BeautifulSoup(page.read_text(encoding="utf-8"), "html.parser")
+    assert "patterns=True" in soup.select_one("#explorer p.no-patterns").get_text()
+    assert explorer_data(str(soup))["patterns"] == []
+    assert pattern_source(traces[0], None) is None
+
+
+def test_the_patterns_cost_few_bytes(traces, readings, tmp_path):
+    """The patterns add about one short integer per stored weight (L H n (n+1)/2 per model) and a chart per model."""
+    with_p, without = tmp_path / "with.html", tmp_path / "without.html"
+    build_report(traces, with_p, readings=readings)
+    build_report(traces, without, readings={k: {**v, "patterns": None} for k, v in readings.items()})
+    added = with_p.stat().st_size - without.stat().st_size
+    weights = sum(r["patterns"].shape[0] * r["patterns"].shape[1] * 16 * 17 // 2 for r in readings.values())
+    assert 0 < added < 5 * weights + 3 * 20_000, (added, weights)
+
+
+def test_pattern_tokens_default_matches_the_readings():
+    from attnres_probe.reports.recording import READING_TOKENS
+
+    assert PATTERN_TOKENS == READING_TOKENS
+
+
+# -- in Chromium -------------------------------------------------------------------------------------
+CHROMIUM = os.environ.get("ATTNRES_CHROMIUM", "/usr/bin/chromium")
+CHROMEDRIVER = os.environ.get("ATTNRES_CHROMEDRIVER", "/usr/bin/chromedriver")
+BARS = """
+const gd = document.getElementById(arguments[0]);
+const y = gd.data[0].y._inputArray || gd.data[0].y;
+return JSON.stringify({y: Array.from(y), title: gd.layout.title.text, opacity: gd.style.opacity});
+"""
+CHOOSE = """
+const select = document.querySelector(arguments[0]);
+select.value = arguments[1];
+select.dispatchEvent(new Event('change'));
+"""
+
+
+@pytest.mark.browser
+def test_the_page_draws_the_chosen_token_layer_and_head(report, readings):
+    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
+        pytest.skip(f"needs Chromium and ChromeDriver ({CHROMIUM}, {CHROMEDRIVER})")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless", *CHROME_FLAGS):
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    try:
+        driver.get(report.as_uri())
+        assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
+        divs = driver.execute_script("return Array.from(document.querySelectorAll('#explorer-0 .pattern-grid div.plot'), d => d.id)")
+        assert len(divs) == 3
+        driver.execute_script(CHOOSE, "#explorer-0 select.token", "9")
+        driver.execute_script(CHOOSE, "#explorer-0 select.pattern-layer", "1")
+        driver.execute_script(CHOOSE, "#explorer-0 select.pattern-head", "3")
+        for name, div in zip(RESIDUALS, divs):
+            got = json.loads(driver.execute_script(BARS, div))
+            if name != "block":  # 2 heads: head 3 is not there, the chart is dimmed
+                assert got["opacity"] == "0.25"
+                continue
+            want = readings[name]["patterns"][1, 3, 9, :10]
+            np.testing.assert_allclose(got["y"], want, atol=0.5 / SCALE + 1e-9)
+            assert re.search(r"token 9 .* · layer 1 head 3<br>attention weight \(softmax over key positions\)", got["title"])
+        driver.execute_script(CHOOSE, "#explorer-0 select.pattern-head", "1")
+        got = json.loads(driver.execute_script(BARS, divs[0]))
+        np.testing.assert_allclose(got["y"], readings["prenorm"]["patterns"][1, 1, 9, :10], atol=0.5 / SCALE + 1e-9)
+        assert got["opacity"] == "1"
+        driver.execute_script(CHOOSE, "#explorer-0 select.token", "20")  # past the 16 stored tokens
+        hidden = driver.execute_script("return document.querySelector('#explorer-0 .pattern-missing').hidden")
+        assert hidden is False
+    finally:
+        driver.quit()
