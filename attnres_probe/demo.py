@@ -35,11 +35,10 @@ import torch
 from attnres_probe.config import ModelConfig
 from attnres_probe.io import atomic_write
 from attnres_probe.model import AttnResTransformer
+from attnres_probe.demo_recipe import DEMO_BLOCK_SIZE, DEMO_NAMES, DEMO_THREADS, DEMO_TRAIN
 from attnres_probe.tokenizer import ByteTokenizer
 
 __all__ = ["DEMO_MODEL", "DEMO_NAMES", "DEMO_TRAIN", "build_demo_models", "demo_dir", "demo_validation_batches", "demo_validation_documents", "load_demo"]
-
-DEMO_NAMES = ("prenorm", "full", "block")
 
 # One configuration for all three; only `residual` (and block_size for block) differs.
 DEMO_MODEL = ModelConfig(
@@ -50,21 +49,7 @@ DEMO_MODEL = ModelConfig(
     residual="full",
     seed=0,
 )
-DEMO_BLOCK_SIZE = 4  # 4 sublayers = 2 transformer layers per block -> 4 blocks
 
-DEMO_TRAIN = dict(
-    steps=8000,
-    batch_size=16,
-    lr=3e-3,
-    warmup_steps=100,
-    eval_every=500,  # validation, and a resumable save
-    eval_batches=8,
-    seed=0,
-    corpus="shakespeare",
-    split="plays",  # whole plays held out (docs/study/plan-v3.md): the shipped models are seed 0 of study v3
-    probe_every=250,  # routing over training (the over-training view)
-)
-DEMO_THREADS = 1  # part of what makes a rebuild bit-exact (docs/study/plan-v3.md says why one)
 
 
 def demo_config(name: str) -> ModelConfig:

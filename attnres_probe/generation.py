@@ -145,9 +145,16 @@ def generate(
         steps = tqdm(steps, desc="generate")
     finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
     with torch.no_grad():
-        for _ in steps:
+        for step in steps:
             window = tokens[:, -cfg.n_ctx :]  # the last n_ctx tokens, positions counted from the window's start
             logits = model(window, return_type="logits")[:, -1, :]
+            if not bool(torch.isfinite(logits).all()):  # argmax of NaN is token 0: say so instead of emitting it
+                rows = (~torch.isfinite(logits)).any(-1).nonzero().flatten().tolist()
+                raise ValueError(
+                    f"generate: the next-token logits at step {step} are not finite (rows {rows}); nothing is "
+                    "generated from them. A hook attached to the model likely produced NaN or inf (the model's "
+                    "NonFiniteWarning names the first hook point with a non-finite value)"
+                )
             nxt = sample_logits(logits, 0.0 if greedy else temperature, top_k, top_p, generator)
             if eos:
                 nxt = torch.where(finished, eos_t[0], nxt)  # finished rows are filled with EOS, as TransformerLens

@@ -33,9 +33,10 @@ def hooks_attached(model: Any) -> list[str]:
     return [name for name, hp in model.hook_dict.items() if hp._forward_hooks]
 
 
-def first_non_finite_hook(model: Any, tokens: torch.Tensor) -> str | None:
+def first_non_finite_hook(model: Any, tokens: torch.Tensor, detail: dict | None = None) -> str | None:
     """The first hook point, in forward order, whose value (after its hooks) is not finite in
-    a forward of ``tokens`` under the hooks attached now; None if every one is finite."""
+    a forward of ``tokens`` under the hooks attached now; None if every one is finite. ``detail``,
+    if given, receives the share of non-finite entries there (``"share"``)."""
     found: list[str] = []
     handles = []
 
@@ -47,6 +48,8 @@ def first_non_finite_hook(model: Any, tokens: torch.Tensor) -> str | None:
                 bad = (torch.isnan(output) | torch.isposinf(output)) if scores else ~torch.isfinite(output)
                 if bool(bad.any()):
                     found.append(name)
+                    if detail is not None:
+                        detail["share"] = float(bad.float().mean())
 
         return hook
 
@@ -73,17 +76,49 @@ def warn_if_non_finite(model: Any, tokens: torch.Tensor, outputs: dict[str, torc
     if not bad or getattr(model, "_checking_finite", False):
         return
     hooked = set(hooks_attached(model))
-    first = first_non_finite_hook(model, tokens)
+    detail: dict = {}
+    first = first_non_finite_hook(model, tokens, detail)
     if first is None:
         where = ("no hook point held a non-finite value when the forward was run again (the hooks may not "
                  "be deterministic); the non-finite values arose after the last hook point")
     else:
         where = (f"the first hook point with a non-finite value is {first!r} "
-                 + ("(hooks are attached there)" if first in hooked else "(no hook is attached there: look at the hooks before it)"))
+                 + ("(hooks are attached there)" if first in hooked else "(no hook is attached there: look at the hooks before it)")
+                 + f", {detail.get('share', 0.0):.0%} of its entries")
+        where += _cause(model, first, first in hooked)
     warnings.warn(
         f"the forward's {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not finite with hooks attached at "
-        f"{len(hooked)} hook point(s); {where}. Depth weights a hook returns are used as given (not renormalised); "
-        "unavailable columns of hook_weights are 0 and of hook_logits -inf",
+        f"{len(hooked)} hook point(s); {where}",
         NonFiniteWarning,
-        stacklevel=3,
+        stacklevel=_user_stacklevel(),
     )
+
+
+def _cause(model: Any, name: str, hooked: bool) -> str:
+    """A likely cause, for the depth-routing hooks: what the read sees and what a renormalisation does there."""
+    if not (hooked and name.endswith(("hook_weights", "hook_logits"))):
+        return ""
+    mixer = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else None
+    k = getattr(mixer, "visible", None)
+    sees = f"This read sees {k} source{'s' if k != 1 else ''} (columns 0..{k - 1}; the others are 0 in hook_weights, -inf in hook_logits). " if k else ""
+    if name.endswith("hook_weights"):
+        return (f". {sees}The hook returned non-finite weights: a row whose weights it set to sum to 0 gives 0/0 when "
+                "divided by its sum (weights are used as given, so a hook need not renormalise)")
+    return f". {sees}The hook returned NaN or +inf logits (-inf is allowed: that source gets weight 0)"
+
+
+def _user_stacklevel() -> int:
+    """The stack level of the first frame outside this package, torch and transformer_lens (the user's line)."""
+    import os
+    import sys
+
+    skip = tuple(os.path.dirname(m.__file__) for m in (sys.modules["torch"], sys.modules["transformer_lens"])
+                 if getattr(m, "__file__", None))
+    skip += (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),)  # the repository: attnres_probe and its folders
+    level, frame = 1, sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(skip) or os.sep + "tests" + os.sep in path:
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2

@@ -10,14 +10,19 @@ corrupted run through the read's ``hook_weights``, and the fraction of a metric 
 0: the patched routing changes nothing; 1: it alone turns the corrupted behaviour into the clean
 one (it can be negative or above one).
 
-**The metric.** Default: the logit difference at ``position`` (default -1, the last token)
-between the clean run's and the corrupted run's predicted next tokens,
-``logits[position, clean_top] - logits[position, corrupted_top]``, where ``clean_top`` and
-``corrupted_top`` are the argmax next tokens of the two runs there (TransformerLens's "correct
-minus wrong answer", with each prompt's own prediction as its answer). When both runs predict
-the same token the metric is identically 0 and :func:`patch` refuses. A user metric is any
-callable ``logits [pos, d_vocab] -> scalar`` (a tensor of one element or a float), called on one
-run's logits at every position; ``position`` then only matters to the default metric.
+**The metric.** Default: the logit difference at ``position`` between the clean run's and the
+corrupted run's predicted next tokens, ``logits[position, clean_top] - logits[position,
+corrupted_top]``, where ``clean_top`` and ``corrupted_top`` are the argmax next tokens of the two
+runs there (TransformerLens's "correct minus wrong answer", with each prompt's own prediction as
+its answer). ``position=None`` (default) picks the **last position where the two runs' top
+predictions differ**: two prompts that differ in a middle word often predict the same next token
+at the end (on the byte-level demo models, usually the same next byte), where the metric would be
+identically 0. The chosen position is in ``attrs["position"]`` (``attrs["position_auto"]`` True)
+and in the figures' titles. When no position differs, or an explicit ``position`` has the same
+prediction in both runs, :func:`patch` raises :class:`SamePrediction` (a ValueError naming what
+each run predicts and the positions where they differ). A user metric is any callable
+``logits [pos, d_vocab] -> scalar`` (a tensor of one element or a float), called on one run's
+logits at every position; ``position`` then only matters to the default metric.
 
 **The denominator.** ``m_clean - m_corrupted`` is set against the float32 roundoff of the metric
 (:func:`metric_roundoff`): where it is no larger than twice that bound the two runs are
@@ -84,6 +89,7 @@ __all__ = [
     "C_ROUNDOFF",
     "Donor",
     "Patch",
+    "SamePrediction",
     "WHATS",
     "logit_difference",
     "metric_roundoff",
@@ -130,6 +136,25 @@ class Donor:
     logits: torch.Tensor
     weights: dict[int, torch.Tensor] = field(default_factory=dict)
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class SamePrediction(ValueError):
+    """The default metric is identically 0: the clean and corrupted runs predict the same next token at
+    the metric's position (an explicit ``position``), or at every position (``position=None``).
+
+    Attributes:
+        position: the position asked for (0..n-1), or None when it was to be picked.
+        token, token_text: what both runs predict there (at the last position when none was asked
+            for); ``token_text`` None without a tokenizer.
+        differ: the positions where the two runs' predictions differ (may be empty).
+        n_tokens: the prompts' token length.
+    """
+
+    def __init__(self, message: str, *, position: int | None, token: int, token_text: str | None,
+                 differ: Sequence[int], n_tokens: int) -> None:
+        super().__init__(message)
+        self.position, self.token, self.token_text = position, token, token_text
+        self.differ, self.n_tokens = list(differ), n_tokens
 
 
 # -- checks -----------------------------------------------------------------------------------
@@ -403,7 +428,7 @@ def patch(
     corrupted: Any,
     metric: Callable[[torch.Tensor], Any] | None = None,
     *,
-    position: int = -1,
+    position: int | None = None,
     reads: Any = None,
     per_source: bool = False,
     what: str = "weights",
@@ -422,7 +447,9 @@ def patch(
         clean, corrupted: the two prompts (texts or token ids of one sequence), of the same token length.
         metric: ``logits [pos, d_vocab] -> scalar``; default the logit difference of the two runs'
             predicted next tokens at ``position`` (:func:`logit_difference`).
-        position: the position of the default metric (default -1, the last token).
+        position: the position of the default metric (negative counts from the end). Default None:
+            with the default metric, the last position where the two runs' predicted next tokens
+            differ (``attrs["position_auto"]`` True); with a user metric, unused.
         reads: read labels or indices to patch (default: every read, "final" included).
         per_source: one patch per read and source (``what="weights"`` only): that source's clean
             weight, the read's other weights kept as given.
@@ -440,15 +467,19 @@ def patch(
         patched), ``source_label`` ("all" then), ``what``, ``metric_patched``, ``recovered``,
         ``metric_clean``, ``metric_corrupted``. ``attrs`` holds ``metric_clean``,
         ``metric_corrupted``, ``denominator``, ``tolerance`` (the bound on |recovered - exact|
-        from float32 roundoff, :func:`metric_roundoff`), ``metric`` (its name), ``position``,
-        ``clean_top``/``corrupted_top`` (ids and, with a tokenizer, ``*_text``), ``positions``,
+        from float32 roundoff, :func:`metric_roundoff`), ``metric`` (its name), ``position`` (the
+        default metric's position, 0..n-1; None for a user metric without one), ``position_auto``
+        (True when it was picked), ``differ`` (the positions where the two runs' predictions differ),
+        ``clean_top``/``corrupted_top`` (ids and, with a tokenizer, ``*_text``), ``clean_text`` /
+        ``corrupted_text`` (the prompts; None without a tokenizer for token ids), ``positions``,
         ``read_labels``, ``source_labels``, ``counts`` (sources each read sees), ``name``,
         ``n_tokens``, ``what``, ``per_source``, ``joint``.
 
     Raises:
         ValueError: a PreNorm model; prompts of different token lengths (both lengths named), or
-            not one sequence each; the default metric when both runs predict the same token; an
-            unknown ``what``, read or position; ``per_source`` with ``what="input"``.
+            not one sequence each; an unknown ``what``, read or position; ``per_source`` with
+            ``what="input"``. :class:`SamePrediction` (a ValueError) for the default metric when both
+            runs predict the same token at ``position``, or at every position when none is given.
 
     Warns:
         RuntimeWarning: ``|m_clean - m_corrupted|`` is within roundoff (every ``recovered`` NaN).
@@ -469,27 +500,32 @@ def patch(
         raise ValueError(f"the clean prompt has {n_clean} tokens and the corrupted prompt {n_corrupt}; routing patching "
                          "needs prompts of the same token length (position by position)")
     n = n_clean
-    if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or not -n <= int(position) < n:
-        raise ValueError(f"position {position!r} is out of range; the prompts have {n} tokens")
-    position = int(position)
+    if position is not None:
+        if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or not -n <= int(position) < n:
+            raise ValueError(f"position {position!r} is out of range; the prompts have {n} tokens")
+        position = int(position) % n
     pos = _positions(positions, n)
     read_ids = _reads(reads, spec.read_labels)
     counts = spec.axis.counts
 
     donor = record_donor(probe, clean_t)
     corrupt_logits = _forward(probe, corrupt_t, [])[0]
-    attrs: dict[str, Any] = {"position": position}
+    decode = _decoder(probe)
+    clean_pred, corrupt_pred = donor.logits.argmax(-1), corrupt_logits.argmax(-1)
+    differ = [int(i) for i in torch.nonzero(clean_pred != corrupt_pred).flatten()]
+    attrs: dict[str, Any] = {"position": position, "position_auto": False, "differ": differ,
+                             "clean_text": _prompt_text(clean, clean_t, decode),
+                             "corrupted_text": _prompt_text(corrupted, corrupt_t, decode)}
     if metric is None:
-        clean_top = int(donor.logits[position].argmax())
-        corrupted_top = int(corrupt_logits[position].argmax())
-        decode = _decoder(probe)
+        if position is None:
+            if not differ:
+                raise _same_everywhere(int(clean_pred[-1]), n, decode)
+            position = differ[-1]
+            attrs.update(position=position, position_auto=True)
+        clean_top = int(clean_pred[position])
+        corrupted_top = int(corrupt_pred[position])
         if clean_top == corrupted_top:
-            shown = f" ({decode(clean_top)!r})" if decode else ""
-            raise ValueError(
-                f"the clean and corrupted runs both predict token {clean_top}{shown} at position {position}, so the "
-                "default metric logit[clean_top] - logit[corrupted_top] is identically 0: choose prompts whose next "
-                "tokens differ, another position, or pass metric=..."
-            )
+            raise _same_at(position, clean_top, differ, n, decode)
         metric = logit_difference(position, clean_top, corrupted_top)
         attrs.update(clean_top=clean_top, corrupted_top=corrupted_top)
         if decode:
@@ -548,6 +584,46 @@ def _decoder(probe: Any) -> Callable[[int], str] | None:
     return lambda i: str(tok.decode([int(i)]))
 
 
+def _prompt_text(given: Any, tokens: torch.Tensor, decode: Callable[[int], str] | None) -> str | None:
+    """The prompt as text: as given, or decoded token by token (None for token ids without a tokenizer)."""
+    if isinstance(given, str):
+        return given
+    if decode is None:
+        return None
+    return "".join(decode(int(t)) for t in tokens[0])
+
+
+def _shown(token: int, decode: Callable[[int], str] | None) -> str:
+    return f"token {token} ({decode(token)!r})" if decode else f"token {token}"
+
+
+def _listed(positions: Sequence[int], most: int = 12) -> str:
+    if len(positions) <= most:
+        return ", ".join(map(str, positions))
+    return f"{len(positions)} positions, the last {most} of them " + ", ".join(map(str, positions[-most:]))
+
+
+def _same_everywhere(token: int, n: int, decode: Callable[[int], str] | None) -> SamePrediction:
+    return SamePrediction(
+        f"the clean and corrupted runs predict the same next token at every one of the {n} positions (at the last "
+        f"position, {n - 1}, both predict {_shown(token, decode)}), so the default metric logit[clean_top] - "
+        "logit[corrupted_top] is identically 0 wherever it is taken. Try prompts that end where the next token "
+        "(a byte, on the byte-level demo models) differs, e.g. \"I pray you, sir\" and \"I pray you, lad\", or "
+        "pass metric=... (a callable logits [pos, d_vocab] -> scalar)",
+        position=None, token=token, token_text=decode(token) if decode else None, differ=[], n_tokens=n)
+
+
+def _same_at(position: int, token: int, differ: Sequence[int], n: int,
+             decode: Callable[[int], str] | None) -> SamePrediction:
+    where = (f"the two runs' predictions differ at positions {_listed(differ)} (position=None picks the last of them)"
+             if differ else "the two runs' predictions differ at no position")
+    return SamePrediction(
+        f"the clean and corrupted runs both predict {_shown(token, decode)} at position {position}, so the default "
+        f"metric logit[clean_top] - logit[corrupted_top] is identically 0 there; {where}. Choose another position, "
+        "prompts whose next tokens differ, or pass metric=...",
+        position=position, token=token, token_text=decode(token) if decode else None, differ=differ, n_tokens=n)
+
+
 # -- figures ----------------------------------------------------------------------------------
 def _labels(frame: pd.DataFrame, key: str, given: Sequence[str] | None) -> list[str]:
     if given is not None:
@@ -557,13 +633,62 @@ def _labels(frame: pd.DataFrame, key: str, given: Sequence[str] | None) -> list[
     raise ValueError(f"the frame has no attrs[{key!r}]: pass {key}= (the frame of patch() carries them)")
 
 
+PROMPT_CHARS = 28  # a prompt in a figure's title is cut to about this many characters
+
+
+def _short_pair(a: str, b: str, width: int = PROMPT_CHARS) -> tuple[str, str]:
+    """Two prompts cut to ``width`` characters each around where they first differ (a few characters
+    of context before it), with "…" where text was cut."""
+    if len(a) <= width and len(b) <= width:
+        return a, b
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    start = max(0, min(first - width // 3, max(len(a), len(b)) - width))
+
+    def cut(t: str) -> str:
+        return ("…" if start > 0 else "") + t[start: start + width] + ("…" if start + width < len(t) else "")
+
+    return cut(a), cut(b)
+
+
+def _context_parts(frame: pd.DataFrame) -> list[str]:
+    """Title lines naming the run: the two prompts (shortened) with their predicted tokens, and the
+    metric's position (and whether it was picked), from ``frame.attrs``. Escaped for plotly's HTML."""
+    import html
+
+    a = frame.attrs
+    texts = (a.get("clean_text"), a.get("corrupted_text"))
+    if not all(isinstance(t, str) for t in texts):
+        texts = (None, None)
+    else:
+        texts = _short_pair(*texts)
+    tops = [a.get(f"{k}_text", a.get(k)) for k in ("clean_top", "corrupted_top")]
+    sides = []
+    for which, text, top in zip(("clean", "corrupted"), texts, tops):
+        side = which + (f" {text!r}" if text is not None else "")
+        if top is not None:
+            side += f" → {top!r}"
+        sides.append(side)
+    parts = [" vs ".join(sides)] if any(t is not None for t in (*texts, *tops)) else []
+    position = a.get("position")
+    if position is not None and "clean_top" in a:
+        where = f"next token at position {position}"
+        if a.get("position_auto"):
+            where += " (picked: the last position where the two predictions differ)"
+        parts.append(where)
+    elif a.get("metric"):
+        parts.append(f"metric: {a['metric']}")
+    return [html.escape(p, quote=False) for p in parts]
+
+
 def patching_heatmap(frame: pd.DataFrame, read_labels: Sequence[str] | None = None,
                      source_labels: Sequence[str] | None = None) -> Any:
     """Reads (y, first at the top) x sources (x): the fraction of the metric recovered by patching one
     source's clean weight at one read (a frame of ``patch(..., per_source=True)``).
 
-    Follows :mod:`attnres_probe.figures`: a diverging scale centred on 0 (at least -1..1), blank
-    (NaN, no hover) cells for the sources a read cannot see, the unit in the title.
+    Follows :mod:`attnres_probe.figures`: a diverging scale centred on 0 and symmetric to the largest
+    |value| (stated in the title: real per-source effects are often a few tenths or less, which a fixed
+    -1..1 scale would leave blank), blank (NaN, no hover) cells for the sources a read cannot see, the
+    unit, the two prompts with their predicted tokens and the metric's position in the title.
     """
     import plotly.graph_objects as go
 
@@ -579,13 +704,15 @@ def patching_heatmap(frame: pd.DataFrame, read_labels: Sequence[str] | None = No
         z[int(row.read), int(row.source)] = row.recovered
         m[int(row.read), int(row.source)] = row.metric_patched
     finite = np.abs(z[np.isfinite(z)])
-    top = max(1.0, float(finite.max()) if finite.size else 1.0)
+    top = float(finite.max()) if finite.size else 0.0
+    scale = f"colour scale ±{top:.3g} (the largest |value|; white is 0)" if top > 0 else "every cell is 0"
+    top = top if top > 0 else 1.0
     name = frame.attrs.get("name", "")
-    parts = [p for p in (name, "routing patching: one source's clean depth weight at one read", f"{UNIT} (recovered)")
-             if p]
+    parts = [p for p in (name, f"routing patching: one source's clean depth weight at one read · {UNIT}") if p]
+    parts += _context_parts(frame) + [scale]
     heat = go.Heatmap(
         z=z, x=sources, y=reads, customdata=m, hoverongaps=False, colorscale=figures.DIVERGING_COLORSCALE,
-        zmin=-top, zmax=top, zmid=0.0, colorbar={"title": {"text": "recovered"}},
+        zmin=-top, zmax=top, zmid=0.0, colorbar={"title": {"text": UNIT, "side": "right"}},
         hovertemplate="read %{y}<br>source %{x}<br>recovered %{z:.4~g}<br>metric %{customdata:.4~g}<extra></extra>",
     )
     return go.Figure(data=[heat], layout=dict(
@@ -602,8 +729,11 @@ PATCH_COLORS = {"weights": "#1F77B4", "input": "#7F7F7F"}
 def patching_bars(frame: pd.DataFrame, *more: pd.DataFrame) -> Any:
     """The fraction of the metric recovered by patching each read (one bar per read; one colour per
     ``what`` when several per-read frames are given, e.g. weights beside whole inputs), with the
-    lines 0 (nothing recovered) and 1 (all of it)."""
+    lines 0 (nothing recovered) and 1 (all of it). The title names the two prompts, their predicted
+    tokens and the metric's position (from the first frame's ``attrs``)."""
     import plotly.graph_objects as go
+
+    from attnres_probe import figures
 
     data = []
     reads: list[str] = []
@@ -621,13 +751,13 @@ def patching_bars(frame: pd.DataFrame, *more: pd.DataFrame) -> Any:
                            hovertemplate=f"read %{{x}}<br>{label}<br>recovered %{{y:.4~g}}<br>metric %{{customdata:.4~g}}"
                                          "<extra></extra>"))
     name = frame.attrs.get("name", "")
-    title = " · ".join(p for p in (name, f"routing patching per read: {UNIT}") if p)
+    parts = [" · ".join(p for p in (name, f"routing patching per read: {UNIT}") if p)] + _context_parts(frame)
     lines = [{"type": "line", "xref": "paper", "x0": 0, "x1": 1, "yref": "y", "y0": v, "y1": v,
               "line": {"color": "#999" if v == 0 else "black", "width": 1, "dash": "solid" if v == 0 else "dash"}}
              for v in (0.0, 1.0)]
     return go.Figure(data=data, layout=dict(
-        title={"text": title}, barmode="group", shapes=lines, height=420, plot_bgcolor="white",
-        meta={"unit": UNIT},
+        title=figures._title_layout(parts), margin=figures._title_margin(parts), barmode="group", shapes=lines,
+        height=400 + figures.TITLE_LINE_PX * len(parts), plot_bgcolor="white", meta={"title_parts": parts, "unit": UNIT},
         xaxis={"title": {"text": "read"}, "categoryorder": "array", "categoryarray": reads, "tickangle": -45},
         yaxis={"title": {"text": "recovered"}, "zeroline": False, "tickformat": ".2~f"},
         legend={"orientation": "h", "y": -0.3},

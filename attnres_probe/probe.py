@@ -430,7 +430,7 @@ class Probe:
         return ablate(self, text_or_tokens, sources=sources, reads=reads, mode=mode, joint=joint, truncate=truncate)
 
     # -- routing patching ----------------------------------------------------------------
-    def patch(self, clean: Any, corrupted: Any, metric: Any = None, *, position: int = -1, reads: Any = None,
+    def patch(self, clean: Any, corrupted: Any, metric: Any = None, *, position: int | None = None, reads: Any = None,
               per_source: bool = False, what: str = "weights", positions: Any = None, joint: bool = False,
               batch_size: int = 32, truncate: bool = False):
         """Patch one read's depth weights (or whole input) from a clean run into a corrupted run of the
@@ -438,7 +438,9 @@ class Probe:
         ``(m_patched - m_corrupted) / (m_clean - m_corrupted)``, per read (or read and source).
 
         Default metric: ``logits[position, clean_top] - logits[position, corrupted_top]`` (each run's
-        predicted next token). PreNorm models are refused (fixed routing). Sanity checks: patching
+        predicted next token); ``position=None`` (default) takes the last position where the two runs'
+        predictions differ (``frame.attrs["position"]``; a ValueError lists what each run predicts when
+        none differs). PreNorm models are refused (fixed routing). Sanity checks: patching
         nothing recovers 0, the final read's whole input (``what="input", reads=["final"]``) 1. See
         :func:`attnres_probe.patching.patch` for every argument and the conventions.
         """

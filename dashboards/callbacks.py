@@ -189,8 +189,9 @@ VIEWS = ("expanded", "diff")
 
 
 def read_query(search: Any) -> dict:
-    """The view a link asks for: ``?token=N&kind=weights|contrib|logits&view=expanded,diff&text=...``.
-    Unknown or malformed values are dropped (a link never breaks the page)."""
+    """The view a link asks for: ``?token=N&kind=weights|contrib|logits&view=expanded,diff&layer=L&head=H&text=...``
+    (layer and head: the attention-pattern view's). Unknown or malformed values are dropped (a link never
+    breaks the page)."""
     if not isinstance(search, str) or not search.startswith("?"):
         return {}
     q = urllib.parse.parse_qs(search[1:], keep_blank_values=False)
@@ -204,14 +205,19 @@ def read_query(search: Any) -> dict:
         out["kind"] = q["kind"][0]
     if q.get("view"):
         out["view"] = [v for v in q["view"][0].split(",") if v in VIEWS]
+    for part in ("layer", "head"):
+        value = (q.get(part) or [""])[0]
+        if value.isdigit() and len(value) <= 4:
+            out[part] = int(value)
     if q.get("text"):
         out["text"] = q["text"][0]
     return out
 
 
-def view_query(ex: Explorer, token: Any, kind: Any, expanded: Any) -> Any:
+def view_query(ex: Explorer, token: Any, kind: Any, expanded: Any, layer: Any = None, head: Any = None) -> Any:
     """The query string of the current view (see :func:`read_query`); the text goes in only when it is
-    not the page's initial text (a link to the opening view stays short)."""
+    not the page's initial text (a link to the opening view stays short). ``layer``, ``head``: the
+    attention-pattern view's dropdowns (left out when not given)."""
     if not isinstance(token, dict):
         return no_update
     pos = _int(token.get("token"))
@@ -220,6 +226,9 @@ def view_query(ex: Explorer, token: Any, kind: Any, expanded: Any) -> Any:
     view = [v for v in VIEWS if isinstance(expanded, list) and v in expanded]
     if view:
         parts.append(("view", ",".join(view)))
+    for part, value in (("layer", _int(layer)), ("head", _int(head))):
+        if value is not None and value >= 0:
+            parts.append((part, str(value)))
     try:
         result = ex.result(token.get("key"))
     except UnknownKeyError:
@@ -258,6 +267,10 @@ def link_problem(ex: Explorer, result, search: Any) -> str:
     kind = (q.get("kind") or [None])[0]
     if kind is not None and kind not in KINDS:
         said.append(f"The link's colour {kind[:20]!r} is not one of {', '.join(KINDS)}.")
+    for part, count in zip(("layer", "head"), pattern_views._options(ex)):
+        value = (q.get(part) or [None])[0]
+        if value is not None and read_query(search).get(part, count) >= count:
+            said.append(f"The link's {part} {value[:20]!r} is not one of this page's {part}s (0..{count - 1}).")
     return " ".join(said)
 
 
@@ -266,7 +279,14 @@ def open_link(ex: Explorer, search: Any) -> dict:
     (its token is taken up by :func:`token_strip`)."""
     q = read_query(search)
     out = {"kind": q.get("kind", no_update), "expanded": q.get("view", no_update), "key": no_update,
-           "prompt": no_update, "status": no_update}
+           "prompt": no_update, "status": no_update, "layer": no_update, "head": no_update, "opened": no_update}
+    n_layers, n_heads = pattern_views._options(ex)
+    if q.get("layer", n_layers) < n_layers:
+        out["layer"] = q["layer"]
+    if q.get("head", n_heads) < n_heads:
+        out["head"] = q["head"]
+    if out["layer"] is not no_update or out["head"] is not no_update:
+        out["opened"] = "Opened on the layer and head the link asked for."
     text = q.get("text")
     if text is not None and ex.live and text != ex.initial.text:
         ran = run_prompt(ex, 1, text)
@@ -722,7 +742,9 @@ def register(app, ex: Explorer) -> None:
     )(_bind(token_strip, ex))
     # a shared link: its view at load; the view, as it changes, back into the address bar
     link_out = {"kind": Output(ids.KIND, "value"), "expanded": Output(ids.EXPANDED, "value"),
-                "status": Output(ids.PROMPT_STATUS, "children", allow_duplicate=True)}
+                "status": Output(ids.PROMPT_STATUS, "children", allow_duplicate=True),
+                "layer": Output(pattern_views.PATTERN_LAYER, "value"), "head": Output(pattern_views.PATTERN_HEAD, "value"),
+                "opened": Output(pattern_views.PATTERN_OPENED, "children")}
     if ex.live:
         link_out.update(key=Output(ids.KEY, "data", allow_duplicate=True), prompt=Output(ids.PROMPT, "value"))
 
@@ -731,7 +753,9 @@ def register(app, ex: Explorer) -> None:
         return {k: out[k] for k in link_out}
 
     app.callback(output=link_out, inputs=[Input(ids.URL, "search")], prevent_initial_call="initial_duplicate")(_open_link)
-    app.callback(Output(ids.QUERY, "data"), [Input(ids.TOKEN, "data"), Input(ids.KIND, "value"), Input(ids.EXPANDED, "value")],
+    app.callback(Output(ids.QUERY, "data"), [Input(ids.TOKEN, "data"), Input(ids.KIND, "value"), Input(ids.EXPANDED, "value"),
+                                             Input(pattern_views.PATTERN_LAYER, "value"),
+                                             Input(pattern_views.PATTERN_HEAD, "value")],
                  )(_bind(view_query, ex))
     app.clientside_callback(ClientsideFunction("attnres", "mark_source_token"), Output(ids.SOURCE_MARKED, "data"),
                             [Input(ids.TOKEN, "data")] + [Input(ids.panel_id("source", "graph", i), "figure") for i in range(n)],

@@ -34,7 +34,7 @@ MAGNITUDES = "magnitudes"
 GRADIENTS = "gradients"
 CARDS = "metric-cards"
 GLANCE = "glance"  # the first screen's headline table
-URL = "url"  # the page's address: ?token=N&kind=...&view=...&text=... (a shareable view)
+URL = "url"  # the page's address: ?token=N&kind=...&view=...&layer=L&head=H&text=... (a shareable view)
 QUERY = "view-query"  # the query string of the current view, which the browser puts in its address bar
 QUERY_SHOWN = "view-query-shown"  # the output of the browser-side callback that does so (always unchanged)
 SOURCE_MARKED = "source-token-marked"  # the output of the browser-side callback that marks it (always unchanged)

@@ -15,7 +15,7 @@ from typing import Any
 from dash import Input, Output, State, dcc, html, no_update
 
 from attnres_probe.dashboards.state import Explorer
-from attnres_probe.patching import patching_bars, patching_heatmap
+from attnres_probe.patching import SamePrediction, patching_bars, patching_heatmap
 
 __all__ = ["PATCH_CLEAN", "PATCH_CORRUPT", "PATCH_MODEL", "PATCH_RUN", "patching_section", "patching_view", "register"]
 
@@ -35,14 +35,47 @@ SHOWN, HIDDEN = {"display": "block"}, {"display": "none"}
 HELP = ("Run a clean and a corrupted prompt of the same token length, write one read's depth weights from the clean "
         "run into the corrupted run (its sources stay the corrupted run's) and measure the fraction of the metric "
         "recovered, (patched − corrupted) / (clean − corrupted). The metric is the logit of the clean run's next token "
-        "minus that of the corrupted run's, at the last token. The heatmap patches one source's weight at one read "
+        "minus that of the corrupted run's, at the last position where the two prompts' predicted next tokens differ "
+        "(two prompts that differ in a middle word often predict the same next token at the end). The heatmap patches one source's weight at one read "
         "(the read's other weights kept as they are, not renormalised); the bars patch each read's whole row of "
         "weights beside its whole input (weights and sources), where the final read's input recovers 1. "
         "Blank cells: sources a read cannot see.")
 
 
+PRENORM_OPTION = "PreNorm: fixed routing, nothing to patch"
+
+
 def _live_models(ex: Explorer) -> list[str]:
     return [n for n in ex.names if n in ex.probes]
+
+
+def _patchable(ex: Explorer) -> list[str]:
+    """The live models patching can run on (Full or Block AttnRes, not PreNorm)."""
+    return [n for n in _live_models(ex) if ex.residual_of(n) != "prenorm"]
+
+
+def _model_options(ex: Explorer, models: list[str]) -> list[dict]:
+    """The model menu: PreNorm models are listed but disabled (their routing is fixed, so patching
+    always refuses them), with the reason in their label."""
+    options = []
+    for m in models:
+        if ex.residual_of(m) == "prenorm":
+            options.append({"label": f"{m} ({PRENORM_OPTION})", "value": m, "disabled": True})
+        else:
+            options.append({"label": m, "value": m})
+    return options
+
+
+def _same_prediction_message(exc: SamePrediction) -> str:
+    """The card's words for two prompts whose predictions never differ (no API text: the card has no
+    position or metric control)."""
+    shown = repr(exc.token_text) if exc.token_text is not None else f"token {exc.token}"
+    if exc.position is None:
+        return (f"Both prompts predict the same next token at every position ({shown} after the last one), so there "
+                "is no difference to recover. Try prompts whose continuations differ, e.g. ones that end inside the "
+                "word that differs.")
+    return (f"Both prompts predict {shown} next at position {exc.position}, so there is no difference to recover there. "
+            "Try prompts whose continuations differ.")
 
 
 def patching_section(ex: Explorer) -> html.Section:
@@ -53,14 +86,19 @@ def patching_section(ex: Explorer) -> html.Section:
         return html.Section([title, html.P("Routing patching runs two prompts through a live Full or Block AttnRes "
                                            "model; this dashboard has saved traces only.", className="notice",
                                            id=PATCH_STATUS)], className="card", id=SECTION_ID)
-    first = next((n for n in models if ex.residual_of(n) != "prenorm"), models[0])
+    if not _patchable(ex):
+        return html.Section([title, html.P("Routing patching runs two prompts through a live Full or Block AttnRes "
+                                           "model; this dashboard's live models are PreNorm, whose routing is fixed "
+                                           "(every source enters each read with weight 1).", className="notice",
+                                           id=PATCH_STATUS)], className="card", id=SECTION_ID)
+    first = _patchable(ex)[0]
     return html.Section(
         [
             title,
             html.P(HELP, className="help"),
             html.Div(
                 [html.Label("model", className="control-label"),
-                 dcc.Dropdown(id=PATCH_MODEL, options=[{"label": m, "value": m} for m in models], value=first,
+                 dcc.Dropdown(id=PATCH_MODEL, options=_model_options(ex, models), value=first,
                               clearable=False, className="dropdown")],
                 className="row controls",
             ),
@@ -105,7 +143,7 @@ def patching_view(ex: Explorer, n_clicks: Any, model: Any, clean: Any, corrupted
     if not n_clicks:
         return {**refused, "status": "Type a clean and a corrupted prompt of the same token length and press Patch."}
     if not isinstance(model, str) or model not in ex.probes:
-        return {**refused, "status": f"choose one of the live models: {', '.join(_live_models(ex)) or 'none'}"}
+        return {**refused, "status": f"choose one of the live models: {', '.join(_patchable(ex)) or 'none'}"}
     probe = ex.probes[model]
     if probe.spec.residual == "prenorm":
         return {**refused, "status": f"{model} is a PreNorm model: its routing is fixed (every source enters each read "
@@ -118,11 +156,17 @@ def patching_view(ex: Explorer, n_clicks: Any, model: Any, clean: Any, corrupted
             cells = probe.patch(clean, corrupted, per_source=True)
             rows = probe.patch(clean, corrupted)
             inputs = probe.patch(clean, corrupted, what="input")
+    except SamePrediction as exc:
+        return {**refused, "status": _same_prediction_message(exc)}
     except (ValueError, TypeError) as exc:
         return {**refused, "status": str(exc)}
     a = rows.attrs
     shown = {k: repr(a.get(f"{k}_text", a.get(k))) for k in ("clean_top", "corrupted_top")}
-    status = (f"{model}, {a['n_tokens']} tokens: at the last token the clean prompt predicts {shown['clean_top']} and "
+    last = a["n_tokens"] - 1
+    where = (f"at the last token (position {last})" if a["position"] == last else
+             f"at position {a['position']}, the last position where the two predictions differ (after the last token "
+             "both prompts predict the same)")
+    status = (f"{model}, {a['n_tokens']} tokens: {where} the clean prompt predicts {shown['clean_top']} and "
               f"the corrupted one {shown['corrupted_top']}; the metric (logit difference) is {a['metric_clean']:.4g} "
               f"clean and {a['metric_corrupted']:.4g} corrupted.")
     weights = rows.dropna(subset=["recovered"])
@@ -135,8 +179,8 @@ def patching_view(ex: Explorer, n_clicks: Any, model: Any, clean: Any, corrupted
 
 
 def register(app, ex: Explorer) -> None:
-    """Bind :func:`patching_view` to ``app`` (only when the section has its controls: a live model)."""
-    if not _live_models(ex):
+    """Bind :func:`patching_view` to ``app`` (only when the section has its controls: a live AttnRes model)."""
+    if not _patchable(ex):
         return
 
     def _patching(n_clicks, model, clean, corrupted):

@@ -14,10 +14,16 @@ pass without gradients that hooks that layer only and ends after it
 (attention is causal), a later token past it runs the whole text once, and from then on another
 token or head of that layer costs a slice. A saved trace shows the patterns it holds (recorded with
 ``patterns=True``), else a note.
+
+The page opens on the most concentrated head at the opening token (:func:`opening_head`: the lowest
+entropy of the pattern row, averaged over the AttnRes models), not on layer 0 head 0, which is
+often flat; a note says so. That costs one forward pass per live model when the page is built,
+over the text up to the opening token, keeping that token's row of every layer and head only.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -28,10 +34,11 @@ from dash import Input, Output, dcc, html, no_update
 from attnres_probe import figures
 from attnres_probe.dashboards.state import Explorer, UnknownKeyError
 
-__all__ = ["PATTERN_HEAD", "PATTERN_LAYER", "PatternCache", "pattern_section", "pattern_views", "register"]
+__all__ = ["PATTERN_HEAD", "PATTERN_LAYER", "PatternCache", "opening_head", "pattern_section", "pattern_views", "register"]
 
 PATTERN_LAYER = "pattern-layer"
 PATTERN_HEAD = "pattern-head"
+PATTERN_OPENED = "pattern-opened"  # the note saying which layer and head the page opened on, and why
 SECTION_ID = "attention-patterns"
 TOKEN_STORE = "token"  # the selected-token store of the page (attnres_probe.dashboards.layout.TOKEN)
 GRAPH_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "svg"}}
@@ -69,9 +76,65 @@ def _options(ex: Explorer) -> tuple[int, int]:
     return max((s[0] for s in shapes), default=1), max((s[1] for s in shapes), default=1)
 
 
+def _opening_rows(ex: Explorer, name: str, trace: Any, pos: int) -> np.ndarray:
+    """[layer, head, key] of one entry at token ``pos`` of the initial text: a live model runs the text up
+    to that token and keeps its row (not cached: only the row is needed); a saved trace slices its own."""
+    if name in ex.probes:
+        import torch
+
+        tokens = np.ascontiguousarray(trace.tokens[:1, : pos + 1])
+        with ex._model_lock:
+            out = ex.probes[name].attention_patterns(torch.from_numpy(tokens).long(), positions=[pos])
+        return np.asarray(out[0, :, :, 0, : pos + 1], dtype=np.float64)
+    return np.asarray(trace.patterns[0, :, :, pos, : pos + 1], dtype=np.float64)
+
+
+def opening_head(ex: Explorer) -> tuple[int, int, str]:
+    """The layer and head the page opens on, and why: at the token the page opens on
+    (:func:`~attnres_probe.analysis.windows.informative_token`, as the token strip), the head whose
+    pattern row is the most concentrated, the lowest entropy of its weights averaged over the AttnRes
+    models (all the models with patterns when none is AttnRes), among the layers and heads they all
+    have. (0, 0, "") when there is nothing to choose between (no patterns, or token 0, where every head
+    puts all its weight on the token itself); never raises.
+
+    Returns:
+        (layer, head, a one-line note)
+    """
+    from attnres_probe.analysis.windows import informative_token
+
+    try:
+        result = ex.initial
+        pos, _ = informative_token(result.traces.values())
+        have = [n for n in ex.names if n in result.traces and _shape(ex, n) is not None
+                and 0 <= pos < int(result.traces[n].mask[0].sum())]
+        routed = [n for n in have if ex.residual_of(n) != "prenorm"]
+        chosen = routed or have
+        if not chosen or pos < 1:
+            return 0, 0, ""
+        rows = [_opening_rows(ex, n, result.traces[n], pos) for n in chosen]
+        n_layers, n_heads = min(r.shape[0] for r in rows), min(r.shape[1] for r in rows)
+        entropy = np.zeros((n_layers, n_heads))
+        for r in rows:
+            w = np.clip(r[:n_layers, :n_heads], 0.0, None)
+            w = w / np.maximum(w.sum(-1, keepdims=True), 1e-30)
+            entropy += -np.sum(np.where(w > 0, w * np.log(np.where(w > 0, w, 1.0)), 0.0), axis=-1) / len(rows)
+        if not np.isfinite(entropy).all() or np.ptp(entropy) < 1e-9:
+            return 0, 0, ""
+        layer, head = (int(i) for i in np.unravel_index(int(np.argmin(entropy)), entropy.shape))
+    except Exception:  # choosing the opening head must never break the page: layer 0 head 0 then
+        return 0, 0, ""
+    tok = figures.show_token(str(result.str_tokens[pos])) if pos < len(result.str_tokens) else ""
+    return layer, head, (
+        f"Opened on layer {layer} head {head}, the most concentrated pattern at this token ({pos} '{tok}'): the "
+        f"lowest entropy of its weights, {entropy[layer, head]:.2f} nats averaged over {', '.join(chosen)} "
+        f"({math.log(pos + 1):.2f} would be an even spread over the {pos + 1} tokens it sees).")
+
+
 def pattern_section(ex: Explorer) -> html.Section:
-    """The section: layer and head dropdowns, then one panel per model (a note and the pattern chart)."""
+    """The section: layer and head dropdowns (opened on :func:`opening_head`, with its note), then one
+    panel per model (a note and the pattern chart)."""
     n_layers, n_heads = _options(ex)
+    layer0, head0, opened = opening_head(ex)
     panels = []
     for i, name in enumerate(ex.names):
         color = ex.colors[name]
@@ -91,13 +154,14 @@ def pattern_section(ex: Explorer) -> html.Section:
                 [
                     html.Label("layer", className="control-label", htmlFor=PATTERN_LAYER),
                     dcc.Dropdown(id=PATTERN_LAYER, options=[{"label": f"layer {i}", "value": i} for i in range(n_layers)],
-                                 value=0, clearable=False, className="dropdown"),
+                                 value=layer0, clearable=False, className="dropdown"),
                     html.Label("head", className="control-label", htmlFor=PATTERN_HEAD),
                     dcc.Dropdown(id=PATTERN_HEAD, options=[{"label": f"head {h}", "value": h} for h in range(n_heads)],
-                                 value=0, clearable=False, className="dropdown"),
+                                 value=head0, clearable=False, className="dropdown"),
                 ],
                 className="row controls",
             ),
+            html.P(opened, id=PATTERN_OPENED, className="help"),
             html.Div(panels, className="panels"),
         ],
         className="card",

@@ -30,11 +30,12 @@ from attnres_probe import figures
 from attnres_probe.ablation import MODES as ABLATION_MODES
 from attnres_probe.ablation import weight_beside_effect
 from attnres_probe.probe import Probe
+from attnres_probe.texts import SHORT_TEXT
 from attnres_probe.trace import DepthTrace
 
 __all__ = ["ABLATION_MODES", "DEFAULT_TEXT", "Explorer", "PromptError", "Result", "UnknownKeyError"]
 
-DEFAULT_TEXT = "The for statement is used to iterate over the elements of a sequence (such as a string or list)."
+DEFAULT_TEXT = SHORT_TEXT  # a passage of a play the demo models never trained on (attnres_probe.texts)
 KEY_PATTERN = re.compile(r"^[a-z]+-[0-9a-f]{16}$")
 CHARS_PER_TOKEN_LIMIT = 8  # raw-length cap before tokenising: max_chars = this * n_ctx (at least 1024) ...
 MAX_CHARS = 1 << 16  # ... and at most this (models without a real context limit)

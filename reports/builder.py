@@ -12,8 +12,8 @@ Escaping: the Jinja2 template autoescapes every string; JSON inside ``<script>``
 Size: the explorer stores, for every token and model, the weight, logit and contribution of each
 available cell rounded to ``explorer_digits`` significant digits (unavailable trailing cells are
 left out). Three 17-read demo models on 256 tokens add about 2 MB to plotly.js's 4.8 MB; their
-attention patterns at the first 64 tokens (every layer and head, in thousandths:
-:mod:`attnres_probe.reports.patterns`) about 0.5 MB more.
+attention patterns at the first 64 tokens (every layer and head, each row to 4 significant
+digits of its largest weight: :mod:`attnres_probe.reports.patterns`) about 0.7 MB more.
 """
 
 from __future__ import annotations

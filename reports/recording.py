@@ -21,6 +21,7 @@ from typing import Any
 
 from attnres_probe.io import weights_sha256
 from attnres_probe.probe import Probe
+from attnres_probe.texts import REPORT_TEXT
 from attnres_probe.trace import DepthTrace
 
 __all__ = ["MAX_TOKENS", "SAMPLE_TEXT", "record_checkpoints", "record_demos", "record_text"]
@@ -29,18 +30,9 @@ __all__ = ["MAX_TOKENS", "SAMPLE_TEXT", "record_checkpoints", "record_demos", "r
 # (about 60 kB per token at the demo size). 8192 tokens stay under about half a gigabyte.
 MAX_TOKENS = 8192
 
-# 256 ASCII bytes = 256 tokens of the byte tokenizer = two windows of the demo models' 128.
-SAMPLE_TEXT = (
-    "def mean(values):\n"
-    '    """Return the arithmetic mean of a non-empty list of numbers."""\n'
-    "    total = 0\n"
-    "    for value in values:\n"
-    "        total += value\n"
-    "    return total / len(values)\n"
-    "\n"
-    "The assert statement is a convenient way to insert debugging assertions in a program.\n"
-)
-SAMPLE_TEXT = (SAMPLE_TEXT * 2)[:256]
+# 256 ASCII bytes = 256 tokens of the byte tokenizer = two windows of the demo models' 128: a held-out
+# passage of a play the demo models never trained on (attnres_probe.texts)
+SAMPLE_TEXT = REPORT_TEXT
 
 
 def record_text(

@@ -51,10 +51,10 @@ def test_user_errors_are_one_line_with_status_2(tmp_path, capsys):
     assert "text has 100 tokens; this model's context is 24" in capsys.readouterr().err
 
 
-def test_unknown_subcommand_exits_with_usage():
-    with pytest.raises(SystemExit) as err:
-        main(["frobnicate"])
-    assert err.value.code == 2
+def test_unknown_subcommand_exits_with_status_2_and_lists_the_commands(capsys):
+    assert main(["frobnicate"]) == 2
+    err = capsys.readouterr().err
+    assert "'frobnicate' is not a command" in err and "did you mean" not in err and "attnres-probe --help" in err
 
 
 def test_summary_of_a_demo_model_with_the_default_text(capsys):
@@ -239,6 +239,33 @@ def test_an_unknown_flag_gets_the_commands_usage_and_the_nearest_flags(argv, hin
     err = capsys.readouterr().err
     assert exc.value.code == 2 and hint in err
     assert f"usage: attnres-probe {argv[0]}" in err and f"see `attnres-probe {argv[0]} --help`" in err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["report", "--txet", "hi"], "--txet: did you mean --text?"),  # was hidden behind "--out is required"
+    (["report", "--out", "x.html", "--txet", "hi"], "--txet: did you mean --text?"),  # ... or "one of --models ... is required"
+])
+def test_a_typo_is_named_before_the_required_arguments_are_checked(argv, said, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_mistyped_command_gets_the_nearest_command(capsys):
+    assert main(["dahs"]) == 2
+    err = capsys.readouterr().err
+    assert "'dahs' is not a command; did you mean `attnres-probe dash`?" in err and "demo-models" in err
+
+
+def test_the_demo_parsers_name_the_kernels_backends_without_importing_torch():
+    from attnres_probe.demo_recipe import BACKEND_NAMES
+    from attnres_probe.kernels import BACKENDS
+
+    assert BACKEND_NAMES == BACKENDS
+    code = ("import sys\nfrom attnres_probe.cli import build_parser\nbuild_parser('demo'); build_parser('demo-models'); "
+            "build_parser('dash')\nprint('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False"], done.stdout + done.stderr
 
 
 def test_a_flag_near_none_gets_no_suggestion_and_dash_refuses_it_before_importing_dash():

@@ -280,3 +280,23 @@ def test_the_play_split_is_refused_for_other_corpora_with_the_accepted_values():
         TrainConfig(corpus="shakespeare", split="random")
     with pytest.raises(DataError, match="corpus 'pydoc' has no plays"):
         load_corpus("pydoc").split(split="plays")
+
+
+def test_the_default_texts_are_a_held_out_passage_the_demo_models_never_trained_on(plays):
+    """The pages opened on Python code, out of the demo models' domain (walkthrough, #35): the
+    default is now a passage of a held-out play, found in its edition and in no training window."""
+    from attnres_probe import texts
+    from attnres_probe.cli.record import DEFAULT_TEXT as RECORD_TEXT
+    from attnres_probe.dashboards.state import DEFAULT_TEXT as DASH_TEXT
+    from attnres_probe.data import HELD_OUT_PLAYS
+    from attnres_probe.reports import SAMPLE_TEXT
+
+    assert texts.HELD_OUT_PLAY in HELD_OUT_PLAYS
+    assert DASH_TEXT == RECORD_TEXT == texts.SHORT_TEXT and SAMPLE_TEXT == texts.REPORT_TEXT
+    assert len(texts.SHORT_TEXT.encode()) <= 128 and len(texts.REPORT_TEXT.encode()) == 256
+    a, b = next((a, b) for name, a, b in plays.document_spans() if name == "texts/as_you_like_it_gut.txt")
+    edition = bytes(plays.tokens[a:b].tolist()).decode("utf-8", "replace")
+    assert texts.PASSAGE in edition
+    train, _ = plays.split(seq_len=128, split="plays")
+    passage = torch.tensor(list(texts.PASSAGE.encode()))
+    assert not np.isin(_shingles(passage), _shingles(train)).any()

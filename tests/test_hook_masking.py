@@ -171,3 +171,31 @@ def test_the_warning_names_the_first_non_finite_point_when_it_has_no_hook():
         with torch.no_grad():
             model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.hook_attn_out", lambda x, hook: None)])
             model(tokens)
+
+
+def test_the_warning_says_why_for_a_read_that_sees_one_source_and_points_at_the_users_line():
+    """The walkthrough's case: renormalising after zeroing the only source of L0.attn is 0/0."""
+    model = _model("full", "torch", None, {})
+
+    def renormalise_without_embedding(w, hook):
+        w = w.clone()
+        w[..., 0] = 0.0
+        return w / w.sum(-1, keepdim=True)
+
+    with pytest.warns(NonFiniteWarning) as rec:
+        model.run_with_hooks(sample_tokens(5), return_type="loss", fwd_hooks=[("blocks.0.attn_res.hook_weights", renormalise_without_embedding)])
+    (w,) = [w for w in rec if issubclass(w.category, NonFiniteWarning)]
+    msg = str(w.message)
+    assert "This read sees 1 source (columns 0..0" in msg and "sum to 0 gives 0/0" in msg and "100% of its entries" in msg
+    assert w.filename == __file__  # the user's line, not transformer_lens's or torch's
+
+
+def test_generate_refuses_non_finite_logits_instead_of_emitting_token_zero():
+    model = _model("full", "torch", None, {})
+
+    def poison(x, hook):
+        return x * float("nan")
+
+    with pytest.warns(NonFiniteWarning), model.hooks(fwd_hooks=[("blocks.1.hook_mlp_out", poison)]):
+        with pytest.raises(ValueError, match="logits at step 0 are not finite"):
+            model.generate("ab", max_new_tokens=3, do_sample=False, verbose=False)

@@ -16,6 +16,8 @@ from attnres_probe import Probe, load_demo
 from attnres_probe.patching import (
     UNIT,
     Patch,
+    SamePrediction,
+    _short_pair,
     logit_difference,
     metric_roundoff,
     patched_metrics,
@@ -158,15 +160,63 @@ def test_prompts_of_different_lengths_are_refused_naming_both(probes):
         probes["full"].patch(CLEAN, "I pray you, madam")
 
 
-def test_the_default_metric_is_refused_when_both_runs_predict_the_same_token(probes):
-    with pytest.raises(ValueError, match="identically 0"):
-        probes["full"].patch("Enter the king", "Enter the duke")
+# prompts differing in a middle word: the demo models predict the same next byte after both, but not
+# at every position (after "the k"/"the d" and on: positions 13, 14, 15 of 17)
+LORD, DUKE = "My lord, the king", "My lord, the duke"
+
+
+def test_the_default_position_is_the_last_where_the_predictions_differ(probes):
+    probe = probes["full"]
+    clean_t, corrupt_t = probe.tokenize(LORD)[0], probe.tokenize(DUKE)[0]
+    with torch.no_grad():
+        clean, corrupt = probe.logits(clean_t)[0], probe.logits(corrupt_t)[0]
+    differ = torch.nonzero(clean.argmax(-1) != corrupt.argmax(-1)).flatten().tolist()
+    assert differ and differ[-1] < clean.shape[0] - 1  # the last token's predictions agree: -1 would be refused
+    with pytest.raises(SamePrediction, match="differ at positions " + ", ".join(map(str, differ))):
+        probe.patch(LORD, DUKE, position=-1)
+    frame = probe.patch(LORD, DUKE)
+    p = differ[-1]
+    a = frame.attrs
+    assert a["position"] == p and a["position_auto"] is True and a["differ"] == differ
+    assert (a["clean_top"], a["corrupted_top"]) == (int(clean[p].argmax()), int(corrupt[p].argmax()))
+    assert a["clean_top"] != a["corrupted_top"] and a["denominator"] > 0
+    assert a["metric_clean"] == pytest.approx(float(clean[p, a["clean_top"]] - clean[p, a["corrupted_top"]]), abs=1e-5)
+    assert a["clean_text"] == LORD and a["corrupted_text"] == DUKE
+    # an explicit position keeps today's behaviour, normalised to 0..n-1
+    explicit = probe.patch(LORD, DUKE, position=p - clean.shape[0])
+    assert explicit.attrs["position"] == p and explicit.attrs["position_auto"] is False
+    np.testing.assert_array_equal(explicit["metric_patched"], frame["metric_patched"])
+
+
+def test_when_the_last_token_differs_the_default_position_is_the_last(per_read, probes):
+    n = probes["full"].tokenize(CLEAN)[0].shape[1]
+    assert per_read["full"].attrs["position"] == n - 1 and per_read["full"].attrs["position_auto"] is True
+
+
+def test_no_position_differing_is_refused_naming_what_both_runs_predict(probes):
+    probe = probes["full"]
+    with pytest.raises(SamePrediction) as info:
+        probe.patch("Sir,", "Sir!")  # the demo models predict the same byte after every prefix of both
+    exc, message = info.value, str(info.value)
+    assert isinstance(exc, ValueError) and exc.position is None and exc.differ == [] and exc.n_tokens == 4
+    assert "every one of the 4 positions" in message and "identically 0" in message
+    assert f"both predict token {exc.token} ({exc.token_text!r})" in message
+    assert "prompts that end where the next token" in message and "metric=" in message
+    # with an explicit position the message says where the predictions differ, or that they differ nowhere
+    with pytest.raises(SamePrediction, match="differ at no position"):
+        probe.patch("Sir,", "Sir!", position=-1)
+
+
+def test_a_user_metric_needs_no_position(probes):
+    frame = probes["full"].patch("Sir,", "Sir!", lambda logits: logits[-1, 0], reads=["final"])
+    assert frame.attrs["position"] is None and frame.attrs["position_auto"] is False
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"what": "sources"}, "what is 'sources'"),
     ({"what": "input", "per_source": True}, "per_source"),
     ({"position": 15}, "position 15 is out of range"),
+    ({"position": 1.5}, "position 1.5 is out of range"),
     ({"positions": [20]}, "position 20 is out of range"),
     ({"reads": ["L9.attn"]}, "read 'L9.attn' is not one of"),
 ])
@@ -230,8 +280,15 @@ def test_the_heatmap_is_blank_where_a_read_cannot_see_a_source(probes, name):
     seen = np.arange(z.shape[1])[None, :] < np.asarray(spec.axis.counts)[:, None]
     assert np.isfinite(z[seen]).all() and np.isnan(z[~seen]).all()
     heat = fig.data[0]
-    assert heat.zmid == 0 and heat.zmin == -heat.zmax and heat.zmax >= 1 and heat.colorscale[0][1] != heat.colorscale[-1][1]
-    assert UNIT in fig.layout.title.text and list(heat.y) == spec.read_labels and list(heat.x) == spec.source_labels
+    top = np.abs(z[seen]).max()
+    # symmetric to the largest |value| (not forced to -1..1: real cells are a few tenths at most)
+    assert heat.zmid == 0 and heat.zmin == -heat.zmax and heat.zmax == pytest.approx(top) and top < 1
+    assert heat.colorscale[0][1] != heat.colorscale[-1][1] and heat.colorbar.title.text == UNIT
+    title = fig.layout.title.text
+    assert UNIT in title and "(recovered)" not in title and f"±{top:.3g}" in title
+    assert "clean 'I pray you, sir' → ','" in title and "corrupted 'I pray you, lad' → 'y'" in title
+    assert f"position {probe.tokenize(CLEAN)[0].shape[1] - 1} (picked" in title
+    assert list(heat.y) == spec.read_labels and list(heat.x) == spec.source_labels
     with pytest.raises(ValueError, match="per_source=True"):
         patching_heatmap(probe.patch(CLEAN, CORRUPT, reads=["final"]))
 
@@ -240,6 +297,7 @@ def test_the_bars_show_each_reads_weights_beside_its_whole_input(probes, per_rea
     inputs = probes["full"].patch(CLEAN, CORRUPT, what="input")
     fig = patching_bars(per_read["full"], inputs)
     assert len(fig.data) == 2 and UNIT in fig.layout.title.text
+    assert "clean 'I pray you, sir' → ','" in fig.layout.title.text and "position 14" in fig.layout.title.text
     assert list(fig.data[0].x) == probes["full"].spec.read_labels
     np.testing.assert_array_equal(fig.data[1].y, inputs["recovered"].to_numpy())
     assert {s.y0 for s in fig.layout.shapes} == {0.0, 1.0}
@@ -266,3 +324,12 @@ def test_the_low_level_patches_refuse_columns_a_read_cannot_see(probes):
         patched_metrics(probe, tokens, donor, [[Patch(4, what="input", columns=(0,))]], lambda logits: logits[-1, 0])
     with pytest.raises(ValueError, match="same token length"):
         patched_metrics(probe, tokens[:, :-1], donor, [[Patch(4)]], lambda logits: logits[-1, 0])
+
+
+def test_long_prompts_are_cut_in_the_titles_around_where_they_differ(probes):
+    a, b = _short_pair("Now is the winter of our discontent made glorious summer",
+                       "Now is the summer of our discontent made glorious summer", width=20)
+    assert a.startswith("…") and a.endswith("…") and "winter" in a and "summer" in b and len(a) == 22
+    assert _short_pair("short", "shirt") == ("short", "shirt")
+    frame = probes["full"].patch("I pray you, <sir>", "I pray you, <lad>", reads=["final"])
+    assert "&lt;sir&gt;" in patching_bars(frame).layout.title.text  # escaped for plotly's HTML titles

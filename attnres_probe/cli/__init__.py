@@ -132,6 +132,24 @@ def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None, extras
     sub.error(message + f"; see `attnres-probe {command} --help`" if command else message)
 
 
+def _unknown_flags(parser: argparse.ArgumentParser, command: str | None, argv: Sequence[str]) -> list[str]:
+    """The ``--flags`` in ``argv`` that the command does not have (nor abbreviate, as argparse allows)."""
+    sub = parser
+    if command:
+        action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        sub = action.choices.get(command, parser) if action is not None else parser
+    known = [o for a in sub._actions for o in a.option_strings]
+    out = []
+    for arg in argv:
+        if arg == "--":
+            break
+        if arg.startswith("--") and len(arg) > 2:
+            flag = arg.split("=", 1)[0]
+            if flag not in known and not any(k.startswith(flag) for k in known):
+                out.append(arg)
+    return out
+
+
 def _command_of(argv: Sequence[str]) -> str | None:
     """The first word of ``argv`` that is not an option: the subcommand, if the line names one."""
     return next((a for a in argv if not a.startswith("-")), None)
@@ -167,7 +185,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command_of(argv)
+    names = [row[0] for row in SUBCOMMANDS]
+    if command is not None and command not in names:  # argparse lists the choices but suggests none
+        import difflib
+
+        near = difflib.get_close_matches(command, names, n=1, cutoff=0.6)
+        hint = f"; did you mean `attnres-probe {near[0]}`?" if near else ""
+        print(f"attnres-probe: error: {command!r} is not a command{hint} (commands: {', '.join(names)}; "
+              "see `attnres-probe --help`)", file=sys.stderr)
+        return 2
     parser = build_parser(command, every=False)
+    unknown = _unknown_flags(parser, command, argv)
+    if unknown:  # before the required-argument checks, which would otherwise hide a typo
+        _refuse_unknown(parser, command, unknown)
     args, extras = parser.parse_known_args(argv)
     if extras:
         _refuse_unknown(parser, getattr(args, "command", None), extras)

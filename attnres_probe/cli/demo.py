@@ -12,19 +12,19 @@ import argparse
 import json
 from pathlib import Path
 
-import pandas as pd
-
 from attnres_probe.cli import UserError, arg_range
-from attnres_probe.cli.record import DEFAULT_TEXT, layer_summary
-from attnres_probe.demo import DEMO_NAMES, DEMO_THREADS, DEMO_TRAIN, build_demo_models, ship_run
-from attnres_probe.kernels import BACKENDS
+from attnres_probe.demo_recipe import BACKEND_NAMES as BACKENDS
+from attnres_probe.demo_recipe import DEMO_NAMES, DEMO_THREADS, DEMO_TRAIN
 
 __all__ = ["add_demo_models_parser", "add_demo_parser"]
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     if args.summary:
+        import pandas as pd
+
         from attnres_probe import metrics
+        from attnres_probe.cli.record import DEFAULT_TEXT, layer_summary
         from attnres_probe.loading import demo_source, load_model
 
         traces = []
@@ -102,6 +102,8 @@ def _built_steps(folder: Path) -> int | None:
 
 
 def _run_demo_models(args: argparse.Namespace) -> int:
+    from attnres_probe.demo import build_demo_models, ship_run  # torch: only once the arguments parsed
+
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps is {args.steps}; it must be a positive step count")
     steps = args.steps or DEMO_TRAIN["steps"]

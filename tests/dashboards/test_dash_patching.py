@@ -27,6 +27,9 @@ def test_the_page_has_the_patching_section_with_both_prompts_and_the_live_models
             views.PATCH_BARS, views.PATCH_STATUS} <= _ids(section)
     (dropdown,) = find_components(section, lambda c: getattr(c, "id", None) == views.PATCH_MODEL)
     assert [o["value"] for o in dropdown.options] == list(ex.names) and dropdown.value == "full"  # the first AttnRes model
+    # PreNorm is always refused (fixed routing): listed, but disabled and saying why
+    disabled = {o["value"]: o["label"] for o in dropdown.options if o.get("disabled")}
+    assert disabled == {"prenorm": f"prenorm ({views.PRENORM_OPTION})"}
 
 
 def test_the_callback_is_registered_on_the_app(app):
@@ -63,12 +66,38 @@ def test_patching_two_prompts_draws_the_heatmap_and_the_bars(ex, name):
     (["full"], CLEAN, CORRUPT, "choose one of the live models"),
     ("full", "", CORRUPT, "clean prompt is empty"),
     ("full", CLEAN, None, "corrupted prompt is empty"),
-    ("full", "The cat sat", "The dog sat", "identically 0"),
+    ("full", "abc", "abc", "Both prompts predict the same next token at every position"),
 ])
 def test_what_cannot_be_patched_gets_a_message_and_no_chart(ex, model, clean, corrupt, message):
     out = views.patching_view(ex, 1, model, clean, corrupt)
     assert message in out["status"]
     assert out["graphs"] == views.HIDDEN and out["heatmap"] is no_update and out["bars"] is no_update
+
+
+def test_prompts_predicting_the_same_everywhere_get_the_cards_own_words(ex):
+    status = views.patching_view(ex, 1, "block", "The cat", "The cat")["status"]
+    assert "Try prompts whose continuations differ" in status
+    assert "metric=" not in status and "position=" not in status and "identically" not in status  # no API text
+
+
+def test_the_metric_is_taken_at_the_last_position_where_the_predictions_differ(ex):
+    clean, corrupt = "The cat sat", "The dog sat"  # the tiny Full model's predictions agree after the last token
+    frame = ex.probes["full"].patch(clean, corrupt)
+    p = frame.attrs["position"]
+    assert frame.attrs["position_auto"] and p == frame.attrs["differ"][-1] < len(clean) - 1
+    out = views.patching_view(ex, 1, "full", clean, corrupt)
+    assert out["graphs"] == views.SHOWN, out["status"]
+    assert f"at position {p}, the last position where the two predictions differ" in out["status"]
+    for fig in (out["heatmap"], out["bars"]):
+        assert f"position {p} (picked" in fig.layout.title.text and "'The cat sat'" in fig.layout.title.text
+
+
+def test_a_page_whose_live_models_are_all_prenorm_explains_and_binds_nothing(models):
+    only = create_app({"prenorm": models["prenorm"]}, text=TEXT)
+    (section,) = find_components(build_layout(only.explorer), lambda c: getattr(c, "id", None) == views.SECTION_ID)
+    assert views.PATCH_RUN not in _ids(section)
+    assert "PreNorm" in " ".join(str(c.children) for c in find_components(section, lambda c: hasattr(c, "children")))
+    assert views.PATCH_HEAT not in " ".join(only.callback_map)
 
 
 def test_a_text_longer_than_the_page_allows_is_refused(ex):

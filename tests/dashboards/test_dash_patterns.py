@@ -148,7 +148,7 @@ def test_the_section_sits_after_the_depth_routing_with_one_panel_per_model(ex):
     assert ids.index(patterns.SECTION_ID) == ids.index("token-views") + 1
     section = page.children[ids.index(patterns.SECTION_ID)]
     layer = find_components(section, patterns.PATTERN_LAYER)[0]
-    assert [o["value"] for o in layer.options] == [0, 1] and layer.value == 0
+    assert [o["value"] for o in layer.options] == [0, 1] and layer.value == patterns.opening_head(ex)[0]
     for i in range(3):
         assert find_components(section, patterns.panel_id("graph", i))
 
@@ -191,13 +191,95 @@ def test_the_page_redraws_the_pattern_for_a_clicked_token_and_a_chosen_layer(das
     def chart(i):
         return dash_duo.driver.execute_script(PATTERN_JS, patterns.panel_id("graph", i)) or {"title": "", "y": []}
 
+    layer0, head0, _ = patterns.opening_head(app.explorer)
+    other = 1 - layer0
     dash_duo.start_server(app)
     dash_duo.wait_for_element("#token-strip button", timeout=30)
-    until(lambda: all("layer 0 head 0" in chart(i)["title"] for i in range(3)), timeout=30)
+    until(lambda: all(f"layer {layer0} head {head0}" in chart(i)["title"] for i in range(3)), timeout=30)
+    dash_duo.wait_for_contains_text(f"#{patterns.PATTERN_OPENED}", f"Opened on layer {layer0} head {head0}", timeout=10)
     dash_duo.find_element("#token-strip button:nth-child(4)").click()  # token 3
     until(lambda: all(chart(i)["title"].split("<br>")[1].startswith("token 3 ") for i in range(3)), timeout=30)
-    dash_duo.select_dcc_dropdown(f"#{patterns.PATTERN_LAYER}", value="layer 1")
-    until(lambda: all("layer 1 head 0" in chart(i)["title"] for i in range(3)), timeout=30)
+    dash_duo.select_dcc_dropdown(f"#{patterns.PATTERN_LAYER}", value=f"layer {other}")
+    until(lambda: all(f"layer {other} head {head0}" in chart(i)["title"] for i in range(3)), timeout=30)
     got = chart(NAMES.index("full"))["y"]
-    np.testing.assert_allclose(got, hooked_pattern(models["full"], TEXT, 1)[0, 3, :4], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got, hooked_pattern(models["full"], TEXT, other)[head0, 3, :4], rtol=1e-6, atol=1e-7)
+    until(lambda: f"layer={other}&head={head0}" in dash_duo.driver.current_url, timeout=10)  # the view in the address bar
     assert dash_duo.get_logs() == []
+
+
+# -- the opening layer and head ---------------------------------------------------------------------
+SHARP = (1, 1)  # the layer and head made sharp below
+
+
+def sharpened(residual: str, layer: int = SHARP[0], head: int = SHARP[1], factor: float = 30.0):
+    """A tiny model whose one attention head has its queries and keys scaled up: a concentrated
+    (low-entropy) pattern."""
+    import torch
+
+    model = make_model(residual)
+    attn = model.blocks[layer].attn
+    dh, inner = attn.d_head, attn.n_heads * attn.d_head
+    assert attn.n_kv_heads == attn.n_heads
+    with torch.no_grad():
+        attn.W_QKV.weight[head * dh: (head + 1) * dh] *= factor  # its queries
+        attn.W_QKV.weight[inner + head * dh: inner + (head + 1) * dh] *= factor  # and its keys
+    return model
+
+
+def entropy(row: np.ndarray) -> float:
+    row = row[row > 0]
+    return float(-(row * np.log(row)).sum())
+
+
+def test_the_view_opens_on_the_most_concentrated_head_at_the_opening_token(models):
+    from attnres_probe.analysis.windows import informative_token
+
+    sharp = {"prenorm": models["prenorm"], "full": sharpened("full"), "block": sharpened("block")}
+    ex = create_app(sharp, text=TEXT).explorer
+    pos = informative_token(ex.initial.traces.values())[0]
+    assert pos > 0
+    # the choice, recomputed from the models' own hook_pattern: lowest entropy averaged over full and block
+    mean = np.zeros((2, 2))
+    for name in ("full", "block"):
+        for layer in range(2):
+            rows = hooked_pattern(sharp[name], TEXT, layer)[:, pos, : pos + 1]
+            mean[layer] += [entropy(r) / 2 for r in rows]
+    want = tuple(int(i) for i in np.unravel_index(np.argmin(mean), mean.shape))
+    assert want == SHARP and mean[SHARP] < mean.max() - 0.5  # a real difference, not a tie
+    assert patterns.opening_head(ex)[:2] == SHARP
+    section = patterns.pattern_section(ex)
+    assert find_components(section, patterns.PATTERN_LAYER)[0].value == SHARP[0]
+    assert find_components(section, patterns.PATTERN_HEAD)[0].value == SHARP[1]
+    (note,) = find_components(section, patterns.PATTERN_OPENED)
+    assert note.children.startswith(f"Opened on layer {SHARP[0]} head {SHARP[1]}, the most concentrated pattern at this "
+                                    f"token ({pos} ")
+    assert "full, block" in note.children and "prenorm" not in note.children  # averaged over the AttnRes models
+
+
+def test_choosing_the_opening_head_costs_one_row_per_attnres_model_and_caches_nothing(models, counted):
+    ex = create_app(models, text=TEXT).explorer  # the layout is built here: the choice is made once
+    assert sorted(counted) == [("block", None), ("full", None)]  # one forward each, PreNorm not run
+    assert patterns.cache_of(ex).nbytes == 0
+
+
+def test_without_patterns_or_at_token_0_the_view_opens_on_layer_0_head_0(models):
+    plain = create_app({"plain": Probe(models["full"], name="plain").run(TEXT)}).explorer
+    assert patterns.opening_head(plain) == (0, 0, "")
+    one = create_app(models, text="A").explorer  # token 0 sees itself only: every head is the same
+    assert patterns.opening_head(one) == (0, 0, "")
+
+
+def test_the_layer_and_head_go_in_the_link_and_a_link_opens_them(ex):
+    from attnres_probe.dashboards import callbacks
+
+    query = callbacks.view_query(ex, token(ex, 3), "weights", [], 1, 0)
+    assert query == "?token=3&kind=weights&layer=1&head=0"
+    assert callbacks.read_query(query) == {"token": 3, "kind": "weights", "layer": 1, "head": 0}
+    opened = callbacks.open_link(ex, query)
+    assert (opened["layer"], opened["head"]) == (1, 0) and "the link asked for" in opened["opened"]
+    assert callbacks.open_link(ex, "?token=3")["layer"] is no_update  # no layer asked: the opening choice stays
+    far = callbacks.open_link(ex, "?layer=7&head=x")
+    assert far["layer"] is no_update and far["head"] is no_update and far["opened"] is no_update
+    note = callbacks.token_strip(ex, ex.initial.key, "?token=999&layer=7&head=x")["note"]
+    assert "The link's layer '7' is not one of this page's layers (0..1)" in note
+    assert "The link's head 'x' is not one of this page's heads (0..1)" in note

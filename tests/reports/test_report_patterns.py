@@ -14,7 +14,7 @@ from bs4 import BeautifulSoup
 
 from attnres_probe import Probe
 from attnres_probe.reports import build_report, record_text
-from attnres_probe.reports.patterns import PATTERN_TOKENS, SCALE, pattern_source
+from attnres_probe.reports.patterns import DIGITS, PATTERN_TOKENS, pattern_source, row_exponents
 from attnres_probe.reports.recording import record_readings
 from helpers import CHROME_FLAGS, tiny_model
 
@@ -64,7 +64,14 @@ def test_readings_record_every_layers_pattern_of_the_first_tokens(models, traces
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
-def test_the_explorer_stores_each_models_triangles_in_thousandths(report, traces, readings):
+def stored_row(pm: dict, layer: int, head: int, p: int) -> tuple[np.ndarray, float]:
+    """Row p of a stored pattern, decoded (w / 10**e), and its rounding bound 0.5 * 10**-e."""
+    tri = np.asarray(pm["w"][layer][head])
+    e = pm["e"][layer][head][p]
+    return tri[p * (p + 1) // 2: (p + 1) * (p + 2) // 2] / 10.0**e, 0.5 * 10.0**-e
+
+
+def test_the_explorer_stores_each_row_to_four_significant_digits_of_its_largest_weight(report, traces, readings):
     from attnres_probe import figures
 
     data = explorer_data(report.read_text(encoding="utf-8"))
@@ -72,15 +79,32 @@ def test_the_explorer_stores_each_models_triangles_in_thousandths(report, traces
     for pm in data["patterns"]:
         pat = readings[pm["name"]]["patterns"]
         L, H, n = pat.shape[0], pat.shape[1], 16
-        assert (pm["L"], pm["H"], pm["n"], pm["scale"]) == (L, H, n, SCALE)
+        assert (pm["L"], pm["H"], pm["n"], pm["digits"]) == (L, H, n, DIGITS)
         assert pm["keys"] == [figures.show_token(t) for t in traces[0].str_tokens[0][:n]]
         for layer in range(L):
             for head in range(H):
                 tri = np.asarray(pm["w"][layer][head])
-                assert tri.shape == (n * (n + 1) // 2,) and tri.dtype.kind == "i"
-                for p in (0, 5, n - 1):
-                    row = tri[p * (p + 1) // 2: (p + 1) * (p + 2) // 2] / SCALE
-                    np.testing.assert_allclose(row, pat[layer, head, p, : p + 1], atol=0.5 / SCALE + 1e-9)
+                assert tri.shape == (n * (n + 1) // 2,) and tri.dtype.kind == "i" and len(pm["e"][layer][head]) == n
+                for p in range(n):
+                    row, tol = stored_row(pm, layer, head, p)
+                    want = pat[layer, head, p, : p + 1]
+                    np.testing.assert_allclose(row, want, atol=tol + 1e-12)
+                    assert tol <= 5e-4 * want.max()  # the largest weight to 4 significant digits: 1/1000 of the chart or better
+
+
+def test_a_near_uniform_row_keeps_its_shape():
+    """Weights of 0.0155..0.0157 (a flat head at token 63) were all 16 in thousandths: now each keeps 4 digits."""
+    from attnres_probe.reports.patterns import _triangle_json
+
+    n = 64
+    row = np.linspace(0.0155, 0.0157, n)
+    block = np.tril(np.tile(row / row.sum(), (n, 1)))
+    e = row_exponents(block)
+    assert e[-1] == 5  # 0.01559 -> 1559
+    ints = np.asarray(json.loads(_triangle_json(block, e))[-n:])
+    assert len(set(ints.tolist())) > 20 and 1000 <= ints.max() < 10_000
+    np.testing.assert_allclose(ints / 10.0**e[-1], block[-1], atol=0.5e-5 + 1e-12)
+    assert row_exponents(np.zeros((2, 2))).tolist() == [0, 0]
 
 
 def test_the_page_explains_the_view_and_offers_every_layer_and_head(report):
@@ -89,7 +113,9 @@ def test_the_page_explains_the_view_and_offers_every_layer_and_head(report):
     assert [o["value"] for o in explorer.select("select.pattern-layer option")] == ["0", "1"]
     assert [o["value"] for o in explorer.select("select.pattern-head option")] == ["0", "1", "2", "3"]  # the most heads
     notes = " ".join(p.get_text() for p in explorer.select("p.note"))
-    assert "hook_pattern" in notes and "Stored for the first 16 tokens, in thousandths" in notes
+    assert "hook_pattern" in notes and "Stored for the first 16 tokens, each token's row to 4 significant digits" in notes
+    missing = explorer.select_one("p.pattern-missing")
+    assert missing.has_attr("hidden") and "patterns are stored for the first 16 tokens" in missing.get_text()
     assert len(explorer.select(".pattern-grid div.plot")) == 3
     # the depth-routing grid keeps one chart per model: the pattern charts sit in their own grid
     assert len(explorer.select(".grid:not(.reading) div.plot")) == 3
@@ -103,8 +129,8 @@ def test_traces_recorded_with_patterns_need_no_readings(models, tmp_path):
     (pm,) = data["patterns"]
     assert pm["n"] == 20
     p = 7
-    row = np.asarray(pm["w"][1][0][p * (p + 1) // 2: (p + 1) * (p + 2) // 2]) / SCALE
-    np.testing.assert_allclose(row, trace.pattern(1, 0, token=p)[: p + 1], atol=0.5 / SCALE + 1e-9)
+    row, tol = stored_row(pm, 1, 0, p)
+    np.testing.assert_allclose(row, trace.pattern(1, 0, token=p)[: p + 1], atol=tol + 1e-12)
 
 
 def test_without_patterns_the_explorer_says_how_to_get_them(traces, tmp_path):
@@ -117,7 +143,8 @@ def test_without_patterns_the_explorer_says_how_to_get_them(traces, tmp_path):
 
 
 def test_the_patterns_cost_few_bytes(traces, readings, tmp_path):
-    """The patterns add about one short integer per stored weight (L H n (n+1)/2 per model) and a chart per model."""
+    """The patterns add one integer of at most 4-5 digits per stored weight (L H n (n+1)/2 per model), an
+    exponent per row and a chart per model."""
     with_p, without = tmp_path / "with.html", tmp_path / "without.html"
     build_report(traces, with_p, readings=readings)
     build_report(traces, without, readings={k: {**v, "patterns": None} for k, v in readings.items()})
@@ -138,7 +165,8 @@ CHROMEDRIVER = os.environ.get("ATTNRES_CHROMEDRIVER", "/usr/bin/chromedriver")
 BARS = """
 const gd = document.getElementById(arguments[0]);
 const y = gd.data[0].y._inputArray || gd.data[0].y;
-return JSON.stringify({y: Array.from(y), title: gd.layout.title.text, opacity: gd.style.opacity});
+return JSON.stringify({y: Array.from(y), x: Array.from(gd.data[0].x), title: gd.layout.title.text,
+                       opacity: gd.style.opacity});
 """
 CHOOSE = """
 const select = document.querySelector(arguments[0]);
@@ -147,8 +175,7 @@ select.dispatchEvent(new Event('change'));
 """
 
 
-@pytest.mark.browser
-def test_the_page_draws_the_chosen_token_layer_and_head(report, readings):
+def chrome():
     if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
         pytest.skip(f"needs Chromium and ChromeDriver ({CHROMIUM}, {CHROMEDRIVER})")
     from selenium import webdriver
@@ -159,7 +186,17 @@ def test_the_page_draws_the_chosen_token_layer_and_head(report, readings):
     for flag in ("--headless", *CHROME_FLAGS):
         opts.add_argument(flag)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+
+
+def atol(readings, name, layer, head, p) -> float:
+    """The stored row's rounding bound: half a unit of the 4th significant digit of its largest weight."""
+    return 0.5 * 10.0 ** -int(row_exponents(readings[name]["patterns"][layer, head])[p]) + 1e-9
+
+
+@pytest.mark.browser
+def test_the_page_draws_the_chosen_token_layer_and_head(report, readings):
+    driver = chrome()
     try:
         driver.get(report.as_uri())
         assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
@@ -174,14 +211,41 @@ def test_the_page_draws_the_chosen_token_layer_and_head(report, readings):
                 assert got["opacity"] == "0.25"
                 continue
             want = readings[name]["patterns"][1, 3, 9, :10]
-            np.testing.assert_allclose(got["y"], want, atol=0.5 / SCALE + 1e-9)
+            np.testing.assert_allclose(got["y"], want, atol=atol(readings, name, 1, 3, 9))
             assert re.search(r"token 9 .* · layer 1 head 3<br>attention weight \(softmax over key positions\)", got["title"])
         driver.execute_script(CHOOSE, "#explorer-0 select.pattern-head", "1")
         got = json.loads(driver.execute_script(BARS, divs[0]))
-        np.testing.assert_allclose(got["y"], readings["prenorm"]["patterns"][1, 1, 9, :10], atol=0.5 / SCALE + 1e-9)
+        np.testing.assert_allclose(got["y"], readings["prenorm"]["patterns"][1, 1, 9, :10],
+                                   atol=atol(readings, "prenorm", 1, 1, 9))
         assert got["opacity"] == "1"
+    finally:
+        driver.quit()
+
+
+@pytest.mark.browser
+def test_past_the_stored_tokens_the_charts_are_blank_and_a_note_says_why(report):
+    """A token past the stored ones must not leave the last stored token's bars (and title) on the charts."""
+    from selenium.webdriver.common.by import By
+
+    driver = chrome()
+    try:
+        driver.get(report.as_uri())
+        divs = driver.execute_script("return Array.from(document.querySelectorAll('#explorer-0 .pattern-grid div.plot'), d => d.id)")
+        note = driver.find_element(By.CSS_SELECTOR, "#explorer-0 .pattern-missing")
+        driver.execute_script(CHOOSE, "#explorer-0 select.token", "9")
+        assert not note.is_displayed()
+        assert all(json.loads(driver.execute_script(BARS, d))["y"] for d in divs)
         driver.execute_script(CHOOSE, "#explorer-0 select.token", "20")  # past the 16 stored tokens
-        hidden = driver.execute_script("return document.querySelector('#explorer-0 .pattern-missing').hidden")
-        assert hidden is False
+        assert note.is_displayed() and "patterns are stored for the first 16 tokens" in note.text
+        for div in divs:
+            got = json.loads(driver.execute_script(BARS, div))
+            assert got["y"] == [] and got["x"] == [] and got["opacity"] == "0.25"
+            assert "token 20 " in got["title"] and "token 9 " not in got["title"] and "no pattern stored" in got["title"]
+        driver.execute_script(CHOOSE, "#explorer-0 select.pattern-head", "3")  # still none: the note stays
+        assert note.is_displayed()
+        driver.execute_script(CHOOSE, "#explorer-0 select.token", "9")  # back: bars and no note
+        assert not note.is_displayed()
+        assert json.loads(driver.execute_script(BARS, divs[2]))["y"] and "token 9 " in json.loads(driver.execute_script(BARS, divs[2]))["title"]
+        assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
     finally:
         driver.quit()
