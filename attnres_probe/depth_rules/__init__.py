@@ -7,7 +7,9 @@ common source axis ``[embed, L0.attn, L0.mlp, ...]`` (the Full/PreNorm axis of
 :class:`~attnres_probe.axis.SourceAxis`), with reads ``[L0.attn, L0.mlp, ..., final]``:
 
 - :func:`hyper_read_coefficients` from the :class:`StreamWeights` a forward used;
-- :func:`denseformer_read_coefficients` from the DWA weights (the same for every token).
+- :func:`denseformer_read_coefficients` from the DWA weights (the same for every token);
+- :func:`watch_hyper_connections` (:mod:`.watch_hc`): the same coefficients recorded from a model
+  built with the ``hyper-connections`` package (imported lazily).
 
 Unlike AttnRes's softmax weights these coefficients need not be non-negative or sum to one
 (PreNorm's are all one); :func:`normalise_coefficients` divides a read's row by its sum, the
@@ -33,9 +35,12 @@ from .hyper import (
     sinkhorn,
     to_package_layout,
 )
+from .watch_hc import HCCall, HCWatch, watch_hyper_connections
 
 __all__ = [
     "DepthWeightedAverage",
+    "HCCall",
+    "HCWatch",
     "HyperConnection",
     "HyperStep",
     "StreamWeights",
@@ -52,6 +57,7 @@ __all__ = [
     "sinkhorn",
     "source_labels",
     "to_package_layout",
+    "watch_hyper_connections",
 ]
 
 
