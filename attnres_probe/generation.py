@@ -18,6 +18,7 @@ import torch
 from attnres_probe.text_api import (
     PADDING_SIDES,
     decode,
+    equal_lengths,
     special_token_id,
     tokenize_texts,
     usable_tokenizer,
@@ -107,13 +108,7 @@ def generate(
     if isinstance(input, str) or (isinstance(input, (list, tuple)) and input and all(isinstance(t, str) for t in input)):
         input_type = "str" if isinstance(input, str) else "list"
         rows = tokenize_texts(model, [input] if input_type == "str" else list(input), prepend_bos, "generate")
-        lengths = [len(r) for r in rows]
-        if len(set(lengths)) > 1:
-            raise ValueError(
-                f"generate got {len(rows)} texts of different token lengths ({', '.join(map(str, lengths))}); this "
-                "model's forward takes no attention mask, so padded rows would generate from their pad tokens: pass "
-                "texts of equal token length, or one text at a time"
-            )
+        equal_lengths(rows, "generate")
         tokens = torch.tensor(rows, dtype=torch.long)
     else:
         input_type = "tokens"

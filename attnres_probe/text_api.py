@@ -187,7 +187,7 @@ def tokenize_texts(model: Any, texts: Sequence[str], prepend_bos: bool | None, w
     return rows
 
 
-def _equal_lengths(rows: list[list[int]], what: str) -> None:
+def equal_lengths(rows: list[list[int]], what: str) -> None:
     lengths = [len(r) for r in rows]
     if len(set(lengths)) > 1:
         raise ValueError(
@@ -212,7 +212,7 @@ def to_tokens(
     rows = tokenize_texts(model, _texts(input, "to_tokens"), prepend_bos, "to_tokens")
     if truncate:
         rows = [r[: model.cfg.n_ctx] for r in rows]
-    _equal_lengths(rows, "to_tokens")
+    equal_lengths(rows, "to_tokens")
     tokens = check_token_ids(torch.tensor(rows, dtype=torch.long), model.cfg.n_ctx, model.cfg.d_vocab, truncate, "text")
     return tokens.to(model.device) if move_to_device else tokens
 

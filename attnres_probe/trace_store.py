@@ -219,12 +219,7 @@ def load_trace(directory: str | Path) -> tuple[dict[str, np.ndarray], dict[str, 
         path = directory / fname
         if not path.is_file():
             raise TraceError(f"{path} is missing")
-        if doc["files"][fname] != sha256_file(path):
-            raise TraceError(f"{path} does not match the checksum in {META_FILE}: the trace is corrupt")
-        try:
-            table = pd.read_parquet(path)
-        except Exception as exc:  # pyarrow raises several types for a damaged file
-            raise TraceError(f"{path} is not a readable Parquet file ({exc})") from None
+        table = _checked_table(path, doc["files"][fname])
         for n in names:
             if n not in shapes:  # not in an older schema: not recorded then
                 continue
@@ -241,12 +236,7 @@ def load_trace(directory: str | Path) -> tuple[dict[str, np.ndarray], dict[str, 
         path = directory / fname
         if not path.is_file():
             raise TraceError(f"{path} is missing ({META_FILE} lists its arrays)")
-        if doc["files"].get(fname) != sha256_file(path):
-            raise TraceError(f"{path} does not match the checksum in {META_FILE}: the trace is corrupt")
-        try:
-            table = pd.read_parquet(path)
-        except Exception as exc:  # pyarrow raises several types for a damaged file
-            raise TraceError(f"{path} is not a readable Parquet file ({exc})") from None
+        table = _checked_table(path, doc["files"].get(fname))
         for n in names:
             shape = shapes[n]
             if n not in table.columns:
@@ -265,6 +255,16 @@ def load_trace(directory: str | Path) -> tuple[dict[str, np.ndarray], dict[str, 
 
 
 # -- the schema of trace.json ----------------------------------------------------------------
+def _checked_table(path: Path, checksum: str | None) -> pd.DataFrame:
+    """One of a trace's Parquet files, after its sha256 matched the one ``trace.json`` lists."""
+    if checksum != sha256_file(path):
+        raise TraceError(f"{path} does not match the checksum in {META_FILE}: the trace is corrupt")
+    try:
+        return pd.read_parquet(path)
+    except Exception as exc:  # pyarrow raises several types for a damaged file
+        raise TraceError(f"{path} is not a readable Parquet file ({exc})") from None
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

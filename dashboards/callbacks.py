@@ -30,7 +30,7 @@ from attnres_probe.dashboards import layout as ids
 from attnres_probe.dashboards import patching as patching_views
 from attnres_probe.dashboards import patterns as pattern_views
 from attnres_probe.dashboards.cards import comparison_notes, glance_table, headline_cards, metric_table
-from attnres_probe.dashboards.state import Explorer, PromptError, UnknownKeyError
+from attnres_probe.dashboards.state import Explorer, PromptError, UnknownKeyError, whole_number
 
 __all__ = [
     "CARD_GROUPS",
@@ -95,16 +95,6 @@ def difference_kind(ex: Explorer, kind: str) -> str:
     """What the difference view subtracts: the chosen quantity, or contribution shares against PreNorm,
     which has no routing weights or logits to subtract."""
     return "contrib" if ex.baseline is not None and kind != "contrib" else kind
-
-
-def _int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
 
 
 def _share_logit_range(figs: list) -> None:
@@ -220,13 +210,13 @@ def view_query(ex: Explorer, token: Any, kind: Any, expanded: Any, layer: Any = 
     attention-pattern view's dropdowns (left out when not given)."""
     if not isinstance(token, dict):
         return no_update
-    pos = _int(token.get("token"))
+    pos = whole_number(token.get("token"))
     parts = [("token", str(pos))] if pos is not None else []
     parts.append(("kind", _kind(kind)))
     view = [v for v in VIEWS if isinstance(expanded, list) and v in expanded]
     if view:
         parts.append(("view", ",".join(view)))
-    for part, value in (("layer", _int(layer)), ("head", _int(head))):
+    for part, value in (("layer", whole_number(layer)), ("head", whole_number(head))):
         if value is not None and value >= 0:
             parts.append((part, str(value)))
     try:
@@ -325,7 +315,7 @@ def jump_to(ex: Explorer, value: Any, token: Any) -> dict:
         starts.append(at)
         at += len(t)
     text = "".join(toks)
-    here = _int(token.get("token")) or 0
+    here = whole_number(token.get("token")) or 0
     begin = starts[here] + 1 if 0 <= here < n else 0
     hit = text.find(needle, begin)
     if hit < 0:
@@ -359,7 +349,7 @@ def token_views(ex: Explorer, token: Any, kind: Any, expanded: Any) -> dict:
         result = ex.result(token.get("key"))
     except UnknownKeyError as exc:
         return {**keep, "info": str(exc)}
-    pos = _int(token.get("token"))
+    pos = whole_number(token.get("token"))
     n_first = int(result.first.mask[0].sum())
     if pos is None or not 0 <= pos < n_first:
         return {**keep, "info": f"token {token.get('token')!r} is out of range; this text has tokens 0..{n_first - 1}"}
@@ -446,7 +436,7 @@ def reading_views(ex: Explorer, token: Any) -> dict:
         result = ex.result(token.get("key"))
     except UnknownKeyError as exc:
         return {**keep, "notes": [str(exc)] * n}
-    pos = _int(token.get("token"))
+    pos = whole_number(token.get("token"))
     out = {k: [] for k in keep}
     for name in ex.names:
         trace = result.traces.get(name)

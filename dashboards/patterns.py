@@ -32,7 +32,7 @@ import numpy as np
 from dash import Input, Output, dcc, html, no_update
 
 from attnres_probe import figures
-from attnres_probe.dashboards.state import Explorer, UnknownKeyError
+from attnres_probe.dashboards.state import Explorer, UnknownKeyError, whole_number
 
 __all__ = ["PATTERN_HEAD", "PATTERN_LAYER", "PatternCache", "opening_head", "pattern_section", "pattern_views", "register"]
 
@@ -236,16 +236,6 @@ def layer_patterns(ex: Explorer, result: Any, name: str, layer: int, token: int)
     return value
 
 
-def _int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
-
-
 def pattern_views(ex: Explorer, token: Any, layer: Any, head: Any) -> dict:
     """Every model's attention pattern at the selected token, for one layer and head.
 
@@ -264,7 +254,7 @@ def pattern_views(ex: Explorer, token: Any, layer: Any, head: Any) -> dict:
         result = ex.result(token.get("key"))
     except UnknownKeyError as exc:
         return {**keep, "notes": [str(exc)] * n}
-    pos, layer, head = _int(token.get("token")), _int(layer), _int(head)
+    pos, layer, head = whole_number(token.get("token")), whole_number(layer), whole_number(head)
     out: dict[str, list] = {k: [] for k in keep}
 
     def add(fig, graph, panel, note):

@@ -42,6 +42,18 @@ MAX_CHARS = 1 << 16  # ... and at most this (models without a real context limit
 RESIDUAL_TITLES = {"prenorm": "PreNorm baseline", "full": "Full AttnRes", "block": "Block AttnRes"}
 
 
+def whole_number(value: Any) -> int | None:
+    """A value from the browser (JSON: an int, or a float such as 3.0) as an int; None for anything
+    else (booleans, strings, fractions), which the callbacks treat as "not given"."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
 class PromptError(ValueError):
     """A prompt the models cannot run (empty, too long, bad characters); the message says why."""
 
