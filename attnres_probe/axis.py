@@ -5,7 +5,7 @@ sees, which column holds a partial block, the labels, the expanded sublayer view
 source is made of are worked out here, once, from the residual rule and the block layout; the
 model, the recorder, the ablation, the trace and the figures ask this object.
 
-- Full and PreNorm: L+1 columns ``[embed, L0.attn, L0.mlp, L1.attn, ...]``; read r sees
+- Full, PreNorm, Hyper-Connections and DenseFormer: L+1 columns ``[embed, L0.attn, L0.mlp, L1.attn, ...]``; read r sees
   columns 0..r.
 - Block: N+1 columns ``[embed, block1, ..., blockN]``; the read at sublayer l in block n at
   offset i sees the embedding, the n-1 completed blocks and, when i > 0, the partial block
@@ -19,9 +19,33 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RESIDUALS", "SourceAxis"]
+__all__ = ["ATTNRES_RULES", "RESIDUALS", "RULE_TITLES", "SourceAxis", "rule_title"]
 
-RESIDUALS = ("prenorm", "full", "block")
+# every residual rule; "hyper" (Hyper-Connections / mHC) and "denseformer" use the Full/PreNorm axis
+RESIDUALS = ("prenorm", "full", "block", "hyper", "denseformer")
+# the rules whose reads are softmax mixtures scored by a learned query (depth attention, logits)
+ATTNRES_RULES = ("full", "block")
+# the human title of each rule, as pages and reports name a model (see rule_title: "hyper" is mHC or HC)
+RULE_TITLES = {
+    "prenorm": "PreNorm baseline",
+    "full": "Full AttnRes",
+    "block": "Block AttnRes",
+    "hyper": "Hyper-Connections",
+    "denseformer": "DenseFormer",
+}
+
+
+def rule_title(residual: str, config: Mapping[str, Any] | None = None) -> str:
+    """The human title of a residual rule: "PreNorm baseline", "Full AttnRes", "Block AttnRes",
+    "Hyper-Connections" (or "mHC" when ``config["mhc"]`` is true), "DenseFormer".
+
+    ``config`` is a model config as a mapping (a trace's ``meta["config"]``, a spec's
+    ``meta["config"]``, :meth:`ModelConfig.to_dict`), or None (then "hyper" is "Hyper-Connections");
+    an unknown rule is returned as given.
+    """
+    if residual == "hyper" and isinstance(config, Mapping) and config.get("mhc"):
+        return "mHC"
+    return RULE_TITLES.get(residual, residual)
 
 
 @dataclass(frozen=True)
@@ -29,7 +53,7 @@ class SourceAxis:
     """The common source axis of one model.
 
     Attributes:
-        residual: ``"prenorm"``, ``"full"`` or ``"block"``.
+        residual: ``"prenorm"``, ``"full"``, ``"block"``, ``"hyper"`` or ``"denseformer"``.
         n_layers: transformer blocks; L = 2 * n_layers sublayers and L+1 reads.
         block_starts: block mode only: the sublayer index where each block starts,
             ``(0, b_1, ..., b_{N-1})``, strictly increasing and below L; empty otherwise.

@@ -1,4 +1,5 @@
-"""ModelConfig: one dataclass for the PreNorm baseline, Full AttnRes and Block AttnRes."""
+"""ModelConfig: one dataclass for every residual rule: the PreNorm baseline, Full and Block AttnRes,
+Hyper-Connections / mHC and DenseFormer."""
 
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-Residual = Literal["prenorm", "full", "block"]
-RESIDUALS = ("prenorm", "full", "block")
+from attnres_probe.axis import RESIDUALS
+
+Residual = Literal["prenorm", "full", "block", "hyper", "denseformer"]
 POSITIONALS = ("learned", "sinusoidal", "rope")
 MLPS = ("gelu", "swiglu")
 DEFAULT_BLOCK_SIZE = 4
+DYNAMIC_INPUTS = ("stream", "flat")
+# each rule's own fields and their defaults (None in the dataclass: "not this rule's")
+HYPER_DEFAULTS = dict(n_streams=4, hc_dynamic=True, mhc=False, hc_dynamic_input=None, hc_tanh=True, sinkhorn_iters=20)
+DENSEFORMER_DEFAULTS = dict(dwa_dilation=1, dwa_period=1)
 
 
 class ConfigError(ValueError):
@@ -35,9 +41,19 @@ class ModelConfig:
     d_mlp: int | None = None  # None: 4 * d_model
     n_ctx: int = 256  # longest sequence the model accepts
     d_vocab: int = 256  # 256 = the byte tokenizer
-    residual: Residual = "full"  # "prenorm" | "full" | "block"
+    residual: Residual = "full"  # "prenorm" | "full" | "block" | "hyper" | "denseformer"
     block_size: int | None = None  # block mode: sublayers per block (None and no boundaries: 4)
     block_boundaries: list[int] | None = None  # block mode: sublayer indices where blocks 2..N start
+    # residual="hyper" (Hyper-Connections, arXiv 2409.19606; mHC, arXiv 2512.24880); None elsewhere
+    n_streams: int | None = None  # n residual streams (hyper: default 4)
+    hc_dynamic: bool | None = None  # per-token weights from the state (DHC) rather than static (SHC); default true
+    mhc: bool | None = None  # manifold-constrained: Sinkhorn H_res, sigmoid H_pre, 2 sigmoid H_post; default false
+    hc_dynamic_input: str | None = None  # "stream" (HC paper, the package) | "flat" (mHC paper); None: flat for mHC, stream for HC
+    hc_tanh: bool | None = None  # HC only: tanh on the dynamic terms (default true)
+    sinkhorn_iters: int | None = None  # mHC: Sinkhorn rounds (default 20)
+    # residual="denseformer" (depth-weighted averaging, arXiv 2402.02622); None elsewhere
+    dwa_dilation: int | None = None  # a DWA averages the block outputs j = i+1 (mod dilation) (default 1)
+    dwa_period: int | None = None  # a DWA follows every period-th block (default 1: every block)
     norm_eps: float = 1e-6  # shared by every RMSNorm, the depth keys' included (not the q/k norm)
     positional: str = "learned"  # "learned" | "sinusoidal" (added to the embedding) | "rope" (rotary q, k)
     # Llama-style parts (models from flash-linear-attention; the byte-level demo uses none of them)
@@ -72,6 +88,12 @@ class ModelConfig:
             self.d_mlp = 4 * self.d_model
         if self.n_kv_heads is None and _is_pos_int(self.n_heads):
             self.n_kv_heads = self.n_heads
+        own = {"hyper": HYPER_DEFAULTS, "denseformer": DENSEFORMER_DEFAULTS}.get(self.residual, {})
+        for name, default in own.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        if self.residual == "hyper" and self.hc_dynamic_input is None:
+            self.hc_dynamic_input = "flat" if self.mhc else "stream"
         self.validate()
 
     # -- derived -------------------------------------------------------------------------
@@ -158,6 +180,7 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be a positive number (finite); got {value!r}")
         if not isinstance(self.extra, dict):
             raise ConfigError(f"extra must be a dict; got {type(self.extra).__name__}")
+        self._validate_rule_fields()
         L = self.n_sublayers
         if self.block_size is not None and not _is_pos_int(self.block_size):
             raise ConfigError(f"block_size must be a positive integer (sublayers per block); got {self.block_size!r}")
@@ -184,6 +207,47 @@ class ModelConfig:
                     )
             if any(b2 <= b1 for b1, b2 in zip(b, b[1:])):
                 raise ConfigError(f"block_boundaries must be strictly increasing; got {b}")
+
+    def _validate_rule_fields(self) -> None:
+        """Hyper-Connections' and DenseFormer's own fields: set only for their rule, and valid."""
+        for rule, fields in (("hyper", HYPER_DEFAULTS), ("denseformer", DENSEFORMER_DEFAULTS)):
+            if self.residual == rule:
+                continue
+            given = [f"{name}={getattr(self, name)!r}" for name in fields if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(
+                    f"{', '.join(given)} apply only to residual={rule!r}; this config has residual={self.residual!r} "
+                    f"(leave them unset)"
+                )
+        if self.residual == "hyper":
+            for name in ("n_streams", "sinkhorn_iters"):
+                if not _is_pos_int(getattr(self, name)):
+                    raise ConfigError(f"{name} must be a positive integer; got {getattr(self, name)!r}")
+            for name in ("hc_dynamic", "mhc", "hc_tanh"):
+                if not isinstance(getattr(self, name), bool):
+                    raise ConfigError(f"{name} must be true or false; got {getattr(self, name)!r}")
+            if self.hc_dynamic_input not in DYNAMIC_INPUTS:
+                raise ConfigError(
+                    f"hc_dynamic_input is {self.hc_dynamic_input!r}; accepted values are {', '.join(DYNAMIC_INPUTS)} "
+                    "(or unset: flat for mHC, stream for HC)"
+                )
+        if self.residual == "denseformer":
+            for name in ("dwa_dilation", "dwa_period"):
+                if not _is_pos_int(getattr(self, name)):
+                    raise ConfigError(f"{name} must be a positive integer; got {getattr(self, name)!r}")
+
+    @property
+    def rule_label(self) -> str:
+        """A short name of the residual rule with its variant: "PreNorm", "Full AttnRes",
+        "Block AttnRes", "mHC (4 streams)", "HC (static, 2 streams)", "DenseFormer" ..."""
+        if self.residual == "hyper":
+            kind = "mHC" if self.mhc else "HC"
+            static = "" if self.hc_dynamic else "static, "
+            return f"{kind} ({static}{self.n_streams} streams)"
+        if self.residual == "denseformer":
+            opts = [f"{k} {v}" for k, v in (("dilation", self.dwa_dilation), ("period", self.dwa_period)) if v != 1]
+            return "DenseFormer" + (f" ({', '.join(opts)})" if opts else "")
+        return {"prenorm": "PreNorm", "full": "Full AttnRes", "block": "Block AttnRes"}[self.residual]
 
     # -- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

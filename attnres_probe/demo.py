@@ -35,12 +35,12 @@ import torch
 from attnres_probe.config import ModelConfig
 from attnres_probe.io import atomic_write
 from attnres_probe.model import AttnResTransformer
-from attnres_probe.demo_recipe import DEMO_BLOCK_SIZE, DEMO_NAMES, DEMO_THREADS, DEMO_TRAIN
+from attnres_probe.demo_recipe import DEMO_NAMES, DEMO_RULES, DEMO_THREADS, DEMO_TRAIN
 from attnres_probe.tokenizer import ByteTokenizer
 
 __all__ = ["DEMO_MODEL", "DEMO_NAMES", "DEMO_TRAIN", "build_demo_models", "demo_dir", "demo_validation_batches", "demo_validation_documents", "load_demo"]
 
-# One configuration for all three; only `residual` (and block_size for block) differs.
+# One configuration for all five; only the residual rule (DEMO_RULES) differs.
 DEMO_MODEL = ModelConfig(
     d_model=64,
     n_layers=8,  # 16 sublayers, 17 reads
@@ -53,16 +53,15 @@ DEMO_MODEL = ModelConfig(
 
 
 def demo_config(name: str) -> ModelConfig:
-    """The ModelConfig of demo model ``name``."""
-    _check_name(name)
-    if name == "block":
-        return replace(DEMO_MODEL, residual="block", block_size=DEMO_BLOCK_SIZE)
-    return replace(DEMO_MODEL, residual=name)
+    """The ModelConfig of demo model ``name`` (any of :data:`DEMO_RULES`, shipped or not)."""
+    _check_name(name, DEMO_RULES)
+    return replace(DEMO_MODEL, **DEMO_RULES[name])
 
 
-def _check_name(name: str) -> None:
-    if name not in DEMO_NAMES:
-        raise ValueError(f"demo model {name!r} does not exist; choose one of {', '.join(DEMO_NAMES)}")
+def _check_name(name: str, names=DEMO_NAMES) -> None:
+    if name not in names:
+        what = "can be built" if names is DEMO_RULES else "is shipped"
+        raise ValueError(f"demo model {name!r} does not exist; choose one of {', '.join(names)} (what {what})")
 
 
 def demo_root() -> Path:
@@ -77,7 +76,8 @@ def demo_dir(name: str) -> Path:
 
 
 def load_demo(name: str = "block", device: str | torch.device = "cpu") -> tuple[AttnResTransformer, ByteTokenizer]:
-    """Load a bundled demo model: ``"prenorm"`` | ``"full"`` | ``"block"`` -> (model, tokenizer).
+    """Load a bundled demo model: ``"prenorm"`` | ``"full"`` | ``"block"`` | ``"mhc"`` |
+    ``"denseformer"`` -> (model, tokenizer).
 
     The model is in eval mode, fp32, with its checkpoint validated against its config.
     """
@@ -129,7 +129,7 @@ def demo_validation_documents(log: dict[str, Any], n_windows: int | None = None)
 
 def build_demo_models(
     out: str | Path,
-    names: tuple[str, ...] = DEMO_NAMES,
+    names: tuple[str, ...] = tuple(DEMO_RULES),
     threads: int = DEMO_THREADS,
     progress: bool = True,
     backend: str = "numba",
@@ -141,7 +141,7 @@ def build_demo_models(
 
     Args:
         out: destination (the package's ``attnres_probe/demo_models`` to regenerate the shipped ones).
-        names: which of the three to build.
+        names: which to build (any of :data:`DEMO_RULES`).
         threads: torch CPU threads (part of what makes a rebuild bit-exact).
         progress: show progress bars.
         backend: depth-attention backend for training and the shipped loss; the shipped

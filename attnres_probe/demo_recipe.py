@@ -3,10 +3,20 @@ torch (``attnres-probe demo --help`` answers at once); :mod:`attnres_probe.demo`
 
 from __future__ import annotations
 
-__all__ = ["BACKEND_NAMES", "DEMO_BLOCK_SIZE", "DEMO_NAMES", "DEMO_THREADS", "DEMO_TRAIN"]
+__all__ = ["BACKEND_NAMES", "DEMO_BLOCK_SIZE", "DEMO_NAMES", "DEMO_RULES", "DEMO_THREADS", "DEMO_TRAIN"]
 
-DEMO_NAMES = ("prenorm", "full", "block")
 DEMO_BLOCK_SIZE = 4  # 4 sublayers = 2 transformer layers per block -> 4 blocks
+# the demo models' residual rules, beside the shared shape (attnres_probe.demo.DEMO_MODEL): what
+# `attnres-probe demo-models` can build
+DEMO_RULES = {
+    "prenorm": dict(residual="prenorm"),
+    "full": dict(residual="full"),
+    "block": dict(residual="block", block_size=DEMO_BLOCK_SIZE),
+    "mhc": dict(residual="hyper", mhc=True, n_streams=4),  # dynamic mHC, the paper's whole-state input
+    "denseformer": dict(residual="denseformer"),  # a DWA after every block, no dilation
+}
+# the demo models shipped in the package (what the pages open); mHC is still training (issue #36)
+DEMO_NAMES = ("prenorm", "full", "block")
 
 DEMO_TRAIN = dict(
     steps=8000,

@@ -150,8 +150,10 @@ def entropy(trace: DepthTrace, kind: str = "auto") -> pd.Series:
 
         H(p) / log k_r,   H(p) = −Σ_i p_i log p_i   (0·log 0 = 0)
 
-    with p = w for the normalised weights, and p = |c| / Σ|c| for contribution shares (which may be
-    negative, so their absolute values are normalised). NaN where k_r = 1 (no choice to make).
+    with p = |a| / Σ|a| for a the normalised weights or the contribution shares: p = w for
+    non-negative weights (AttnRes, PreNorm, mHC); shares, and the coefficients of Hyper-Connections
+    and DenseFormer, may be negative, so their absolute values are normalised. NaN where k_r = 1
+    (no choice to make).
     Computed per token, then averaged over real tokens; ``kind="auto"`` as in :func:`locality`.
 
     Returns:
@@ -159,7 +161,7 @@ def entropy(trace: DepthTrace, kind: str = "auto") -> pd.Series:
     """
     kind = resolve_kind(trace, kind)
     a, avail, k = _routing(trace, kind)
-    p = np.abs(np.where(avail, a, 0.0)) if kind == "contrib" else np.where(avail, a, 0.0)
+    p = np.abs(np.where(avail, a, 0.0))
     with np.errstate(divide="ignore", invalid="ignore"):
         p = p / p.sum(-1, keepdims=True)
         h = -np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0).sum(-1)

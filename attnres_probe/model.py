@@ -1,11 +1,13 @@
-"""AttnResTransformer: the PreNorm baseline, Full AttnRes and Block AttnRes as one hooked model.
+"""AttnResTransformer: the PreNorm baseline, Full and Block AttnRes, Hyper-Connections / mHC and
+DenseFormer as one hooked model.
 
-Modules are defined bottom-up: norm, attention, MLP, depth mixer, block, model.
-Every component except the residual rule is identical across the three modes, and the depth
-mixers' parameters are deterministic (zeros and ones), so the same seed gives the same other
-weights in all three (docs/design.md, "The math").
+Modules are defined bottom-up: norm, attention, MLP, depth reads, block, model.
+Every component except the residual rule is identical across the rules, and the rules'
+parameters are deterministic (zeros, ones, one-hots), so the same seed gives the same other
+weights in all of them (docs/design.md, "The math").
 
-There is one forward per residual rule (PreNorm, Full, Block sequential, Block two-phase),
+There is one forward per residual rule (PreNorm, Full, Block sequential, Block two-phase,
+Hyper-Connections, DenseFormer),
 and it always runs through the hook points and the norm modules: the forward a trace records
 is the forward that trains. Speed comes from the depth-attention kernels
 (:mod:`attnres_probe.kernels`), never from a second path.
@@ -30,6 +32,7 @@ from attnres_probe.activation_cache import AttnResCache, accumulated_bias, resid
 from attnres_probe.axis import SourceAxis
 from attnres_probe.checkpoint_store import load_checkpoint_as, save_checkpoint
 from attnres_probe.config import ModelConfig
+from attnres_probe.depth_rules import DepthWeightedAverage, HyperConnection, expand_streams, reduce_streams
 from attnres_probe.hook_checks import warn_if_non_finite
 from attnres_probe.losses import next_token_loss
 
@@ -201,7 +204,85 @@ class GatedMLP(nn.Module):
         return self.W_out(self.hook_post(F.silu(self.W_gate(x)) * self.W_in(x)))
 
 
-class DepthMixer(nn.Module):
+class DepthRead(nn.Module):
+    """What every read of a depth-mixing rule shows its hooks: the read's weights over the common
+    source axis (``hook_weights``, [batch, pos, n_sources], 0 in the columns the read cannot see)
+    and the contribution shares of the mixture (``hook_contrib``, computed only while a hook is
+    attached there). :attr:`visible` is the number of columns the read sees (the first ``visible``).
+
+    A hook that returns changed weights (or changes them in place) is an intervention: the read
+    becomes ``sum_i w_i v_i`` over the visible columns, with the weights **as given** (not
+    renormalised). Values written into unseen columns are ignored.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_src = cfg.n_sources
+        self.visible = self.n_src  # columns this read sees (the model sets it per read)
+        self.hook_weights = HookPoint()  # [batch, pos, n_sources] depth weights (0 where unavailable)
+        self.hook_contrib = HookPoint()  # [batch, pos, n_sources] contribution shares (0 where unavailable; computed only when hooked)
+
+    @property
+    def hooked(self) -> bool:
+        """Whether a hook (forward or backward) is attached to this read's weights or shares."""
+        return any(bool(hp._forward_hooks or hp._backward_hooks) for hp in (self.hook_weights, self.hook_contrib))
+
+    def on_axis(self, t: torch.Tensor, fill: float) -> torch.Tensor:
+        """A read's [..., k] weights, logits or shares on the common source axis [..., n_src]:
+        the columns past k hold ``fill`` (0; -inf for logits)."""
+        return F.pad(t, (0, self.n_src - t.shape[-1]), value=fill)
+
+    def observe_weights(
+        self,
+        sources: Sequence[torch.Tensor],
+        mix: torch.Tensor,
+        weights: torch.Tensor,
+        contrib: torch.Tensor | None = None,
+        changed: bool = False,
+    ) -> torch.Tensor:
+        """Show ``weights`` [batch, pos, n_src] to ``hook_weights``; return the mixture the read
+        uses: ``mix`` unless a hook changed the weights (or ``changed``), then ``sum_i w_i v_i``
+        over the k = len(sources) visible columns. Shares go to ``hook_contrib`` when it is hooked
+        (``contrib``, if given and still valid, else computed here)."""
+        k = len(sources)
+        version = weights._version
+        weights_h = self.hook_weights(weights)
+        changed = changed or weights_h is not weights or weights._version != version
+        if changed:
+            w = weights_h[..., :k]
+            w = w.to(kernels.compute_dtype(sources[0], w))
+            mix = kernels.weighted_sum(w, list(sources), w.dtype).to(mix.dtype)
+            contrib = None  # shares computed before the intervention describe the old mixture
+        if self.hook_contrib._forward_hooks:
+            if contrib is None:
+                contrib = self.on_axis(kernels.contribution_shares(sources, mix, weights_h[..., :k]), 0.0)
+            self.hook_contrib(contrib)
+        return mix
+
+
+class CoefficientRead(DepthRead):
+    """One read of a rule whose reads are linear in the sources with coefficients that are not a
+    softmax (Hyper-Connections / mHC, DenseFormer): ``hook_weights`` shows the **coefficients**
+    c_i of ``h = sum_i c_i v_i`` (docs/depth_rules.md: they need not be non-negative nor sum to
+    one; PreNorm's would all be one). The model computes them only while a hook is attached to a
+    read's weights or shares; the read itself is computed by the rule (streams, averages), and a
+    hook that changes the weights rebuilds it from them (:meth:`DepthRead.observe_weights`).
+
+    Hyper-Connections keep the sublayer's :class:`~attnres_probe.depth_rules.HyperConnection`
+    here (``hc``); the final read and DenseFormer's reads have no parameters.
+    """
+
+    def __init__(self, cfg: ModelConfig, hc: nn.Module | None = None):
+        super().__init__(cfg)
+        if hc is not None:
+            self.hc = hc
+
+    def observe(self, sources: Sequence[torch.Tensor], mix: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+        """``coefficients`` [batch, pos, n_src] (0 past the visible columns) to the hooks; the read."""
+        return self.observe_weights(sources, mix, coefficients)
+
+
+class DepthMixer(DepthRead):
     """One AttnRes read: softmax over depth sources scored by a learned pseudo-query.
 
     Parameters: ``query`` [d_model], zero-initialised (uniform weights at init), and
@@ -226,25 +307,17 @@ class DepthMixer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
+        super().__init__(cfg)
         self.eps = cfg.norm_eps
-        self.n_src = cfg.n_sources
         self.query = nn.Parameter(torch.zeros(cfg.d_model))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)  # only .weight is used: the key gain
-        self.visible = self.n_src  # columns this read sees (the model sets it per read)
         self.hook_logits = HookPoint()  # [batch, pos, n_sources] depth scores (-inf where unavailable)
-        self.hook_weights = HookPoint()  # [batch, pos, n_sources] softmax depth weights (0 where unavailable)
-        self.hook_contrib = HookPoint()  # [batch, pos, n_sources] contribution shares (0 where unavailable; computed only when hooked)
+        # hook_weights: the softmax depth weights; hook_contrib: the shares (DepthRead)
 
     @property
     def folded_query(self) -> torch.Tensor:
         """query * gain, [d_model]."""
         return self.query * self.norm.weight
-
-    def on_axis(self, t: torch.Tensor, fill: float) -> torch.Tensor:
-        """A read's [..., k] weights, logits or shares on the common source axis [..., n_src]:
-        the columns past k hold ``fill`` (0; -inf for logits)."""
-        return F.pad(t, (0, self.n_src - t.shape[-1]), value=fill)
 
     def forward(
         self,
@@ -302,40 +375,53 @@ class DepthMixer(nn.Module):
             z = logits_h[..., :k]
             w = torch.softmax(z.to(kernels.compute_dtype(z)), dim=-1).to(weights.dtype)
             weights = self.on_axis(w, 0.0)
-        version = weights._version
-        weights_h = self.hook_weights(weights)
-        changed = changed or weights_h is not weights or weights._version != version
-        if changed:
-            w = weights_h[..., :k]
-            w = w.to(kernels.compute_dtype(sources[0], w))
-            mix = kernels.weighted_sum(w, list(sources), w.dtype).to(mix.dtype)
-            contrib = None  # the op's shares describe the mixture before the intervention
-        if self.hook_contrib._forward_hooks:
-            if contrib is None:
-                contrib = self.on_axis(kernels.contribution_shares(sources, mix, weights_h[..., :k]), 0.0)
-            self.hook_contrib(contrib)
-        return mix
+            contrib = None
+        return self.observe_weights(sources, mix, weights, contrib, changed=changed)
+
+
+def hyper_connection(cfg: ModelConfig, sublayer: int) -> HyperConnection:
+    """The Hyper-Connection (HC or mHC, as ``cfg`` says) that wraps sublayer ``sublayer``."""
+    return HyperConnection(cfg.d_model, cfg.n_streams, sublayer, dynamic=cfg.hc_dynamic, mhc=cfg.mhc,
+                           dynamic_input=cfg.hc_dynamic_input, tanh=cfg.hc_tanh, sinkhorn_iters=cfg.sinkhorn_iters,
+                           norm_eps=cfg.norm_eps)
 
 
 class TransformerBlock(nn.Module):
     """Attention then MLP, each reading a mixed input through pre-norm.
 
-    Hooks: ``hook_resid_pre`` (mixed input to attention), ``hook_attn_out``, ``hook_resid_mid``
-    (mixed input to the MLP), ``hook_mlp_out``; PreNorm adds ``hook_resid_post`` (the residual
-    stream after the MLP, as in TransformerLens), the AttnRes modes add ``attn_res`` and
-    ``mlp_res`` (their reads are mixtures, not a running sum, so there is no resid_post).
+    Hooks: ``hook_resid_pre`` (the input of attention), ``hook_attn_out``, ``hook_resid_mid``
+    (the input of the MLP), ``hook_mlp_out``. Per rule:
+
+    - PreNorm and DenseFormer add ``hook_resid_post``, the residual stream after the MLP as in
+      TransformerLens (DenseFormer: the block output x_{i+1}, before the depth-weighted average
+      that makes the next block's input);
+    - Full and Block AttnRes add the reads' depth mixers ``attn_res`` and ``mlp_res``
+      (:class:`DepthMixer`; their reads are mixtures, not a running sum, so no resid_post);
+    - Hyper-Connections and DenseFormer add ``attn_res`` and ``mlp_res`` as
+      :class:`CoefficientRead` (effective depth weights), and Hyper-Connections the stream state
+      ``hook_streams_pre`` / ``hook_streams_mid`` / ``hook_streams_post`` [batch, pos, n_streams,
+      d_model] entering attention, entering the MLP and leaving the block.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.ln1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ln2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = GatedMLP(cfg) if cfg.mlp == "swiglu" else MLP(cfg)
-        if cfg.residual != "prenorm":
+        if cfg.residual in ("full", "block"):
             self.attn_res = DepthMixer(cfg)
             self.mlp_res = DepthMixer(cfg)
-        else:
+        elif cfg.residual == "hyper":
+            self.attn_res = CoefficientRead(cfg, hyper_connection(cfg, 2 * index))
+            self.mlp_res = CoefficientRead(cfg, hyper_connection(cfg, 2 * index + 1))
+            self.hook_streams_pre = HookPoint()  # [batch, pos, n_streams, d_model]
+            self.hook_streams_mid = HookPoint()
+            self.hook_streams_post = HookPoint()
+        elif cfg.residual == "denseformer":
+            self.attn_res = CoefficientRead(cfg)
+            self.mlp_res = CoefficientRead(cfg)
+        if cfg.residual in ("prenorm", "denseformer"):
             self.hook_resid_post = HookPoint()  # [batch, pos, d_model]
         self.hook_resid_pre = HookPoint()  # [batch, pos, d_model] the attention sublayer's input
         self.hook_attn_out = HookPoint()  # [batch, pos, d_model]
@@ -348,8 +434,8 @@ class TransformerBlock(nn.Module):
             return self.hook_attn_out(self.attn(self.ln1(self.hook_resid_pre(h))))
         return self.hook_mlp_out(self.mlp(self.ln2(self.hook_resid_mid(h))))
 
-    def mixer(self, which: int) -> DepthMixer:
-        """The depth mixer whose read feeds sublayer ``which`` (AttnRes modes)."""
+    def mixer(self, which: int) -> DepthRead:
+        """The read that feeds sublayer ``which`` (every rule but PreNorm)."""
         return self.attn_res if which == 0 else self.mlp_res
 
 
@@ -366,7 +452,8 @@ SCHEDULES = ("sequential", "two_phase")
 
 
 class AttnResTransformer(HookedRootModule):
-    """A byte-level transformer whose residual rule is PreNorm, Full AttnRes or Block AttnRes.
+    """A byte-level transformer whose residual rule is PreNorm, Full AttnRes, Block AttnRes,
+    Hyper-Connections / mHC (``residual="hyper"``) or DenseFormer (``residual="denseformer"``).
 
     ``forward(tokens) -> logits [batch, pos, d_vocab]``. Hook points follow docs/design.md; read
     and source labels are :attr:`read_labels` and :attr:`source_labels`, and :attr:`axis`
@@ -408,9 +495,13 @@ class AttnResTransformer(HookedRootModule):
         # positional == "rope": positions enter each attention's queries and keys, source 0 is the token embedding
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
-        self.blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
-        if cfg.residual != "prenorm":
+        self.blocks = nn.ModuleList([TransformerBlock(cfg, i) for i in range(cfg.n_layers)])
+        if cfg.residual in ("full", "block"):
             self.out_res = DepthMixer(cfg)
+        elif cfg.residual in ("hyper", "denseformer"):
+            self.out_res = CoefficientRead(cfg)  # hyper: the sum of the streams; denseformer: z_n
+        if cfg.residual == "denseformer":
+            self.dwa = DepthWeightedAverage(cfg.n_layers, cfg.dwa_dilation, cfg.dwa_period)
         self.hook_resid_final = HookPoint()  # [batch, pos, d_model] the final mixed input, before ln_final
         self.ln_final = RMSNorm(d, cfg.norm_eps)
         if not cfg.tie_embeddings:
@@ -486,8 +577,9 @@ class AttnResTransformer(HookedRootModule):
         return self.axis.columns(read)
 
     @property
-    def mixers(self) -> list[DepthMixer]:
-        """The L+1 depth mixers in read order (empty for PreNorm)."""
+    def mixers(self) -> list[DepthRead]:
+        """The L+1 reads in order: :class:`DepthMixer` for AttnRes, :class:`CoefficientRead` for
+        Hyper-Connections and DenseFormer (empty for PreNorm)."""
         if self.cfg.residual == "prenorm":
             return []
         return [*(b.mixer(w) for b in self.blocks for w in (0, 1)), self.out_res]
@@ -614,6 +706,10 @@ class AttnResTransformer(HookedRootModule):
         v0 = self.embed(tokens)  # (B, P, d)
         if self.cfg.residual == "prenorm":
             h = self._forward_prenorm(v0)
+        elif self.cfg.residual == "hyper":
+            h = self._forward_hyper(v0)
+        elif self.cfg.residual == "denseformer":
+            h = self._forward_denseformer(v0)
         else:
             backend, schedule = self.resolve(v0)
             if self.cfg.residual == "full":
@@ -648,6 +744,85 @@ class AttnResTransformer(HookedRootModule):
             if which == 1:
                 resid = block.hook_resid_post(resid)
         return resid
+
+    def _forward_hyper(self, v0: torch.Tensor) -> torch.Tensor:
+        """Hyper-Connections / mHC: n streams start as copies of the embedding; each sublayer reads
+        ``H_pre X`` and writes ``X <- H_res X + H_post^T y``; the final read is the sum of the streams.
+
+        While a read's weights or shares are hooked, every read's coefficients over the sources
+        are carried along (docs/depth_rules.md): C [batch, pos, n, L+1] with X = C V, updated
+        ``C <- H_res C + H_post^T e_new``, and read l's coefficients are ``H_pre C``. A hook that
+        changes the stream state (``hook_streams_*``) makes X differ from C V: the coefficients
+        then describe the unchanged streams (a warning says so).
+        """
+        reads = self.mixers
+        track = any(r.hooked for r in reads)
+        S = self.axis.n_sources
+        X = expand_streams(v0, self.cfg.n_streams)  # (B, P, n, d)
+        backend = kernels.resolve_backend(v0.device, self.backend, dtypes=(v0.dtype,)) if self.cfg.mhc else None
+        sources = [v0]
+        C = None
+        for l, block, which in self._sublayers():
+            read = reads[l]
+            X = self._stream_hook(block.hook_streams_pre if which == 0 else block.hook_streams_mid, X, track)
+            w = read.hc.weights(X, backend)  # mHC: its Sinkhorn on the model's backend
+            h, _ = read.hc.read(X, w)
+            if track:
+                if C is None:  # the embedding in every stream
+                    C = F.pad(torch.ones(*X.shape[:-1], 1, dtype=w.pre.dtype, device=X.device), (0, S - 1))
+                h = read.observe(sources, h, torch.einsum("...s,...sj->...j", w.pre, C))
+            y = block.sublayer(which, h)
+            X = read.hc.write(X, y, w)
+            sources.append(y)
+            if track:
+                C = torch.einsum("...ts,...sj->...tj", w.res, C)
+                C[..., l + 1] = C[..., l + 1] + w.post
+            if which == 1:
+                X = self._stream_hook(block.hook_streams_post, X, track)
+        h = reduce_streams(X)
+        if track:
+            h = self.out_res.observe(sources, h, C.sum(-2))
+        return h
+
+    @staticmethod
+    def _stream_hook(hook: HookPoint, X: torch.Tensor, track: bool) -> torch.Tensor:
+        version = X._version
+        out = hook(X)
+        if track and (out is not X or X._version != version):
+            import warnings
+
+            warnings.warn(
+                f"a hook changed the stream state at {hook.name} while depth weights are recorded: the weights "
+                "describe the streams as the model wrote them, not the changed ones",
+                stacklevel=4,
+            )
+        return out
+
+    def _forward_denseformer(self, v0: torch.Tensor) -> torch.Tensor:
+        """DenseFormer: a PreNorm transformer whose block input z_{i+1} is, after every
+        ``dwa_period``-th block, a learned weighted average of the embedding and the block outputs
+        so far (every ``dwa_dilation``-th); the final read is z_n.
+
+        While a read's weights or shares are hooked, the reads' coefficients (the same for every
+        token: products of the DWA weights) are computed once per forward and shown to them.
+        """
+        reads = self.mixers
+        coef = self.dwa.read_coefficients() if any(r.hooked for r in reads) else None  # (L+1, L+1)
+        B, P, _ = v0.shape
+        outputs, sources, z = [v0], [v0], v0
+        for i, block in enumerate(self.blocks):
+            h = z if coef is None else reads[2 * i].observe(sources, z, coef[2 * i].expand(B, P, -1).clone())
+            a = block.sublayer(0, h)
+            sources.append(a)
+            mid = z + a
+            h = mid if coef is None else reads[2 * i + 1].observe(sources, mid, coef[2 * i + 1].expand(B, P, -1).clone())
+            m = block.sublayer(1, h)
+            sources.append(m)
+            outputs.append(block.hook_resid_post(mid + m))
+            z = self.dwa(outputs, i)
+        if coef is not None:
+            z = self.out_res.observe(sources, z, coef[-1].expand(B, P, -1).clone())
+        return z
 
     def _inv_rms(self, v: torch.Tensor, backend: str) -> torch.Tensor | None:
         """A source's 1/rms for the reference backend, which reuses it across reads (the
@@ -754,7 +929,8 @@ class AttnResTransformer(HookedRootModule):
     def n_params(self, include_mixers: bool = True) -> int:
         """Number of parameters (optionally without the depth mixers')."""
         return sum(
-            p.numel() for n, p in self.named_parameters() if include_mixers or not ("_res." in n or n.startswith("out_res"))
+            p.numel() for n, p in self.named_parameters()
+            if include_mixers or not ("_res." in n or n.startswith(("out_res", "dwa.")))
         )
 
     # -- checkpoints ---------------------------------------------------------------------
@@ -772,6 +948,8 @@ class AttnResTransformer(HookedRootModule):
     def extra_repr(self) -> str:
         c = self.cfg
         extra = f", blocks={c.block_starts}" if c.residual == "block" else ""
+        if c.residual in ("hyper", "denseformer"):
+            extra = f", rule={c.rule_label!r}"
         if c.positional == "rope" or c.mlp != "gelu" or c.n_kv_heads != c.n_heads or c.tie_embeddings:
             extra += f", positional={c.positional!r}, mlp={c.mlp!r}, n_kv_heads={c.n_kv_heads}, tied={c.tie_embeddings}"
         run = "".join(f", {k}={v!r}" for k, v in (("backend", self.backend), ("schedule", self.schedule)) if v is not None)

@@ -29,6 +29,7 @@ import torch
 from attnres_probe import figures
 from attnres_probe.ablation import MODES as ABLATION_MODES
 from attnres_probe.ablation import weight_beside_effect
+from attnres_probe.axis import rule_title
 from attnres_probe.probe import Probe
 from attnres_probe.texts import SHORT_TEXT
 from attnres_probe.trace import DepthTrace
@@ -39,7 +40,6 @@ DEFAULT_TEXT = SHORT_TEXT  # a passage of a play the demo models never trained o
 KEY_PATTERN = re.compile(r"^[a-z]+-[0-9a-f]{16}$")
 CHARS_PER_TOKEN_LIMIT = 8  # raw-length cap before tokenising: max_chars = this * n_ctx (at least 1024) ...
 MAX_CHARS = 1 << 16  # ... and at most this (models without a real context limit)
-RESIDUAL_TITLES = {"prenorm": "PreNorm baseline", "full": "Full AttnRes", "block": "Block AttnRes"}
 
 
 def whole_number(value: Any) -> int | None:
@@ -211,11 +211,11 @@ class Explorer:
         ``short``: without the context length ('Block AttnRes · 8 layers')."""
         if name in self.probes:
             spec = self.probes[name].spec
-            parts = [RESIDUAL_TITLES.get(spec.residual, spec.residual), f"{spec.n_layers} layers"]
+            parts = [rule_title(spec.residual, spec.meta.get("config")), f"{spec.n_layers} layers"]
             parts += [] if short else [f"n_ctx {spec.n_ctx}"]
         else:
             t = self.saved[name]
-            parts = [RESIDUAL_TITLES.get(t.residual, t.residual), f"{len(t.sublayer_labels) // 2} layers", "saved trace"]
+            parts = [rule_title(t.residual, t.meta.get("config")), f"{len(t.sublayer_labels) // 2} layers", "saved trace"]
         return " · ".join(parts)
 
     def source_options(self) -> list[str]:

@@ -1,7 +1,7 @@
 """ModelSpec: what the recorder needs to know about a model, for ours and for foreign ones.
 
 :func:`spec_for` builds it for an :class:`~attnres_probe.AttnResTransformer` (all three
-residual modes) or for any TransformerLens-style PreNorm model exposing ``hook_embed``,
+residual rules) or for any TransformerLens-style PreNorm model exposing ``hook_embed``,
 ``hook_pos_embed``, ``blocks.{i}.hook_resid_pre``/``_mid`` and ``blocks.{i}.hook_attn_out``/
 ``_mlp_out`` (a TransformerLens 4.x ``TransformerBridge``, say), which is treated as a PreNorm
 baseline.
@@ -33,7 +33,10 @@ class ModelSpec:
         read_hooks: mixed-input hook of each read (L+1; the last may be None: the recorder
             then sums the sources itself, which is exact for PreNorm).
         output_hooks: the L sublayer outputs.
-        weight_hooks / logit_hooks: per read (AttnRes only), else None.
+        weight_hooks: per read, the read's depth weights (AttnRes: the softmax weights;
+            Hyper-Connections and DenseFormer: the coefficients over the sources), else None
+            (PreNorm: the recorder writes its coefficients, all one, itself).
+        logit_hooks: per read, AttnRes's depth logits; None for every other rule.
         contrib_hooks: per read, the mixer's contribution-share hook (AttnRes only): the
             recorder takes the shares from the mixer, which has the sources at hand, instead
             of keeping sources itself.
@@ -115,7 +118,7 @@ def _spec_attnres(model, name: str | None) -> ModelSpec:
         read_hooks=[*(hp.name for b in blocks for hp in (b.hook_resid_pre, b.hook_resid_mid)), model.hook_resid_final.name],
         output_hooks=[hp.name for b in blocks for hp in (b.hook_attn_out, b.hook_mlp_out)],
         weight_hooks=[m.hook_weights.name for m in mixers] or None,
-        logit_hooks=[m.hook_logits.name for m in mixers] or None,
+        logit_hooks=[m.hook_logits.name for m in mixers if hasattr(m, "hook_logits")] or None,  # AttnRes only
         contrib_hooks=[m.hook_contrib.name for m in mixers] or None,
         sublayer_params=sub_params,
         mixer_params=[list(m.parameters()) for m in mixers] or None,

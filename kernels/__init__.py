@@ -8,6 +8,8 @@ Ops (``ops/<op>/``; the public function checks its arguments, then dispatches):
 
 - :func:`depth_attn`: a softmax over depth sources scored by one pseudo-query (every read);
 - :func:`phase1` / :func:`phase2`: the two-phase Block AttnRes schedule;
+- :func:`sinkhorn`: mHC's projection of its residual mixing towards the doubly stochastic
+  matrices (a Numba kernel with its own backward; the reference elsewhere);
 - :func:`inv_rms`, :func:`rms_norm`, :func:`weighted_sum`, :func:`contribution_shares`:
   small ops in PyTorch only (no dispatch).
 
@@ -34,6 +36,7 @@ from .ops.mixture import contribution_shares, weighted_sum
 from .ops.phase1 import phase1
 from .ops.phase2 import phase2
 from .ops.rms import inv_rms, rms_norm
+from .ops.sinkhorn import sinkhorn
 from .utils import Sources, compute_dtype
 
 __all__ = [
@@ -53,6 +56,7 @@ __all__ = [
     "requested_backend",
     "resolve_backend",
     "rms_norm",
+    "sinkhorn",
     "triton_available",
     "weighted_sum",
 ]

@@ -28,6 +28,8 @@ TABLE: dict[str, dict[str, str]] = {
     "depth_attn": {"torch": "depth_attn.reference", "numba": "depth_attn.numba", "triton": "depth_attn.triton"},
     "phase1": {"torch": "phase1.reference", "numba": "phase1.reference", "triton": "phase1.triton"},
     "phase2": {"torch": "phase2.reference", "numba": "phase2.reference", "triton": "phase2.triton"},
+    # mHC's [..., n, n] projection: no GPU kernel (n is a handful of streams), the reference there
+    "sinkhorn": {"torch": "sinkhorn.reference", "numba": "sinkhorn.numba", "triton": "sinkhorn.reference"},
 }
 
 _modules: dict[str, ModuleType] = {}

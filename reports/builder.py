@@ -36,6 +36,7 @@ import plotly.offline
 from markupsafe import Markup
 
 from attnres_probe import figures, metrics
+from attnres_probe.axis import rule_title
 from attnres_probe.analysis.windows import informative_token
 from attnres_probe._version import __version__
 from attnres_probe.io import atomic_write
@@ -362,7 +363,7 @@ def _documents_context(items: list, names: list[str], manifest: Mapping[str, Any
 def _stats_model_row(stats: Any, name: str) -> dict[str, Any]:
     meta, cfg = stats.meta, dict(stats.meta.get("config") or {})
     residual = meta.get("residual", "?")
-    arch = {"prenorm": "PreNorm baseline", "full": "Full AttnRes", "block": "Block AttnRes"}.get(residual, residual)
+    arch = rule_title(residual, cfg)
     if residual == "block" and meta.get("block_starts"):
         arch += f" (blocks start at sublayers {', '.join(map(str, meta['block_starts']))})"
     keys = ("d_model", "n_layers", "n_heads", "n_ctx", "d_vocab")
@@ -500,7 +501,7 @@ def _difference_context(traces: list[DepthTrace], plots: _Plots) -> dict[str, An
 def _model_row(trace: DepthTrace, name: str) -> dict[str, Any]:
     meta, cfg = trace.meta, dict(trace.meta.get("config") or {})
     residual = trace.residual
-    arch = {"prenorm": "PreNorm baseline", "full": "Full AttnRes", "block": "Block AttnRes"}.get(residual, residual)
+    arch = rule_title(residual, cfg)
     if residual == "block" and trace.block_starts:
         arch += f" (blocks start at sublayers {', '.join(map(str, trace.block_starts))})"
     if meta.get("foreign"):

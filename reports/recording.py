@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from attnres_probe.demo_recipe import DEMO_NAMES
 from attnres_probe.io import weights_sha256
 from attnres_probe.probe import Probe
 from attnres_probe.texts import REPORT_TEXT
@@ -114,8 +115,9 @@ def record_checkpoints(
     return traces
 
 
-def record_demos(text: str, names: Sequence[str] = ("prenorm", "full", "block"), backward: bool = True) -> list[DepthTrace]:
-    """:func:`record_text` through the bundled demo models (raises FileNotFoundError if one is missing)."""
+def record_demos(text: str, names: Sequence[str] = DEMO_NAMES, backward: bool = True) -> list[DepthTrace]:
+    """:func:`record_text` through the bundled demo models (default: every shipped one,
+    :data:`~attnres_probe.demo_recipe.DEMO_NAMES`; raises FileNotFoundError if one is missing)."""
     from attnres_probe.loading import demo_source, load_model
 
     traces = []

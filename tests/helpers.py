@@ -22,12 +22,23 @@ def tiny_model(residual: str = "full", randomize_queries: bool = True, **kw) -> 
     """A small model; AttnRes queries and gains randomised so routing is not uniform."""
     model = AttnResTransformer(tiny_config(residual, **kw))
     if randomize_queries:
-        g = torch.Generator().manual_seed(123)
-        with torch.no_grad():
-            for m in model.mixers:
+        randomize_routing(model)
+    return model.eval()
+
+
+def randomize_routing(model: AttnResTransformer, seed: int = 123) -> AttnResTransformer:
+    """Routing that is not uniform, as in a trained model: AttnRes queries and key gains;
+    Hyper-Connections' and DenseFormer's parameters shifted from their (PreNorm-like) init."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.mixers:
+            if hasattr(m, "query"):
                 m.query.copy_(torch.randn(m.query.shape, generator=g) * 0.5)
                 m.norm.weight.copy_(1 + 0.3 * torch.randn(m.query.shape, generator=g))
-    return model.eval()
+        for name, p in model.named_parameters():
+            if ".hc." in name or name.startswith("dwa."):
+                p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
 
 
 def sample_tokens(n: int = 12, batch: int = 2, seed: int = 0) -> torch.Tensor:

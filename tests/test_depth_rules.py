@@ -414,7 +414,17 @@ def conditions(fn, inputs: dict[str, torch.Tensor], upstream: dict[str, torch.Te
         return torch.cat([out[k].reshape(-1) for k in out_names])
 
     f = flat(theta).detach()
-    J = torch.autograd.functional.jacobian(flat, theta, vectorize=True)
+    # vectorised (vmap) Jacobian: through the PyTorch Sinkhorn (the Numba kernel's own backward
+    # is checked against it in tests/kernels/test_sinkhorn.py); the same function in float64
+    saved = os.environ.get("ATTNRES_BACKEND")
+    os.environ["ATTNRES_BACKEND"] = "torch"
+    try:
+        J = torch.autograd.functional.jacobian(flat, theta, vectorize=True)
+    finally:
+        if saved is None:
+            del os.environ["ATTNRES_BACKEND"]
+        else:
+            os.environ["ATTNRES_BACKEND"] = saved
     out_sizes = [upstream[k].numel() for k in out_names]
     gbar = torch.cat([upstream[k].double().reshape(-1) for k in out_names])
 

@@ -164,8 +164,10 @@ def _routing_rows(w: np.ndarray, mask: np.ndarray, R: int) -> dict[str, np.ndarr
     distance = np.where(has, (vals * dist).sum(-1), np.nan)
     recent = np.where(has, (vals * (avail & (pos == k[..., None] - 1))).sum(-1), np.nan)
     with np.errstate(divide="ignore", invalid="ignore"):
-        logp = np.log(np.where(vals > 0, vals, 1.0))
-        h = -(np.where(vals > 0, vals, 0.0) * logp).sum(-1)
+        p = np.abs(vals)  # signed weights (HC, DenseFormer): the entropy of their magnitudes, as metrics.entropy
+        p = p / p.sum(-1, keepdims=True)
+        logp = np.log(np.where(p > 0, p, 1.0))
+        h = -(np.where(p > 0, p, 0.0) * logp).sum(-1)
         h = np.where(k > 1, h / np.log(np.maximum(k, 2)), np.nan)
         old = avail & (pos >= 1) & (pos <= k[..., None] - 2)  # neither the embedding nor the most recent
         n_old = old.sum(-1)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from attnres_probe.cli import arg_range
 from attnres_probe.corpus.run import COMPARISON_FILE, DOCUMENTS_FILE
+from attnres_probe.demo_recipe import DEMO_NAMES
 from attnres_probe.validate import MAX_RESAMPLES
 
 __all__ = ["add_corpus_parser"]
@@ -48,8 +49,8 @@ def add_corpus_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--models", nargs="+", metavar="DIR", help="model folders: ours (config.json + model.safetensors) or flash-linear-attention checkpoints")
-    src.add_argument("--demo", nargs="*", choices=("prenorm", "full", "block"), metavar="NAME",
-                     help="bundled demo models: prenorm, full, block (bare --demo: all three)")
+    src.add_argument("--demo", nargs="*", choices=DEMO_NAMES, metavar="NAME",
+                     help=f"bundled demo models: {', '.join(DEMO_NAMES)} (bare --demo: all of them)")
     p.add_argument("--data", required=True, metavar="FILE|DIR", help="a UTF-8 text file, or a folder of them (one document per file)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the run (new, empty, or an unfinished run to resume)")
     p.add_argument("--names", nargs="+", metavar="NAME", help="one label per model (default: folder names)")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from attnres_probe.cli import UserError, arg_range
 from attnres_probe.demo_recipe import BACKEND_NAMES as BACKENDS
-from attnres_probe.demo_recipe import DEMO_NAMES, DEMO_THREADS, DEMO_TRAIN
+from attnres_probe.demo_recipe import DEMO_NAMES, DEMO_RULES, DEMO_THREADS, DEMO_TRAIN
 
 __all__ = ["add_demo_models_parser", "add_demo_parser"]
 
@@ -68,11 +68,12 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 def add_demo_models_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "demo-models",
-        help="regenerate the bundled demo models (PreNorm, Full, Block)",
-        description="Train the three demo models with identical settings and write them as fp16 safetensors.",
+        help="regenerate the bundled demo models (PreNorm, Full, Block, mHC, DenseFormer)",
+        description="Train the demo models with identical settings (only the residual rule differs) and write them as "
+                    "fp16 safetensors.",
     )
     p.add_argument("--out", default="attnres_probe/demo_models", help="destination folder (default: %(default)s)")
-    p.add_argument("--only", nargs="+", choices=DEMO_NAMES, default=list(DEMO_NAMES), help="build only these")
+    p.add_argument("--only", nargs="+", choices=list(DEMO_RULES), default=list(DEMO_RULES), help="build only these")
     p.add_argument("--threads", type=arg_range("int", 1, 256), default=DEMO_THREADS, help="torch CPU threads (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="another step count (the study's 2000, or a smoke run)")
     p.add_argument("--seed", type=int, default=0, help="model and run seed (default: %(default)s, the shipped models)")

@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 
 from attnres_probe.cli import UserError, arg_range
+from attnres_probe.demo_recipe import DEMO_NAMES
 
 __all__ = ["add_figures_parser"]
-
-DEMO_NAMES = ("prenorm", "full", "block")
 
 
 def add_figures_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -41,7 +40,7 @@ def add_figures_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--demo", nargs="*", choices=DEMO_NAMES, metavar="NAME",
-                     help="bundled demo models: prenorm, full, block (bare --demo: all three)")
+                     help=f"bundled demo models: {', '.join(DEMO_NAMES)} (bare --demo: all of them)")
     src.add_argument("--models", nargs="+", metavar="DIR",
                      help="model folders: ours (config.json + model.safetensors) or flash-linear-attention checkpoints")
     p.add_argument("--names", nargs="+", metavar="NAME", help="one label per --models folder (default: the folders' names)")
@@ -82,7 +81,7 @@ def _load(args: argparse.Namespace) -> tuple[list, list[str]]:
 
     if args.demo is not None:
         if args.names:
-            raise UserError("--names applies to --models (the demo models are prenorm, full, block)")
+            raise UserError(f"--names applies to --models (the demo models are {', '.join(DEMO_NAMES)})")
         demo = list(args.demo or DEMO_NAMES)
         return [load_model(demo_source(n)) for n in demo], demo
     if args.names is not None and len(args.names) != len(args.models):

@@ -13,7 +13,12 @@ import numpy as np
 import pandas as pd
 
 from attnres_probe.cli import unescape_text
+from attnres_probe.demo_recipe import DEMO_NAMES
 from attnres_probe.texts import SHORT_TEXT
+
+# the rules whose depth weights are free coefficients (signed, not summing to one): the summary shows
+# them normalised, as shares of the read (attnres_probe.analysis.windows.normalised_weights)
+COEFFICIENT_RULES = ("hyper", "denseformer")
 
 # Short enough (under 128 bytes) for the demo models' context; with another model the default
 # is cut to its context, while a text the user gives is never cut without --truncate.
@@ -23,7 +28,7 @@ DEFAULT_TEXT = SHORT_TEXT  # a held-out passage of a play (attnres_probe.texts):
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", metavar="DIR", help="a model folder: ours (config.json + model.safetensors) or a flash-linear-attention checkpoint")
-    src.add_argument("--demo", choices=("prenorm", "full", "block"), help="a bundled demo model (default: block)")
+    src.add_argument("--demo", choices=DEMO_NAMES, help="a bundled demo model (default: block)")
     text = p.add_mutually_exclusive_group()
     text.add_argument("--text", help="the text to record (default: a short Python function); \\n and \\t stand for a newline and a tab")
     text.add_argument("--file", metavar="PATH", help="read the text from a UTF-8 file")
@@ -68,8 +73,18 @@ def _truncate(args: argparse.Namespace) -> bool:
 
 
 def layer_summary(trace) -> pd.DataFrame:
-    """One row per read: RMS of the mixed input, gradient norm, embedding weight/share, top source."""
-    w = trace.weights().to_numpy()  # (R, S) mean over tokens
+    """One row per read: RMS of the mixed input, gradient norm, embedding weight/share, top source.
+
+    The weights are the depth weights averaged over the real tokens; for Hyper-Connections and
+    DenseFormer, whose coefficients need not sum to one, each token's coefficients are first
+    normalised to shares of its read (so every read's weights sum to one)."""
+    if trace.residual in COEFFICIENT_RULES:
+        from attnres_probe.analysis.windows import normalised_weights
+        from attnres_probe.numeric import token_mean
+
+        w = token_mean(normalised_weights(trace, trace.depth_weights)[trace.mask])  # (R, S)
+    else:
+        w = trace.weights().to_numpy()  # (R, S) mean over tokens
     c = trace.weights(kind="contrib").to_numpy()
     use = c if trace.residual == "prenorm" else w
     top = [trace.source_labels[int(np.nanargmax(row))] if np.isfinite(row).any() else "" for row in use]

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from attnres_probe.cli import UserError, arg_range, unescape_text
+from attnres_probe.demo_recipe import DEMO_NAMES
 from attnres_probe.validate import MAX_RESAMPLES
 
 __all__ = ["add_report_parser"]
@@ -44,9 +45,9 @@ def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     src.add_argument(
         "--demo",
         nargs="*",
-        choices=("prenorm", "full", "block"),
+        choices=DEMO_NAMES,
         metavar="NAME",
-        help="bundled demo models: prenorm, full, block (bare --demo: all three)",
+        help=f"bundled demo models: {', '.join(DEMO_NAMES)} (bare --demo: all of them)",
     )
     src.add_argument("--stats", metavar="DIR",
                      help="a corpus run (attnres-probe corpus --out DIR): comparisons with intervals and verdicts, "
@@ -137,7 +138,7 @@ def run_report(args: argparse.Namespace) -> int:
     models = None
     from attnres_probe.io import say
     if not args.traces:
-        n = len(args.demo or ("prenorm", "full", "block")) if args.demo is not None else len(args.models or [])
+        n = len(args.demo or DEMO_NAMES) if args.demo is not None else len(args.models or [])
         say(f"recording the text through {n} model{'s' if n != 1 else ''} (a few seconds each) ...")
     if args.traces:
         if text is not None:
@@ -145,7 +146,7 @@ def run_report(args: argparse.Namespace) -> int:
         traces = _load_traces(args.traces, args.names)
     elif args.demo is not None:
         if args.names:
-            raise _user_error("--names does not apply to --demo (the demo models are prenorm, full, block)")
+            raise _user_error(f"--names does not apply to --demo (the demo models are {', '.join(DEMO_NAMES)})")
         text = text if text is not None else SAMPLE_TEXT
         traces = record_demos(text, names=_demo_names(args), backward=backward)
     else:
@@ -245,9 +246,9 @@ def _run_stats_report(args: argparse.Namespace) -> int:
 
 
 def _demo_names(args: argparse.Namespace) -> tuple[str, ...]:
-    """The demo models asked for, in the canonical order, each once (bare --demo: all three)."""
-    asked = set(args.demo) or {"prenorm", "full", "block"}
-    return tuple(n for n in ("prenorm", "full", "block") if n in asked)
+    """The demo models asked for, in the canonical order, each once (bare --demo: all of them)."""
+    asked = set(args.demo) or set(DEMO_NAMES)
+    return tuple(n for n in DEMO_NAMES if n in asked)
 
 
 def _command(args: argparse.Namespace) -> str:

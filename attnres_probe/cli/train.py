@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from attnres_probe.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError
-from attnres_probe.config import RESIDUALS, ConfigError, ModelConfig
+from attnres_probe.config import DENSEFORMER_DEFAULTS, DYNAMIC_INPUTS, HYPER_DEFAULTS, RESIDUALS, ConfigError, ModelConfig
 from attnres_probe.data import SPLITS, DataError
 from attnres_probe.kernels import BACKENDS
 from attnres_probe.training.config import TrainConfig, TrainError
@@ -23,6 +24,27 @@ _MODEL_FLAGS = {  # flag dest -> ModelConfig field
     "n_heads": "n_heads",
     "n_ctx": "n_ctx",
     "block_size": "block_size",
+    # the rule fields (ModelConfig: each belongs to one rule, None elsewhere)
+    "n_streams": "n_streams",
+    "mhc": "mhc",
+    "hc_dynamic": "hc_dynamic",
+    "hc_dynamic_input": "hc_dynamic_input",
+    "hc_tanh": "hc_tanh",
+    "sinkhorn_iters": "sinkhorn_iters",
+    "dwa_dilation": "dwa_dilation",
+    "dwa_period": "dwa_period",
+}
+# the rule each rule field belongs to, and the flag that sets it (for the error naming both)
+_RULE_OF_FIELD = {**dict.fromkeys(HYPER_DEFAULTS, "hyper"), **dict.fromkeys(DENSEFORMER_DEFAULTS, "denseformer")}
+_FLAG_OF_FIELD = {
+    "n_streams": "--n-streams",
+    "mhc": "--mhc/--no-mhc",
+    "hc_dynamic": "--static-hc",
+    "hc_dynamic_input": "--hc-dynamic-input",
+    "hc_tanh": "--no-hc-tanh",
+    "sinkhorn_iters": "--sinkhorn-iters",
+    "dwa_dilation": "--dwa-dilation",
+    "dwa_period": "--dwa-period",
 }
 _TRAIN_FLAGS = (
     "steps",
@@ -52,9 +74,10 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p = subparsers.add_parser(
         "train",
         help="train a model on an offline byte corpus",
-        description="Train a PreNorm / Full AttnRes / Block AttnRes model on an offline corpus. Writes the "
-        "checkpoint, train_log.json and resumable state into --out. Without --config the model has the demo "
-        "models' size; after the first steps the command prints how long the run will take.",
+        description="Train a PreNorm / Full AttnRes / Block AttnRes / Hyper-Connections (mHC) / DenseFormer model "
+        "on an offline corpus. Writes the checkpoint, train_log.json and resumable state into --out. Without "
+        "--config the model has the demo models' size; after the first steps the command prints how long the run "
+        "will take.",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, log, resumable state)")
     p.add_argument("--config", metavar="JSON", help="model config file (ModelConfig fields); flags below override it")
@@ -65,6 +88,34 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     m.add_argument("--n-heads", type=int, help="attention heads (default 4)")
     m.add_argument("--n-ctx", type=int, help="context length (default 128)")
     m.add_argument("--block-size", type=int, help="sublayers per block with --residual block (default 4)")
+    h = p.add_argument_group("Hyper-Connections / mHC (--residual hyper only)")
+    h.add_argument("--n-streams", type=int, help=f"residual streams (default {HYPER_DEFAULTS['n_streams']})")
+    h.add_argument(
+        "--mhc", action=argparse.BooleanOptionalAction, default=None,
+        help="manifold-constrained HC (mHC: Sinkhorn H_res, sigmoid H_pre/H_post); --no-mhc: plain HC (the default)",
+    )
+    h.add_argument(
+        "--static-hc", dest="hc_dynamic", action="store_const", const=False, default=None,
+        help="static weights (SHC) instead of per-token ones from the state (DHC, the default)",
+    )
+    h.add_argument(
+        "--hc-dynamic-input", choices=DYNAMIC_INPUTS,
+        help="what the dynamic weights read: stream (HC paper) or flat (mHC paper); default flat with --mhc, else stream",
+    )
+    h.add_argument(
+        "--no-hc-tanh", dest="hc_tanh", action="store_const", const=False, default=None,
+        help="HC only: no tanh on the dynamic terms (default: tanh)",
+    )
+    h.add_argument("--sinkhorn-iters", type=int, help=f"mHC: Sinkhorn rounds (default {HYPER_DEFAULTS['sinkhorn_iters']})")
+    d = p.add_argument_group("DenseFormer (--residual denseformer only)")
+    d.add_argument(
+        "--dwa-dilation", type=int,
+        help=f"a DWA averages the block outputs j = i+1 (mod dilation) (default {DENSEFORMER_DEFAULTS['dwa_dilation']})",
+    )
+    d.add_argument(
+        "--dwa-period", type=int,
+        help=f"a DWA follows every period-th block (default {DENSEFORMER_DEFAULTS['dwa_period']}: every block)",
+    )
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, help="optimizer updates (default 2000)")
     t.add_argument("--batch-size", type=int, help="windows per update (default 16)")
@@ -111,9 +162,14 @@ def _configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConf
     elif saved:
         base = saved[0].to_dict()
     else:  # a new run without a config file: the demo models' size (64 wide, 8 layers, context 128)
-        from attnres_probe.demo import demo_config
+        from attnres_probe.demo import DEMO_MODEL
+        from attnres_probe.demo_recipe import DEMO_BLOCK_SIZE
 
-        base = demo_config(args.residual or "full").to_dict()
+        residual = args.residual or "full"
+        shape = dict(block_size=DEMO_BLOCK_SIZE) if residual == "block" else {}
+        base = dataclasses.replace(DEMO_MODEL, residual=residual, **shape).to_dict()
+        for name in _RULE_OF_FIELD:  # the rule's defaults, derived again after the flags (--mhc: flat input)
+            base[name] = None
     model_dict = dict(base)
     train_dict = saved[1].to_dict() if saved else {}
     for dest, field in _MODEL_FLAGS.items():
@@ -129,6 +185,15 @@ def _configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConf
     if args.residual not in (None, "block") and args.block_size is None:  # an explicit non-block residual
         model_dict.pop("block_size", None)
         model_dict.pop("block_boundaries", None)
+    _check_rule_flags(args, model_dict)
+    if args.residual is not None:  # an explicit residual: the base's fields of another rule go
+        for name, rule in _RULE_OF_FIELD.items():
+            if rule != args.residual:
+                model_dict.pop(name, None)
+    if args.mhc is not None and args.hc_dynamic_input is None and base.get("mhc") is not None and (
+        base.get("hc_dynamic_input") == ("flat" if base["mhc"] else "stream")
+    ):  # --mhc / --no-mhc over a base whose input was its rule's default: the new rule's default
+        model_dict.pop("hc_dynamic_input", None)
     if base and (model_dict["d_model"], model_dict["n_heads"]) != (base["d_model"], base["n_heads"]):
         # the width changed: re-derive the sizes the base had derived from the old width
         if base["d_head"] == base["d_model"] // base["n_heads"]:
@@ -138,6 +203,16 @@ def _configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConf
         if base.get("n_kv_heads") == base["n_heads"] and model_dict["n_heads"] != base["n_heads"]:
             model_dict.pop("n_kv_heads", None)  # plain multi-head attention stays plain
     return ModelConfig.from_dict(model_dict), TrainConfig.from_dict(train_dict)
+
+
+def _check_rule_flags(args: argparse.Namespace, model_dict: dict) -> None:
+    """A flag of another rule than the run's residual: a ConfigError naming the flag, its field and the rule."""
+    residual = model_dict.get("residual", "full")
+    for name, rule in _RULE_OF_FIELD.items():
+        if getattr(args, name, None) is not None and residual != rule:
+            raise ConfigError(
+                f"{_FLAG_OF_FIELD[name]} ({name}) applies only to --residual {rule}; this run's residual is {residual!r}"
+            )
 
 
 def _read_model_config(path: str) -> ModelConfig:

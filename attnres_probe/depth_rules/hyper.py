@@ -81,6 +81,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+import attnres_probe.kernels as kernels  # the top-level kernels/ folder (pyproject's package-dir map)
+
 __all__ = [
     "HyperConnection",
     "HyperStep",
@@ -139,22 +141,18 @@ def from_package_layout(state: torch.Tensor, n_streams: int) -> torch.Tensor:
     return state.reshape(bn // n_streams, n_streams, p, d).permute(0, 2, 1, 3)
 
 
-def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
+def sinkhorn(logits: torch.Tensor, iters: int = 20, backend: str | None = None) -> torch.Tensor:
     """Sinkhorn-Knopp projection of ``exp(logits)`` [..., n, n] (indexed [t, s]) towards the
-    doubly stochastic matrices: ``iters`` rounds of normalising the rows, then the columns.
+    doubly stochastic matrices: ``iters`` rounds of normalising the rows, then the columns
+    (:func:`attnres_probe.kernels.sinkhorn`: a Numba kernel on the CPU, the PyTorch reference
+    elsewhere or with ``backend="torch"``).
 
     The maximum over each row is subtracted first (detached; it cancels in the first row
     normalisation). After the last round every column sums to one to rounding; the rows sum to
     one within ``exp(delta) - 1``, ``delta = tau^(2 iters - 1) d_H(b_1, 1)`` with ``tau`` the
     Birkhoff contraction ratio of ``exp(logits)`` (tests/test_depth_rules.py computes it).
     """
-    m = logits - logits.amax(dim=-1, keepdim=True).detach()
-    m = m.exp()
-    tiny = torch.finfo(m.dtype).tiny
-    for _ in range(iters):
-        m = m / m.sum(dim=-1, keepdim=True).clamp_min(tiny)
-        m = m / m.sum(dim=-2, keepdim=True).clamp_min(tiny)
-    return m
+    return kernels.sinkhorn(logits, iters, backend=backend)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -255,8 +253,9 @@ class HyperConnection(nn.Module):
             post = xf @ self.post_proj.to(dtype)
         return pre, res, post
 
-    def weights(self, state: torch.Tensor) -> StreamWeights:
-        """The mixing matrices for a state [batch, pos, n, d]: [batch, pos, n], [.., n, n], [.., n]."""
+    def weights(self, state: torch.Tensor, backend: str | None = None) -> StreamWeights:
+        """The mixing matrices for a state [batch, pos, n, d]: [batch, pos, n], [.., n, n], [.., n].
+        ``backend``: of mHC's Sinkhorn (:func:`sinkhorn`)."""
         self._check(state)
         dtype = torch.promote_types(state.dtype, torch.float32)
         lead = state.shape[:-2]
@@ -276,7 +275,7 @@ class HyperConnection(nn.Module):
             pre, res, post = pre_b, res_b, post_b
         if self.mhc:
             pre = torch.sigmoid(pre)
-            res = sinkhorn(res, self.sinkhorn_iters)
+            res = sinkhorn(res, self.sinkhorn_iters, backend)
             post = torch.sigmoid(post) * 2
         n = self.n_streams
         return StreamWeights(pre.expand(*lead, n), res.expand(*lead, n, n), post.expand(*lead, n))

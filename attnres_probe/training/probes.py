@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnres_probe.axis import ATTNRES_RULES
 from attnres_probe.model import AttnResTransformer
 
 __all__ = ["PROBE_DIR", "load_history", "probe_tokens", "record_probe", "summarize", "tokens_sha256"]
@@ -74,8 +75,9 @@ def _floats(values: Any) -> list[float | None]:
 
 def summarize(trace: Any, step: int) -> dict[str, Any]:
     """The compact record of one probe: per-read token means (:data:`SERIES`), the gradient
-    spread, the mean loss, and the token-mean routing matrix [R, S] (weights; contribution
-    shares for PreNorm)."""
+    spread, the mean loss, and the token-mean routing matrix [R, S] (``routing_kind``: AttnRes's
+    weights; contribution shares for PreNorm; the normalised coefficients c / sum(c) for
+    Hyper-Connections and DenseFormer)."""
     from attnres_probe import metrics
     from attnres_probe.numeric import token_mean
 
@@ -83,8 +85,13 @@ def summarize(trace: Any, step: int) -> dict[str, Any]:
     emb = metrics.embedding_retention(trace)
     prof = metrics.read_profile(trace)
     grad = metrics.gradient_uniformity(trace)
-    kind = "weights" if trace.residual != "prenorm" else "contrib"
-    cube = trace.cube(kind)[np.asarray(trace.mask, dtype=bool)]  # (tokens, R, S)
+    kind = "weights" if trace.residual in ATTNRES_RULES else "contrib" if trace.residual == "prenorm" else "normalised"
+    if kind == "normalised":  # Hyper-Connections, DenseFormer: coefficients over their sum (docs/depth_rules.md)
+        from attnres_probe.analysis.windows import normalised_weights
+
+        cube = normalised_weights(trace, trace.depth_weights)[np.asarray(trace.mask, dtype=bool)]
+    else:
+        cube = trace.cube(kind)[np.asarray(trace.mask, dtype=bool)]  # (tokens, R, S)
     return {
         "step": int(step),
         "loss": float(trace.meta["mean_loss"]),

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from attnres_probe.model import AttnResTransformer, DepthMixer, RMSNorm
+from attnres_probe.depth_rules import DepthWeightedAverage
+from attnres_probe.model import AttnResTransformer, DepthRead, RMSNorm
 from attnres_probe.training.config import TrainConfig
 
 __all__ = ["NO_DECAY_PARAMS", "learning_rate", "make_optimizer", "param_groups"]
@@ -35,14 +36,17 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
 
 
 def param_groups(model: AttnResTransformer, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: decay on weight matrices; none on norms, biases, embeddings, depth mixers.
+    """AdamW groups: decay on weight matrices; none on norms, biases, embeddings, depth rules.
 
     The no-decay group holds every RMSNorm gain (the depth mixers' ``norm.weight`` included),
-    every bias, the token and position embeddings, and every mixer's ``query``.
+    every bias, the token and position embeddings, every AttnRes mixer's ``query``, and every
+    parameter of the other depth rules: Hyper-Connections' biases, projections and scales (its
+    ``res_bias`` starts as the identity, which decay would pull towards 0) and DenseFormer's DWA
+    weights.
     """
     no_decay: set[int] = set()
     for module in model.modules():
-        if isinstance(module, (RMSNorm, DepthMixer)):
+        if isinstance(module, (RMSNorm, DepthRead, DepthWeightedAverage)):
             no_decay.update(id(p) for p in module.parameters(recurse=True))
     for name, p in model.named_parameters():
         if name.endswith("bias") or name in NO_DECAY_PARAMS or p.dim() < 2:

@@ -1,0 +1,240 @@
+"""The two residual rules beyond AttnRes in the model (issue #36): Hyper-Connections / mHC
+(``residual="hyper"``) and DenseFormer (``residual="denseformer"``), through the hook points.
+
+The effective depth weights ``hook_weights`` shows are the coefficients c of every read
+``h_r = sum_j c_rj v_j``; the reconstruction tests bound ``|sum_j c_j v_j - h|`` in float64 by
+``gamma_K(2^-53) mag``: mag the same bookkeeping run on absolute values (|H_pre|, |H_res|,
+|H_post|, |alpha|) applied to |v|, K = 2 (L + 1)(n + 2) rounding steps on the longest path (the
+streams' and the coefficients' sums of n terms per sublayer, the read's sum over L + 1 sources).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from attnres_probe import AttnResTransformer, ModelConfig, metrics
+from attnres_probe.config import ConfigError
+from attnres_probe.depth_rules import StreamWeights, denseformer_read_coefficients, hyper_read_coefficients
+from attnres_probe.model import CoefficientRead
+from attnres_probe.probe import Probe
+from attnres_probe.training.schedule import param_groups
+from helpers import randomize_routing, route, sample_tokens, tiny_config, tiny_model
+
+EPS = 2.0**-53
+HYPER = {
+    "HC static": dict(residual="hyper", hc_dynamic=False, n_streams=3),
+    "HC dynamic": dict(residual="hyper", n_streams=2),
+    "HC no tanh": dict(residual="hyper", n_streams=3, hc_tanh=False),
+    "mHC flat": dict(residual="hyper", mhc=True, n_streams=4),
+    "mHC stream": dict(residual="hyper", mhc=True, n_streams=2, hc_dynamic_input="stream"),
+    "mHC static": dict(residual="hyper", mhc=True, hc_dynamic=False, n_streams=3),
+}
+DENSE = {
+    "DenseFormer": dict(residual="denseformer"),
+    "DenseFormer 2x2": dict(residual="denseformer", dwa_dilation=2, dwa_period=2),
+    "DenseFormer 3x1": dict(residual="denseformer", dwa_dilation=3),
+}
+RULES = {**HYPER, **DENSE}
+
+
+def gamma(k: int, u: float = EPS) -> float:
+    return k * u / (1 - k * u)
+
+
+def model64(kw: dict, n_layers: int = 3) -> AttnResTransformer:
+    m = AttnResTransformer(tiny_config(n_layers=n_layers, **kw)).double()
+    return randomize_routing(m, seed=7).eval()
+
+
+def sources_and_reads(cache, n_layers: int):
+    srcs = [cache["hook_embed"] + cache["hook_pos_embed"]]
+    for i in range(n_layers):
+        srcs += [cache[f"blocks.{i}.hook_attn_out"], cache[f"blocks.{i}.hook_mlp_out"]]
+    reads = [cache[f"blocks.{i}.hook_resid_{w}"] for i in range(n_layers) for w in ("pre", "mid")]
+    return torch.stack(srcs, -2), [*reads, cache["hook_resid_final"]]
+
+
+def weights_of(cache, model):
+    return torch.stack([cache[m.hook_weights.name] for m in model.mixers], -2)  # [B, P, R, S]
+
+
+def magnitude_coefficients(model, cache) -> torch.Tensor:
+    """The coefficient bookkeeping on absolute values, [B, P, R, S] (module docstring)."""
+    if model.cfg.residual == "denseformer":
+        alphas = {int(k): v.detach().abs() for k, v in model.dwa.alphas.items()}
+        return denseformer_read_coefficients(alphas, model.cfg.n_layers, model.cfg.dwa_dilation, model.cfg.dwa_period)
+    steps = []
+    for l, read in enumerate(model.mixers[:-1]):
+        block = model.blocks[l // 2]
+        X = cache[(block.hook_streams_pre if l % 2 == 0 else block.hook_streams_mid).name]
+        w = read.hc.weights(X, "torch")
+        steps.append(StreamWeights(w.pre.abs(), w.res.abs(), w.post.abs()))
+    return hyper_read_coefficients(steps)
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_coefficients_times_sources_rebuild_every_read(name):
+    model = model64(RULES[name])
+    tokens = sample_tokens(10, batch=2, seed=3)
+    logits_plain = model(tokens)
+    logits, cache = model.run_with_cache(tokens)
+    assert torch.equal(logits, logits_plain)  # recording the weights does not change the forward
+    V, reads = sources_and_reads(cache, 3)
+    W = weights_of(cache, model)
+    L1 = W.shape[-1]
+    assert torch.equal(W.triu(1), torch.zeros_like(W))  # read r sees columns 0..r only (0 beyond)
+    mag = magnitude_coefficients(model, cache) @ V.abs().double() if model.cfg.residual == "denseformer" else None
+    if mag is None:
+        mag = torch.einsum("bprs,bpsd->bprd", magnitude_coefficients(model, cache), V.abs())
+    else:
+        mag = torch.einsum("rs,bpsd->bprd", magnitude_coefficients(model, cache), V.abs())
+    n = model.cfg.n_streams or 1
+    bound = gamma(2 * L1 * (n + 2)) * mag
+    rebuilt = torch.einsum("bprs,bpsd->bprd", W, V)
+    err = (rebuilt - torch.stack(reads, -2)).abs()
+    assert (err <= bound).all(), f"{name}: worst err/bound {(err / bound).max():.3g}"
+    # the bound sees a coefficient off by 1e-9: it can fail
+    W2 = W.clone()
+    W2[..., 4, 2] += 1e-9
+    err2 = (torch.einsum("bprs,bpsd->bprd", W2, V) - torch.stack(reads, -2)).abs()
+    assert not (err2 <= bound).all()
+
+
+@pytest.mark.parametrize("kw", [dict(residual="denseformer"), dict(residual="hyper", n_streams=1, hc_dynamic=False),
+                                dict(residual="hyper", n_streams=1)], ids=["denseformer", "HC n=1 static", "HC n=1 dynamic"])
+def test_a_fresh_rule_is_its_prenorm_baseline_bit_for_bit(kw):
+    tokens = sample_tokens(12, batch=2)
+    base = AttnResTransformer(tiny_config("prenorm"))
+    other = AttnResTransformer(tiny_config(**kw))
+    assert torch.equal(base(tokens), other(tokens))
+    # and its coefficients are PreNorm's: all one over what each read sees
+    _, cache = other.run_with_cache(tokens)
+    W = weights_of(cache, other)
+    assert torch.equal(W, torch.ones_like(W).tril())
+
+
+def test_fresh_mhc_coefficients_follow_the_package_init():
+    model = AttnResTransformer(tiny_config(residual="hyper", mhc=True, n_streams=4)).double()
+    _, cache = model.run_with_cache(sample_tokens(6, batch=1))
+    W = weights_of(cache, model)[0, 0]  # the streams stay equal: (sigmoid(1) + 3/2) on the embedding
+    a, post = 1 / (1 + np.exp(-1.0)), 2 / (1 + np.exp(-1.0))
+    first = a + 1.5
+    assert W[0, 0].item() == pytest.approx(first, rel=1e-12)
+    assert W[3, 1].item() == pytest.approx(first * post, rel=1e-9)
+
+
+def test_a_weights_hook_is_an_intervention_on_that_read_only():
+    model = tiny_model("hyper", n_streams=3).double()
+    tokens = sample_tokens(8, batch=1)
+    _, cache = model.run_with_cache(tokens)
+    V, _ = sources_and_reads(cache, 2)
+
+    def keep_embedding(w, k):
+        out = torch.zeros_like(w)
+        out[..., 0] = w[..., 0]
+        return out
+
+    target = model.blocks[1].attn_res  # read 2 only
+    target.hook_weights.add_hook(lambda w, hook: keep_embedding(w, 3))
+    try:
+        _, cache2 = model.run_with_cache(tokens)
+    finally:
+        model.reset_hooks()
+    h = cache2["blocks.1.hook_resid_pre"]
+    want = cache["blocks.1.attn_res.hook_weights"][..., :1, None] * V[..., 0:1, :]
+    assert torch.allclose(h, want.squeeze(-2), rtol=0, atol=1e-12)
+    assert torch.equal(cache2["blocks.0.hook_resid_mid"], cache["blocks.0.hook_resid_mid"])  # earlier reads unchanged
+    # later reads differ only through the changed sublayer output (the streams are not edited)
+    assert not torch.equal(cache2["blocks.1.hook_resid_mid"], cache["blocks.1.hook_resid_mid"])
+
+
+def test_uniform_routing_hooks_work_for_every_rule():
+    for name, kw in RULES.items():
+        model = tiny_model(**kw)
+        route(model, lambda w, k: torch.where(torch.arange(w.shape[-1]) < k, 1.0 / k, 0.0).to(w.dtype).expand_as(w))
+        _, cache = model.run_with_cache(sample_tokens(6, batch=1))
+        V, reads = sources_and_reads(cache, 2)
+        for r, h in enumerate(reads):
+            want = V[..., : r + 1, :].mean(-2)
+            assert torch.allclose(h, want, atol=1e-5), (name, r)
+
+
+def test_a_hook_that_changes_the_streams_while_weights_are_recorded_warns():
+    model = tiny_model("hyper", n_streams=2)
+    model.blocks[0].hook_streams_mid.add_hook(lambda x, hook: x * 2)
+    try:
+        with pytest.warns(UserWarning, match="changed the stream state at blocks.0.hook_streams_mid"):
+            model.run_with_cache(sample_tokens(6, batch=1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(sample_tokens(6, batch=1))  # nothing recorded: nothing to warn about
+    finally:
+        model.reset_hooks()
+
+
+@pytest.mark.parametrize("residual, kw", [("hyper", dict(mhc=True, n_streams=2)), ("denseformer", dict(dwa_period=2))])
+def test_probe_records_coefficients_and_shares(residual, kw, tmp_path):
+    model = tiny_model(residual, **kw)
+    trace = Probe(model, name=residual).run("To be, or not to be: ay", backward=True)
+    W, C = trace.depth_weights, trace.contrib
+    assert np.isnan(trace.logits).all()  # no depth logits in these rules
+    tril = np.tril(np.ones(W.shape[-2:], bool))
+    assert np.isfinite(W[..., tril]).all() and np.isnan(W[..., ~tril]).all()
+    assert np.allclose(np.nansum(C, -1), 1.0, atol=1e-4)  # shares sum to one for any coefficients
+    assert np.isfinite(trace.grad_in).all()
+    trace.save(tmp_path / "t")
+    back = type(trace).load(tmp_path / "t")
+    assert back.residual == residual and back.meta["config"]["residual"] == residual
+    assert np.array_equal(back.depth_weights, W, equal_nan=True)
+    # the diagnostics use the normalised coefficients: a row sums to one
+    loc = metrics.locality(trace)
+    assert np.isfinite(loc["recent_mass"].to_numpy()).all()
+
+
+def test_config_fields_belong_to_their_rule():
+    cfg = ModelConfig(residual="hyper")
+    assert (cfg.n_streams, cfg.hc_dynamic, cfg.mhc, cfg.hc_dynamic_input, cfg.sinkhorn_iters) == (4, True, False, "stream", 20)
+    assert ModelConfig(residual="hyper", mhc=True).hc_dynamic_input == "flat"
+    d = ModelConfig(residual="denseformer")
+    assert (d.dwa_dilation, d.dwa_period, d.n_streams) == (1, 1, None)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match="n_streams=2 apply only to residual='hyper'"):
+        ModelConfig(residual="full", n_streams=2)
+    with pytest.raises(ConfigError, match="dwa_period=2 apply only to residual='denseformer'"):
+        ModelConfig(residual="hyper", dwa_period=2)
+    with pytest.raises(ConfigError, match="n_streams must be a positive integer"):
+        ModelConfig(residual="hyper", n_streams=0)
+    with pytest.raises(ConfigError, match="hc_dynamic_input is 'rows'; accepted values are stream, flat"):
+        ModelConfig(residual="hyper", hc_dynamic_input="rows")
+    with pytest.raises(ConfigError, match="mhc must be true or false"):
+        ModelConfig(residual="hyper", mhc="yes")
+    with pytest.raises(ConfigError, match="residual is 'dense'; accepted values are prenorm, full, block, hyper, denseformer"):
+        ModelConfig(residual="dense")
+    assert ModelConfig(residual="hyper", mhc=True, hc_dynamic=False, n_streams=2).rule_label == "mHC (static, 2 streams)"
+    assert ModelConfig(residual="denseformer", dwa_dilation=2).rule_label == "DenseFormer (dilation 2)"
+
+
+@pytest.mark.parametrize("name", ["mHC flat", "DenseFormer 2x2"])
+def test_checkpoints_round_trip(name, tmp_path):
+    model = tiny_model(**RULES[name])
+    model.save(tmp_path / "m")
+    back = AttnResTransformer.load(tmp_path / "m")
+    assert back.cfg == model.cfg
+    tokens = sample_tokens(6, batch=1)
+    assert torch.equal(back(tokens), model(tokens))
+
+
+def test_rule_parameters_are_not_decayed_and_count_as_mixers():
+    for kw in (HYPER["mHC flat"], DENSE["DenseFormer"]):
+        model = tiny_model(**kw)
+        rule = {id(p) for n, p in model.named_parameters() if ".hc." in n or n.startswith("dwa.")}
+        assert rule
+        decay, rest = param_groups(model, 0.1)
+        assert not rule & {id(p) for p in decay["params"]} and rule <= {id(p) for p in rest["params"]}
+        assert model.n_params() - model.n_params(include_mixers=False) == sum(
+            p.numel() for p in model.parameters() if id(p) in rule)
+    assert isinstance(tiny_model("denseformer").out_res, CoefficientRead)
