@@ -12,6 +12,11 @@ so the weights still sum to one, with the target t_i given by the mode:
 - ``"mean"``: t_i = the source's mean weight over the text's tokens at that read, the source
   loses its token dependence.
 
+Hyper-Connections and DenseFormer reads have coefficients c that need not sum to one: the same edit
+runs on their normalised weights w = c / sum(c) and is scaled back by sum(c) (the read's total gain
+is kept; for a softmax sum(c) = 1 and nothing changes), so ``"zero"`` takes the source out and
+rescales the rest by sum(c) / sum_{j not in A} c_j.
+
 A PreNorm read has no weights to edit; its matched removal (``"zero"`` only) takes the source
 out of the read's sum and rescales the rest as the renormalisation does, h' = (h - sum_{i in A}
 v_i) k / (k - |A|), at that read alone (its sublayer's input; the residual stream goes on
@@ -33,6 +38,7 @@ import pandas as pd
 import torch
 
 from attnres_probe.analysis.windows import normalised_weights
+from attnres_probe.axis import COEFFICIENT_RULES
 from attnres_probe.losses import next_token_loss
 
 __all__ = ["FAMILIES", "MODES", "ablate", "weight_beside_effect"]
@@ -50,7 +56,7 @@ def _family(name: str, read: int, k: int, residual: str, partial: bool) -> list[
     if name == "partial":
         return [k - 1] if partial else []
     # completed: every earlier source but the embedding and the current partial / most recent source
-    last = k - 1 if (partial or residual == "full") else k
+    last = k - 1 if (partial or residual != "block") else k  # the sublayer axis: the most recent is its own family
     return list(range(1, last))
 
 
@@ -66,7 +72,8 @@ def ablate(
     """Ablate sources from reads and report the loss change per (read, source).
 
     Args:
-        probe: a :class:`~attnres_probe.Probe` on a Full or Block AttnRes model.
+        probe: a :class:`~attnres_probe.Probe` on a model with depth weights (Full or Block AttnRes,
+            Hyper-Connections, DenseFormer; PreNorm: mode "zero" only).
         text_or_tokens: the text (or tokens) to evaluate the loss on (>= 2 tokens).
         sources: ``"all"`` (each available source on its own); a family, ``"embed"``,
             ``"completed"`` (earlier blocks or sublayers but the embedding and the most
@@ -105,7 +112,8 @@ def ablate(
     read_ids = _resolve_reads(reads, spec, counts)
     mass = _mean(base, normalised_weights(base, base.depth_weights))  # (R, S) mean normalised weight over tokens
     share = base.weights(kind="contrib").to_numpy()
-    raw = None if prenorm else base.weights().to_numpy()  # the softmax weights the edit works on
+    # the weights the "mean" targets come from: the softmax weights; normalised coefficients for HC / DenseFormer
+    raw = None if prenorm else mass if spec.residual in COEFFICIENT_RULES else base.weights().to_numpy()
 
     rows = []
     for r in read_ids:
@@ -283,13 +291,14 @@ def _loss_with(probe, tokens: torch.Tensor, hook_name: str, k: int, targets: dic
         keep = torch.ones(k, dtype=torch.bool, device=w.device)
         keep[cols] = False
         fixed = sum(targets.values())
+        gain = avail.sum(-1, keepdim=True)  # 1 for a softmax; sum(c) for coefficients (kept by the edit)
         rest = torch.where(keep, avail, torch.zeros_like(avail))
         total = rest.sum(-1, keepdim=True)
-        # rescale the kept sources to fill 1 - sum(targets); uniform among them if they had no mass
+        # rescale the kept sources to fill 1 - sum(targets) of the gain; uniform among them if they had no mass
         uniform = keep.to(avail.dtype) / max(int(keep.sum()), 1)
-        scaled = torch.where(total > 0, rest / total.clamp_min(1e-30), uniform) * (1.0 - fixed)
+        scaled = torch.where(total != 0, rest / torch.where(total != 0, total, 1.0), uniform) * (1.0 - fixed) * gain
         for c in cols:
-            scaled[..., c] = targets[c]
+            scaled[..., c] = targets[c] * gain[..., 0]
         w[..., :k] = scaled
         return w
 

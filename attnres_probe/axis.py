@@ -19,12 +19,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ATTNRES_RULES", "RESIDUALS", "RULE_TITLES", "SourceAxis", "rule_title"]
+__all__ = ["ATTNRES_RULES", "COEFFICIENT_RULES", "RESIDUALS", "RULE_TITLES", "SourceAxis", "rule_title"]
 
 # every residual rule; "hyper" (Hyper-Connections / mHC) and "denseformer" use the Full/PreNorm axis
 RESIDUALS = ("prenorm", "full", "block", "hyper", "denseformer")
 # the rules whose reads are softmax mixtures scored by a learned query (depth attention, logits)
 ATTNRES_RULES = ("full", "block")
+# the rules whose recorded weights are coefficients c of h = sum_j c_j v_j that need not sum to one
+# (PreNorm's all one; HC's and DenseFormer's may be negative): pages show them as c / sum(c)
+COEFFICIENT_RULES = ("prenorm", "hyper", "denseformer")
 # the human title of each rule, as pages and reports name a model (see rule_title: "hyper" is mHC or HC)
 RULE_TITLES = {
     "prenorm": "PreNorm baseline",

@@ -36,6 +36,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from attnres_probe.axis import COEFFICIENT_RULES
 from attnres_probe import metrics
 from attnres_probe.numeric import token_mean
 from attnres_probe.trace import DepthTrace, unique_names
@@ -83,10 +84,15 @@ PRENORM_NOTES = {  # PreNorm's weights are drawn: its implied weights 1/k (see i
 }
 KIND_TITLES = {"weights": "depth weight α", "logits": "depth logit z", "contrib": "contribution share c"}
 IMPLIED_TITLE = "implied weight 1/k"  # PreNorm's weights: every source added with weight 1, normalised
+NORMALISED_TITLE = "normalised coefficient c/Σc"  # Hyper-Connections', DenseFormer's weights (docs/depth_rules.md)
+RULE_NOTES = {  # rules without depth logits: what a blank logits panel says
+    "logits": "This rule has no depth logits<br>(its reads are linear combinations<br>with learned coefficients).<br>"
+              f"Choose “{CONTRIB_CONTROL}”<br>or the depth weights.",
+}
 BASELINE_COLOR = "#7F7F7F"  # PreNorm
-# fixed colours for the three residual modes' default names; other names take MODEL_PALETTE in order
-FIXED_COLORS = {"prenorm": BASELINE_COLOR, "full": "#1F77B4", "block": "#FF7F0E"}
-MODEL_PALETTE = ("#2CA02C", "#D62728", "#9467BD", "#8C564B", "#E377C2", "#17BECF", "#BCBD22", "#1F77B4", "#FF7F0E")
+# fixed colours for the demo models' names; other names take MODEL_PALETTE in order
+FIXED_COLORS = {"prenorm": BASELINE_COLOR, "full": "#1F77B4", "block": "#FF7F0E", "mhc": "#2CA02C", "denseformer": "#9467BD"}
+MODEL_PALETTE = ("#D62728", "#8C564B", "#E377C2", "#17BECF", "#BCBD22", "#2CA02C", "#9467BD", "#1F77B4", "#FF7F0E")
 BOUNDARY_LINE = {"color": "black", "width": 2}
 HOVER_CELLS = (
     "read %{y}<br>source %{x}<br>weight %{customdata[0]:.6~g}<br>logit %{customdata[1]:.6~g}"
@@ -97,7 +103,7 @@ _KINDS = ("weights", "logits", "contrib")
 
 
 def model_colors(names: Sequence[str]) -> dict[str, str]:
-    """One colour per model name, deterministic: "prenorm", "full", "block" have fixed colours;
+    """One colour per model name, deterministic: the demo models' names have fixed colours;
     every other name takes the next unused colour of :data:`MODEL_PALETTE` in order of first appearance."""
     out: dict[str, str] = {}
     used = {FIXED_COLORS[n] for n in names if n in FIXED_COLORS}
@@ -131,7 +137,7 @@ def cell_values(trace: DepthTrace, expanded: bool, index: tuple | None = None) -
             arr = arr[index]
         arr = np.asarray(arr, dtype=np.float64)
         out[k] = np.where(np.isinf(arr), np.nan, arr)  # -inf logit padding = unavailable
-    if trace.residual == "prenorm":
+    if trace.residual in COEFFICIENT_RULES:  # coefficients (PreNorm's ones, HC's, DenseFormer's) over their sum
         out["weights"] = implied_weights(out["weights"])
     return out, list(labels)
 
@@ -143,18 +149,24 @@ def quote_token(tok: str) -> str:
 
 
 def implied_weights(coefficients: np.ndarray) -> np.ndarray:
-    """PreNorm's implied weights: its coefficients (all one) over their sum in each read, 1/k for the
-    k sources a read sees (NaN where it sees none). Every consumer of a read is an RMSNorm, so the
-    sum and this uniform mixture are the same input: these are the weights AttnRes is compared with."""
+    """A read's coefficients over their sum: PreNorm's implied weights (its coefficients are all
+    one), 1/k for the k sources a read sees (NaN where it sees none); Hyper-Connections' and
+    DenseFormer's normalised coefficients (entries may be negative or above one). Every consumer
+    of a read is an RMSNorm, so the read and this normalised mixture are the same input: these are
+    the weights AttnRes is compared with."""
     c = np.asarray(coefficients, dtype=np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         return c / np.nansum(c, axis=-1, keepdims=True)
 
 
 def kind_title(trace, kind: str) -> str:
-    """The coloured value's name for ``trace``: PreNorm's weights are its implied weights, 1/k."""
-    if kind == "weights" and getattr(trace, "residual", None) == "prenorm":
+    """The coloured value's name for ``trace``: PreNorm's weights are its implied weights, 1/k;
+    Hyper-Connections' and DenseFormer's their normalised coefficients."""
+    residual = getattr(trace, "residual", None)
+    if kind == "weights" and residual == "prenorm":
         return IMPLIED_TITLE
+    if kind == "weights" and residual in COEFFICIENT_RULES:
+        return NORMALISED_TITLE
     return KIND_TITLES[kind]
 
 
@@ -165,7 +177,8 @@ def show_token(tok: str) -> str:
 
 
 def _color_range(kind: str, z: np.ndarray) -> dict:
-    """Weights 0..1; logits and differences symmetric around 0 (the widest |z|); contribution shares
+    """Weights 0..1, widened to take normalised coefficients below 0 or above 1 (Hyper-Connections,
+    DenseFormer); logits and differences symmetric around 0 (the widest |z|); contribution shares
     symmetric around 0 and at least -1..1 (a share of 1 is full colour, negatives show blue)."""
     if kind in ("logits", "contrib", "diff"):
         finite = np.abs(z[np.isfinite(z)])
@@ -173,7 +186,9 @@ def _color_range(kind: str, z: np.ndarray) -> dict:
         if kind == "contrib":
             m = max(m, 1.0)
         return {"zmin": -max(m, 1e-6), "zmax": max(m, 1e-6), "zmid": 0.0}
-    return {"zmin": 0.0, "zmax": 1.0}
+    finite = z[np.isfinite(z)]
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    return {"zmin": min(0.0, lo), "zmax": max(1.0, hi)}
 
 
 TICK_PX = 14  # one token tick per this many pixels (plus the label's width)
@@ -320,8 +335,9 @@ def _axis_key(axis: str) -> str:
 def _empty_note(trace: DepthTrace, kind: str, z: np.ndarray) -> list[dict]:
     if np.isfinite(z).any():
         return []
-    if trace.residual == "prenorm" and kind in PRENORM_NOTES:
-        note = _note(PRENORM_NOTES[kind])
+    notes = PRENORM_NOTES if trace.residual == "prenorm" else RULE_NOTES if trace.residual in COEFFICIENT_RULES else {}
+    if kind in notes:
+        note = _note(notes[kind])
         note.update(bgcolor="rgba(255,255,255,0.9)", align="center")
         return [note]
     return [_note(f"no {kind} recorded")]
@@ -992,8 +1008,10 @@ def corpus_heatmap(stats, kind: str = "weights", name: str | None = None, value:
     key = {"weights": "depth_weights", "contrib": "contrib", "logits": "logits"}[kind]
     mean = np.asarray(stats.mean(key), np.float64)
     mean = np.where(np.isinf(mean), np.nan, mean)
-    if trace.residual == "prenorm" and kind == "weights":
-        mean = implied_weights(mean)  # coefficients all one: the implied weights 1/k (their sd over tokens is 0)
+    if trace.residual in COEFFICIENT_RULES and kind == "weights":
+        # the mean coefficients over their sum: PreNorm's 1/k and DenseFormer's (constant per token) exactly;
+        # for dynamic Hyper-Connections the normalised mean, not the mean of normalised rows (the sd is the raw one)
+        mean = implied_weights(mean)
     sd = np.sqrt(np.asarray(stats.var(key), np.float64))
     count = np.asarray(stats.stats[key].count, np.float64)
     name = name or stats.name

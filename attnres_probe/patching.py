@@ -163,8 +163,8 @@ def _check_attnres(probe: Any) -> None:
     if spec.residual == "prenorm" or not spec.weight_hooks:
         raise ValueError(
             f"{probe.name!r} is a PreNorm model: its routing is fixed (every read is the plain sum of the earlier "
-            "sources, each with coefficient 1), so it has no depth weights to patch. Routing patching needs a Full or "
-            "Block AttnRes model; for PreNorm, patch the residual stream itself (TransformerLens's patching module)"
+            "sources, each with coefficient 1), so it has no depth weights to patch. Routing patching needs a model with "
+            "depth weights (Full or Block AttnRes, Hyper-Connections, DenseFormer); for PreNorm, patch the residual stream itself (TransformerLens's patching module)"
         )
 
 
@@ -443,7 +443,8 @@ def patch(
     sanity checks).
 
     Args:
-        probe: a :class:`~attnres_probe.Probe` on a Full or Block AttnRes model.
+        probe: a :class:`~attnres_probe.Probe` on a model with depth weights (Full or Block AttnRes,
+            Hyper-Connections, DenseFormer).
         clean, corrupted: the two prompts (texts or token ids of one sequence), of the same token length.
         metric: ``logits [pos, d_vocab] -> scalar``; default the logit difference of the two runs'
             predicted next tokens at ``position`` (:func:`logit_difference`).

@@ -577,7 +577,7 @@ def _corpus_difference(ex: Explorer) -> list:
 def _ablation(ex: Explorer) -> html.Section:
     models = ex.attnres_probes
     if not models:
-        why = ("Routing ablation needs a live Full or Block AttnRes model; this dashboard has "
+        why = ("Routing ablation needs a live model with depth weights (AttnRes, mHC, DenseFormer); this dashboard has "
                + ("saved traces only." if not ex.live else "only PreNorm models (no softmax weights to edit)."))
         return html.Section([html.H2("Routing ablation"), html.P(why, className="notice", id=ABL_STATUS)], className="card")
     reads = ex.read_options(models[0])

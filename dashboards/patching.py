@@ -50,7 +50,8 @@ def _live_models(ex: Explorer) -> list[str]:
 
 
 def _patchable(ex: Explorer) -> list[str]:
-    """The live models patching can run on (Full or Block AttnRes, not PreNorm)."""
+    """The live models patching can run on (every rule with depth weights: AttnRes, Hyper-Connections,
+    DenseFormer; not PreNorm)."""
     return [n for n in _live_models(ex) if ex.residual_of(n) != "prenorm"]
 
 
@@ -83,12 +84,12 @@ def patching_section(ex: Explorer) -> html.Section:
     title = html.H2("Routing patching: does a read's routing matter?")
     models = _live_models(ex)
     if not models:
-        return html.Section([title, html.P("Routing patching runs two prompts through a live Full or Block AttnRes "
-                                           "model; this dashboard has saved traces only.", className="notice",
+        return html.Section([title, html.P("Routing patching runs two prompts through a live model with depth weights (AttnRes, mHC, "
+                                           "DenseFormer); this dashboard has saved traces only.", className="notice",
                                            id=PATCH_STATUS)], className="card", id=SECTION_ID)
     if not _patchable(ex):
-        return html.Section([title, html.P("Routing patching runs two prompts through a live Full or Block AttnRes "
-                                           "model; this dashboard's live models are PreNorm, whose routing is fixed "
+        return html.Section([title, html.P("Routing patching runs two prompts through a live model with depth weights (AttnRes, mHC, "
+                                           "DenseFormer); this dashboard's live models are PreNorm, whose routing is fixed "
                                            "(every source enters each read with weight 1).", className="notice",
                                            id=PATCH_STATUS)], className="card", id=SECTION_ID)
     first = _patchable(ex)[0]

@@ -238,3 +238,84 @@ def test_rule_parameters_are_not_decayed_and_count_as_mixers():
         assert model.n_params() - model.n_params(include_mixers=False) == sum(
             p.numel() for p in model.parameters() if id(p) in rule)
     assert isinstance(tiny_model("denseformer").out_res, CoefficientRead)
+
+
+# -- pages and comparisons --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def rule_traces():
+    text = "Now is the winter of our"
+    out = {}
+    for name, kw in (("prenorm", dict(residual="prenorm")), ("full", dict(residual="full")),
+                     ("mhc", dict(residual="hyper", mhc=True, n_streams=3)), ("denseformer", dict(residual="denseformer"))):
+        out[name] = Probe(tiny_model(**kw), name=name).run(text, backward=True)
+    return out
+
+
+def test_figures_draw_the_normalised_coefficients(rule_traces):
+    from attnres_probe import figures
+
+    for name in ("mhc", "denseformer"):
+        t = rule_traces[name]
+        cells, _ = figures.cell_values(t, expanded=False)
+        w = cells["weights"]
+        assert np.allclose(np.nansum(w, -1), 1.0)  # c / sum(c): rows sum to one
+        raw = t.cube("weights")
+        assert not np.allclose(np.nansum(raw, -1), 1.0)  # the recorded coefficients do not
+        assert figures.kind_title(t, "weights") == figures.NORMALISED_TITLE
+        fig = figures.mean_heatmap(t, kind="weights")
+        z = np.asarray(fig.data[0].z, float)
+        rng = fig.data[0].zmin, fig.data[0].zmax
+        assert rng[0] <= np.nanmin(z) and rng[1] >= np.nanmax(z)  # signed coefficients are not clipped
+        logits = figures.mean_heatmap(t, kind="logits")
+        assert "no depth logits" in str(logits.layout.annotations)
+
+
+def test_compare_gives_no_paper_verdict_to_other_rules(rule_traces):
+    frame = metrics.compare(*rule_traces.values(), n_resamples=50)
+    rows = frame[frame["comparison"] != "value"]
+    other = rows[rows["model"].isin(["mhc", "denseformer"])]
+    attnres = rows[rows["model"] == "full"]
+    assert len(other) and (other["verdict"] == "").all() and (other["expected"] == "").all()
+    assert other["note"].str.contains("claim about AttnRes|states no direction").all()
+    assert other["note"].str.contains("claim about AttnRes, not Hyper-Connections: no verdict").any()
+    assert (attnres.loc[attnres["expected"] != "", "verdict"] != "").all()  # AttnRes still gets its verdicts
+    assert other["estimate"].notna().any()  # the estimates are shown
+
+
+def test_ablation_keeps_the_gain_of_a_coefficient_read():
+    from attnres_probe.ablation import ablate
+
+    model = tiny_model("denseformer")
+    probe = Probe(model, name="denseformer")
+    text = "Now is the winter of our"
+    out = ablate(probe, text, sources="embed", reads=[4], mode="zero")
+    assert len(out) == 1 and np.isfinite(out["delta_loss"]).all()
+    # by hand: the embedding's coefficient set to 0, the rest scaled to keep sum(c)
+    tokens, _ = probe.tokenize(text)
+    k = 5
+
+    def edit(w, hook):
+        w = w.clone()
+        c = w[..., :k]
+        total = c.sum(-1, keepdim=True)
+        rest = c.clone()
+        rest[..., 0] = 0
+        w[..., :k] = rest * total / rest.sum(-1, keepdim=True)
+        return w
+
+    model.mixers[4].hook_weights.add_hook(edit)
+    try:
+        with torch.no_grad():
+            want = float(model(tokens, return_type="loss"))
+    finally:
+        model.reset_hooks()
+    assert out["loss"].iloc[0] == pytest.approx(want, rel=1e-6)
+    uniform = ablate(probe, text, sources="embed", reads=[4], mode="uniform")
+    assert np.isfinite(uniform["loss"]).all()
+
+
+def test_patching_runs_on_the_new_rules():
+    model = tiny_model("hyper", n_streams=2)
+    result = Probe(model, name="hc").patch("Now is the winter", "Now is the summer", reads=[2, 4])
+    assert len(result) == 2 and np.isfinite(result["metric_patched"].to_numpy(float)).all()
+    assert np.isfinite(result["recovered"].to_numpy(float)).all()

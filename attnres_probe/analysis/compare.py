@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from attnres_probe.axis import ATTNRES_RULES, rule_title
 from attnres_probe.analysis import bootstrap
 from attnres_probe.analysis.catalog import CATALOG, UNIFORM
 from attnres_probe.analysis.verdicts import verdict
@@ -80,7 +81,7 @@ class Windows:
 
     Attributes:
         name: the model's display name.
-        residual: ``"prenorm"`` (a baseline), ``"full"`` or ``"block"``.
+        residual: ``"prenorm"`` (a baseline), ``"full"``, ``"block"``, ``"hyper"`` or ``"denseformer"``.
         table: one row per window: :data:`~attnres_probe.analysis.windows.KEY_COLUMNS` then
             every metric of :data:`~attnres_probe.analysis.windows.WINDOW_METRICS`.
         pooled: the metrics of the pooled data (:func:`attnres_probe.metrics.summary`).
@@ -299,22 +300,27 @@ def compare_windows(
 
 def _row(m: str, it: Windows, against: str, est: float, lo: float, hi: float, pooled: float, n_used: int,
          n_docs: int, held: Any, notes: list[str]) -> dict:
-    """One comparison row of metric ``m``: the estimate, its interval and the verdict against the paper's direction."""
+    """One comparison row of metric ``m``: the estimate, its interval and the verdict against the paper's
+    direction (for AttnRes models only: the paper's claims are about AttnRes)."""
     d = CATALOG[m]
     if n_used == 0:
         notes.append("pooled value only: per-window values need one backward pass per window"
                      if np.isfinite(pooled) else "not available for both models")
     elif _note_interval(n_used, n_docs):
         notes.append(_note_interval(n_used, n_docs))
-    if d.direction is None:
+    direction = d.direction
+    if direction is None:
         notes.append("the paper states no direction: no verdict")
+    elif it.residual not in ATTNRES_RULES:  # HC, DenseFormer: the AttnRes paper makes no claim about them
+        notes.append(f"the paper's direction is a claim about AttnRes, not {rule_title(it.residual)}: no verdict")
+        direction = None
     kind = d.compare
     return {
         "metric": m, "model": it.name, "baseline": against, "comparison": kind, "basis": basis(m),
         "unit": "ratio (dimensionless)" if kind == "ratio" else d.unit, "reference": np.nan,
         "estimate": est, "low": lo, "high": hi, "pooled": pooled, "windows": n_used, "documents": n_docs,
-        "held": held, "expected": d.direction or "",
-        "verdict": verdict(lo, hi, d.direction, 1.0 if kind == "ratio" else 0.0) if d.direction else "",
+        "held": held, "expected": direction or "",
+        "verdict": verdict(lo, hi, direction, 1.0 if kind == "ratio" else 0.0) if direction else "",
         "note": "; ".join(x for x in notes if x),
     }
 
