@@ -15,7 +15,8 @@ Unlike AttnRes's softmax weights these coefficients need not be non-negative or 
 (PreNorm's are all one); :func:`normalise_coefficients` divides a read's row by its sum, the
 form the routing diagnostics use. docs/depth_rules.md has the formulas and conventions.
 
-These modules are standalone: :class:`~attnres_probe.ModelConfig` does not offer them yet.
+:class:`~attnres_probe.ModelConfig` offers them as ``residual="hyper"`` and
+``residual="denseformer"`` (the model's forwards use these modules).
 """
 
 from __future__ import annotations
