@@ -199,7 +199,8 @@ class Explorer:
 
     @property
     def attnres_probes(self) -> list[str]:
-        """Names of live AttnRes models (the ones routing ablation works on)."""
+        """Names of live models with depth weights (AttnRes, Hyper-Connections, DenseFormer: the ones routing
+        ablation and patching work on)."""
         return [n for n, p in self.probes.items() if p.spec.residual != "prenorm"]
 
     def residual_of(self, name: str) -> str:
