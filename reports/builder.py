@@ -575,12 +575,13 @@ METRICS_NOTE = (
     "seed {seed}; the bootstrap resamples whole documents, since windows of one document are alike)."
 )
 COMPARISON_NOTE = (
-    "Each AttnRes model's routing is set against the uniform weights on its own sources (PreNorm's implied weights, "
+    "Each model's routing is set against the uniform weights on its own sources (PreNorm's implied weights, "
     "grouped as the model groups them), and every other diagnostic against the PreNorm baseline's same quantity, on the "
     "same windows: a ratio (×) for spreads and growths, a difference (±) otherwise, with its interval. The verdict sets "
     "that interval against the paper's direction: consistent (it excludes no difference, on the paper's side), contrary "
     "(it excludes it, on the other side), inconclusive (it does not exclude it, or there is no interval); no verdict "
-    "where the paper states no direction."
+    "where the paper states no direction, nor for Hyper-Connections or DenseFormer models (the paper's claims are about "
+    "AttnRes; their estimates and intervals are shown)."
 )
 NO_BASELINE_NOTE = (
     "No PreNorm model is in this report, so nothing is compared with a baseline; routing is still set against the "

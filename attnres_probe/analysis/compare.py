@@ -26,9 +26,10 @@ pooled                  the same number from the pooled data (all windows' token
 windows                 windows used (for comparisons: windows both models recorded)
 documents               documents those windows come from (the resampling unit)
 held                    comparisons: windows where the model is on the paper's side of the reference
-expected                comparisons: the paper's direction ("lower" / "higher"; "" where it states none)
+expected                comparisons: the paper's direction ("lower" / "higher"; "" where it states none,
+                        and for models that are not AttnRes: the paper's claims are about AttnRes)
 verdict                 comparisons: consistent / contrary / inconclusive (analysis.verdicts.verdict);
-                        "" where the paper states no direction
+                        "" where the paper states no direction or the model is not AttnRes
 note                    why an interval or value is missing, how windows were paired, too few
                         documents for a firm interval
 ======================  ===================================================================
