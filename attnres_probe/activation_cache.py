@@ -39,6 +39,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
+from attnres_probe.axis import rule_title
 from transformer_lens import ActivationCache
 from transformer_lens.utilities import Slice
 
@@ -96,8 +97,8 @@ def accumulated_bias(model: Any, layer: int, mlp_input: bool = False, include_ml
     PreNorm only: under AttnRes the stream is a weighted mixture, not a sum of biases."""
     if model.cfg.residual != "prenorm":
         raise ValueError(
-            f"accumulated_bias sums the biases along the residual stream, but under AttnRes ({model.cfg.residual!r}) "
-            f"each read is a weighted mixture of earlier sources: {_ROUTING_AWARE}"
+            f"accumulated_bias sums the biases along the residual stream, but under {rule_title(model.cfg.residual)} "
+            f"({model.cfg.residual!r}) each read is a weighted mixture of earlier sources: {_ROUTING_AWARE}"
         )
     n = model.cfg.n_layers
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= n or (mlp_input and layer == n):
@@ -117,7 +118,8 @@ class AttnResCache(ActivationCache):
     """TransformerLens's ``ActivationCache`` for an :class:`~attnres_probe.AttnResTransformer`.
 
     On the PreNorm baseline the residual-stream helpers work as in TransformerLens. Under
-    AttnRes a read is a softmax-weighted mixture of earlier sources, not their running sum, so
+    AttnRes a read is a softmax-weighted mixture of earlier sources, not their running sum (under
+    Hyper-Connections and DenseFormer a mixture with learned coefficients), so
     the helpers that add up residual-stream pieces (``accumulated_resid``, ``decompose_resid``,
     ``get_full_resid_decomposition``, ``stack_head_results``, ``stack_neuron_results``) would
     describe a stream that does not exist: they raise, and name the routing-aware ones
@@ -130,8 +132,8 @@ class AttnResCache(ActivationCache):
 
     def _refuse(self, helper: str, hint: str = "") -> NoReturn:
         raise ValueError(
-            f"cache.{helper}() sums residual-stream pieces, but under AttnRes ({self.model.cfg.residual!r}) each read is a "
-            f"weighted mixture of earlier sources: {_ROUTING_AWARE}{hint}"
+            f"cache.{helper}() sums residual-stream pieces, but under {rule_title(self.model.cfg.residual)} "
+            f"({self.model.cfg.residual!r}) each read is a weighted mixture of earlier sources: {_ROUTING_AWARE}{hint}"
         )
 
     # -- residual-stream decompositions: PreNorm only ----------------------------------
