@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -250,3 +251,27 @@ def test_import_works_without_the_package_and_the_call_says_why():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0 and "refused" in res.stdout, res.stderr
+
+
+@pytest.mark.parametrize("variant", ["hc-dynamic-n3", "mhc-dynamic-n4"])
+def test_a_watched_forward_becomes_a_trace_the_pages_take(variant, tmp_path):
+    from attnres_probe import DepthTrace, figures, metrics
+
+    model, x, v = build(variant)
+    with torch.no_grad(), watch_hyper_connections(model) as watch:
+        model(x)
+        coef = watch.read_coefficients()
+        trace = watch.trace(name=variant)
+    L = 2 * N_LAYERS
+    assert trace.residual == "hyper" and trace.meta["config"]["mhc"] == (v["kind"] == "mhc")
+    assert trace.meta["call_names"] == watch.call_names and len(trace.read_labels) == L + 1
+    W = trace.depth_weights.astype(np.float64)
+    seen = np.tril(np.ones((L + 1, L + 1), bool))
+    assert np.isnan(W[..., ~seen]).all()
+    np.testing.assert_allclose(W[..., seen], coef.double().numpy()[..., seen], rtol=1e-6)  # float32 storage
+    np.testing.assert_allclose(np.nansum(trace.contrib, -1), 1.0, atol=1e-4)  # shares of the actual reads
+    assert np.isnan(trace.logits).all() and np.isnan(trace.grad_in).all()
+    assert np.isfinite(metrics.locality(trace)["recent_mass"].to_numpy()).all()
+    figures.mean_heatmap(trace, kind="weights")
+    trace.save(tmp_path / "t")
+    assert DepthTrace.load(tmp_path / "t").meta["call_names"] == watch.call_names

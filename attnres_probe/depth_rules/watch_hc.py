@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +87,7 @@ class HCWatch:
 
     names: dict[int, str]
     calls: list[HCCall] = field(default_factory=list)
+    module_classes: tuple[str, ...] = ()  # class names of the watched modules
     _pending: HCCall | None = None
 
     def reset(self) -> None:
@@ -185,9 +187,86 @@ class HCWatch:
         """[batch, pos, L, d]: what each ``width_connection`` returned as the branch input."""
         return torch.stack([c.branch_input for c in self._checked_calls()], dim=-2)
 
+    def trace(self, tokens: Any = None, logits: torch.Tensor | None = None, name: str = "hc-watched",
+              str_tokens: list[list[str]] | None = None, final: torch.Tensor | None = None):
+        """The latest forward as a :class:`~attnres_probe.DepthTrace` (see :func:`watch_trace`): pages,
+        metrics and figures take it like any trace."""
+        return watch_trace(self, tokens, logits, name, str_tokens, final)
+
     def final_state(self) -> torch.Tensor:
         """[batch, pos, n, d]: the state the last call left (its sum is the package's final read)."""
         return self._checked_calls()[-1].state_out
+
+
+def watch_trace(watch: HCWatch, tokens: Any = None, logits: torch.Tensor | None = None, name: str = "hc-watched",
+                str_tokens: list[list[str]] | None = None, final: torch.Tensor | None = None):
+    """A :class:`~attnres_probe.DepthTrace` of the latest watched forward (``HCWatch.trace``).
+
+    The depth weights are the coefficients (:meth:`HCWatch.read_coefficients`), NaN past each
+    read; the contribution shares, ``<c_j v_j, h> / |h|^2``, and the RMS of every read and source
+    come from the recorded branch inputs and outputs (read L is the reduced final state). The L
+    wrapped calls must be an even number: the trace puts them on the common axis as L / 2 layers
+    of two sublayers, labelled ``L{i}.attn`` / ``L{i}.mlp`` whatever the branches are
+    (``meta["call_names"]`` keeps the module names). No gradients and no depth logits are
+    recorded (NaN); ``tokens`` [batch, pos] and ``logits`` [batch, pos, vocab] give the per-token
+    loss, else it is NaN.
+    """
+    import numpy as np
+
+    from attnres_probe.axis import SourceAxis
+    from attnres_probe.losses import trace_loss
+    from attnres_probe.trace import DepthTrace
+
+    calls = watch._checked_calls()
+    L = len(calls)
+    if L % 2:
+        raise ValueError(
+            f"the watched forward made {L} hyper-connection calls; a trace needs an even number (L / 2 layers of two "
+            f"sublayers on the common axis): {', '.join(watch.call_names)}"
+        )
+    coef = watch.read_coefficients(final=final).double()  # [B, P, R, S]
+    V = watch.sources().double()  # [B, P, S, d]
+    state = watch.final_state().double()
+    fin = torch.ones(state.shape[-2], dtype=state.dtype) if final is None else final.double()
+    reads = torch.cat([watch.branch_inputs().double(), torch.einsum("...s,...sd->...d", fin, state).unsqueeze(-2)], -2)
+    B, P, R, S = coef.shape
+    seen = torch.ones(R, S, dtype=torch.bool).tril()
+    dots = torch.einsum("bpsd,bprd->bprs", V, reads)
+    shares = coef * dots / reads.pow(2).sum(-1, keepdim=True)
+    nan = torch.tensor(float("nan"), dtype=torch.float64)
+    rms = lambda x: x.pow(2).mean(-1).sqrt()  # noqa: E731
+    if tokens is None:
+        tok = torch.zeros(B, P, dtype=torch.int64)
+    else:
+        tok = torch.as_tensor(tokens).reshape(B, P).long().cpu()
+    mask = torch.ones(B, P, dtype=torch.bool)
+    loss = torch.full((B, P), float("nan"))
+    mean_loss = float("nan")
+    if logits is not None and tokens is not None:
+        per, m = trace_loss(logits.detach().float().cpu(), tok, mask)
+        loss, mean_loss = per, float(m)
+    axis = SourceAxis("hyper", L // 2)
+    n = calls[0].state_in.shape[-2]
+    meta = {
+        "name": name,
+        **axis.to_meta(),
+        "config": {"residual": "hyper", "n_layers": L // 2, "n_streams": int(n),
+                   "d_model": int(V.shape[-1]), "mhc": any("Manifold" in c for c in watch.module_classes)},
+        "model_class": "watched hyper-connections model",
+        "source": "hyper-connections package, watched (depth_rules.watch_hyper_connections)",
+        "call_names": watch.call_names,
+        "logits_available": False,
+        "str_tokens": str_tokens or [[str(int(t)) for t in row] for row in tok.tolist()],
+        "backward": False,
+        "mean_loss": mean_loss,
+    }
+    nanf = lambda *shape: np.full(shape, np.nan, np.float32)  # noqa: E731
+    return DepthTrace(
+        tokens=tok.numpy(), mask=mask.numpy(), loss=loss.numpy(),
+        depth_weights=torch.where(seen, coef, nan).numpy(), logits=nanf(B, P, R, S),
+        contrib=torch.where(seen, shares, nan).numpy(), rms_in=rms(reads).numpy(), grad_in=nanf(B, P, R),
+        rms_out=rms(V).numpy(), grad_out=nanf(B, P, S), param_grad=nanf(L), mixer_grad=nanf(R), meta=meta,
+    )
 
 
 def _import_package():
@@ -245,7 +324,7 @@ def watch_hyper_connections(model: nn.Module) -> Iterator[HCWatch]:
         )
     for name, m in found:
         _check_supported(name, m, adds)
-    watch = HCWatch(names={id(m): name for name, m in found})
+    watch = HCWatch(names={id(m): name for name, m in found}, module_classes=tuple({type(m).__name__ for _, m in found}))
     undo: list = []
 
     def wrap(m: nn.Module) -> None:
