@@ -261,10 +261,13 @@ class Probe:
         """What computed the depth mixing of a recording, as every trace's metadata records it:
         ``{"backend": "numba" | "triton" | "torch", "schedule": "sequential" | "two_phase"}``
         for an :class:`~attnres_probe.AttnResTransformer` (the schedule for Block AttnRes only),
-        resolved for the model's device and dtype as its forward resolves them; None for models
-        without depth attention (PreNorm, other models)."""
+        resolved for the model's device and dtype as its forward resolves them (mHC: the backend
+        of its Sinkhorn); None for models without such kernels (PreNorm, plain Hyper-Connections,
+        DenseFormer, other models)."""
         model = self.model
-        if getattr(model, "residual", "prenorm") == "prenorm" or not hasattr(model, "resolve"):
+        residual = getattr(model, "residual", "prenorm")
+        mhc = residual == "hyper" and bool(getattr(getattr(model, "cfg", None), "mhc", False))
+        if residual not in ("full", "block") and not mhc or not hasattr(model, "resolve"):
             return {"backend": None, "schedule": None}
         backend, schedule = model.resolve(model.W_E)
         return {"backend": backend, "schedule": schedule if model.residual == "block" else None}
