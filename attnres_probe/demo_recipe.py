@@ -16,7 +16,7 @@ DEMO_RULES = {
     "denseformer": dict(residual="denseformer"),  # a DWA after every block, no dilation
 }
 # the demo models shipped in the package (what the pages open); mHC is still training (issue #36)
-DEMO_NAMES = ("prenorm", "full", "block")
+DEMO_NAMES = ("prenorm", "full", "block", "denseformer")
 
 DEMO_TRAIN = dict(
     steps=8000,

@@ -63,7 +63,7 @@ def allowed_hosts_for(host: str) -> tuple[str, ...] | None:
 
 
 def demo_entries() -> dict[str, Any]:
-    """The three bundled demo models, name -> model ("prenorm", "full", "block"), each with the
+    """The bundled demo models (:data:`~attnres_probe.demo_recipe.DEMO_NAMES`), name -> model, each with the
     routing recorded over its training (``train_history``, the "over training" view).
 
     Raises:
