@@ -788,7 +788,9 @@ class AttnResTransformer(HookedRootModule):
     def _stream_hook(hook: HookPoint, X: torch.Tensor, track: bool) -> torch.Tensor:
         version = X._version
         out = hook(X)
-        if track and (out is not X or X._version != version):
+        # a backward hook hands back another tensor object on the same storage: not a change
+        replaced = out is not X and (out.data_ptr() != X.data_ptr() or out.shape != X.shape)
+        if track and (replaced or X._version != version):
             import warnings
 
             warnings.warn(

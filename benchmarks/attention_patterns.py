@@ -1,6 +1,7 @@
 """Attention patterns: the explicit attention path against SDPA, side by side, on the CPU.
 
-For each residual mode at the demo size (d_model 64, 8 layers, 4 heads, n_ctx 128; batch 8 unless
+For each residual mode (``--rules``, default prenorm, full, block; any demo rule, e.g. mhc,
+denseformer) at the demo size (d_model 64, 8 layers, 4 heads, n_ctx 128; batch 8 unless
 asked), timed interleaved and repeated (median of ``--repeats``):
 
 - ``sdpa``      the plain forward (no hook at hook_attn_scores / hook_pattern: SDPA in every layer);
@@ -21,20 +22,25 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from attnres_probe import AttnResTransformer, ModelConfig, Probe
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rules import parse_rules, perturb_coefficients, rule_kwargs  # noqa: E402  (the rules by name)
+
 
 def build(residual: str, args) -> AttnResTransformer:
-    kw = {"block_size": 4} if residual == "block" else {}
     model = AttnResTransformer(ModelConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                                           n_ctx=args.n_ctx, residual=residual, seed=0, **kw))
+                                           n_ctx=args.n_ctx, seed=0, **rule_kwargs(residual)))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for m in model.mixers:
-            m.query.copy_(torch.randn(m.query.shape, generator=g) * 0.5)
+            if hasattr(m, "query"):  # AttnRes; HC / mHC and DenseFormer reads have none
+                m.query.copy_(torch.randn(m.query.shape, generator=g) * 0.5)
+    perturb_coefficients(model, g)  # HC / DWA weights instead (nothing for the other rules)
     return model.eval()
 
 
@@ -67,12 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rules", nargs="+", default=["prenorm,full,block"],
+                    help="comma-separated rules (default: prenorm,full,block; also mhc, denseformer, ...)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"# attention patterns · CPU threads {torch.get_num_threads()} · d_model {args.d_model}, {args.layers} layers, "
           f"{args.heads} heads, batch {args.batch} x {args.n_ctx} tokens · median of {args.repeats}")
-    print(f"{'model':<9}{'what':<24}{'sdpa ms':>9}{'observe ms':>12}{'explicit ms':>13}{'observe x':>11}{'explicit x':>12}")
-    for residual in ("prenorm", "full", "block"):
+    rules = parse_rules(args.rules)
+    w = max(9, *(len(r) + 1 for r in rules))
+    print(f"{'model':<{w}}{'what':<24}{'sdpa ms':>9}{'observe ms':>12}{'explicit ms':>13}{'observe x':>11}{'explicit x':>12}")
+    for residual in rules:
         model = build(residual, args)
         tokens = torch.randint(0, 256, (args.batch, args.n_ctx), generator=torch.Generator().manual_seed(0))
         params = [p for p in model.parameters() if p.requires_grad]
@@ -91,14 +101,14 @@ def main(argv: list[str] | None = None) -> int:
 
         for what, make in (("forward", forward), ("forward + backward", backward)):
             t = timed({k: make(k) for k in ("sdpa", "observe", "explicit")}, args.repeats)
-            print(f"{residual:<9}{what:<24}{t['sdpa'] * 1e3:>9.1f}{t['observe'] * 1e3:>12.1f}{t['explicit'] * 1e3:>13.1f}"
+            print(f"{residual:<{w}}{what:<24}{t['sdpa'] * 1e3:>9.1f}{t['observe'] * 1e3:>12.1f}{t['explicit'] * 1e3:>13.1f}"
                   f"{t['observe'] / t['sdpa']:>10.2f}x{t['explicit'] / t['sdpa']:>11.2f}x")
         probe = Probe(model)
         t = timed({"plain": lambda: probe.run(tokens, backward=True),
                    "patterns": lambda: probe.run(tokens, backward=True, patterns=True)}, args.repeats)
         plain, with_patterns = t["plain"], t["patterns"]
         mib = 4 * args.batch * args.layers * args.heads * args.n_ctx**2 / 2**20
-        print(f"{residual:<9}{'Probe.run(backward)':<24}{plain * 1e3:>9.1f}{with_patterns * 1e3:>12.1f}{'':>13}"
+        print(f"{residual:<{w}}{'Probe.run(backward)':<24}{plain * 1e3:>9.1f}{with_patterns * 1e3:>12.1f}{'':>13}"
               f"{with_patterns / plain:>10.2f}x{'':>12}   (patterns=True keeps {mib:.1f} MiB)")
     return 0
 

@@ -29,6 +29,7 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -37,7 +38,10 @@ import torch
 from attnres_probe import AttnResTransformer, ModelConfig, Probe
 from attnres_probe.analysis import bootstrap
 from attnres_probe.analysis.compare import Windows, compare_windows
-from attnres_probe.analysis.windows import WINDOW_METRICS
+from attnres_probe.analysis.windows import REFERENCE_COLUMNS, WINDOW_METRICS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rules import perturb_routing, rule_kwargs  # noqa: E402  (the rules by name: also mhc, denseformer)
 
 SIZES = {
     "large": dict(d_model=256, n_layers=12, n_heads=8, n_ctx=256),
@@ -47,12 +51,9 @@ SIZES = {
 
 
 def build(size: str, residual: str) -> AttnResTransformer:
-    kw = {"block_size": 4} if residual == "block" else {}
-    model = AttnResTransformer(ModelConfig(residual=residual, seed=0, **SIZES[size], **kw)).eval()
+    model = AttnResTransformer(ModelConfig(seed=0, **SIZES[size], **rule_kwargs(residual))).eval()
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for m in model.mixers:  # non-uniform routing, as in a trained model
-            m.query.normal_(0, 0.5, generator=g)
+    perturb_routing(model, g)  # non-uniform routing, as in a trained model (queries, or HC / DWA weights)
     return model
 
 
@@ -96,13 +97,15 @@ def corpus_timings(size: str, residual: str, n_windows: int, batch: int, reps: i
 
 
 def bootstrap_timings(n_windows: int, n_resamples: int, reps: int) -> dict[str, float]:
-    rng = np.random.default_rng(0)
+    rng, ref_rng = np.random.default_rng(0), np.random.default_rng(1)
     items = []
     for name, residual in (("prenorm", "prenorm"), ("full", "full"), ("block", "block")):
         table = pd.DataFrame({"doc": np.arange(n_windows), "start": 0, "n_tokens": 256,
                               "digest": [f"{i:016x}" for i in range(n_windows)]})
         for m in WINDOW_METRICS:
             table[m] = rng.gamma(4.0, 0.25, n_windows)
+        for c in REFERENCE_COLUMNS:  # the routing diagnostics' uniform references, which compare reads too
+            table[c] = ref_rng.gamma(4.0, 0.25, n_windows)
         items.append(Windows(name, residual, table, table[list(WINDOW_METRICS)].mean()))
     a, b = rng.normal(size=n_windows), rng.normal(size=n_windows)
     out: dict[str, list[float]] = {"compare": [], "one_pair": []}
@@ -199,7 +202,8 @@ def main(argv=None) -> int:
     s = SIZES[args.size]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.reps} interleaved reps; "
           f"d={s['d_model']}, {s['n_layers']} layers, {args.windows} windows x {s['n_ctx']} tokens\n")
-    head = (f"{'model':8s} {'plain/window tok/s':>18s} {'corpus tok/s':>12s} {'corpus/plain':>12s} "
+    width = max(8, *(len(r) for r in args.residuals))
+    head = (f"{'model':{width}s} {'plain/window tok/s':>18s} {'corpus tok/s':>12s} {'corpus/plain':>12s} "
             f"{'plain b{0} tok/s'.format(args.batch):>16s} {'corpus/plain b':>14s} {'pooled-grad corpus/plain b':>26s}  verdict")
     print(head)
     print("-" * len(head))
@@ -210,7 +214,7 @@ def main(argv=None) -> int:
         r_each, r_batch, r_pooled = t["corpus"] / t["plain_each"], t["corpus"] / t["plain_batched"], t["corpus_batched"] / t["plain_batched"]
         ok = r_each <= 1.25
         ok_all &= ok
-        print(f"{residual:8s} {n_tok / t['plain_each']:18.0f} {n_tok / t['corpus']:12.0f} {r_each:12.3f} "
+        print(f"{residual:{width}s} {n_tok / t['plain_each']:18.0f} {n_tok / t['corpus']:12.0f} {r_each:12.3f} "
               f"{n_tok / t['plain_batched']:16.0f} {r_batch:14.3f} {r_pooled:26.3f}  {'ok' if ok else 'MISSES TARGET'}")
     bt = bootstrap_timings(1000, 1000, max(args.reps, 3))
     ok_boot = bt["compare"] <= 2.0

@@ -13,7 +13,8 @@ What is measured (all in this process, no browser):
   ``GET /_dash-dependencies`` and every callback the page fires on load, for the large config
   and for the demo-sized one (8 layers, n_ctx 128, as ``make demo`` opens).
 
-Models are random (queries randomised so routing is not uniform): speed does not depend on training.
+Models are random (queries randomised so routing is not uniform; for mHC / DenseFormer, ``--models
+mhc,denseformer``, their HC / DWA weights instead): speed does not depend on training.
 Targets (issue #35): token-selection p95 <= 50 ms over HTTP; first render of the 1024-token trace (every request of the
 page once the app has recorded the text) <= 1 s and <= 1.5 MB.
 """
@@ -24,6 +25,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,6 +33,9 @@ import torch
 from attnres_probe import AttnResTransformer, ModelConfig
 from attnres_probe.dashboards import callbacks, create_app
 from attnres_probe.dashboards.wire import update_payload
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rules import perturb_coefficients, rule_kwargs  # noqa: E402  (the rules by name)
 
 TARGET_P95_MS = 50.0
 TARGET_FIRST_RENDER_S, TARGET_FIRST_RENDER_MB = 1.0, 1.5  # the 1024-token trace, after the app has recorded it
@@ -42,12 +47,16 @@ TEXT = (
 
 
 def build_model(residual: str, n_layers: int, n_ctx: int, d_model: int, seed: int = 0) -> AttnResTransformer:
-    kw = {"block_size": 4} if residual == "block" else {}
-    model = AttnResTransformer(ModelConfig(d_model=d_model, n_layers=n_layers, n_heads=4, n_ctx=n_ctx, residual=residual, seed=seed, **kw))
+    """A model of the rule called ``residual`` (a demo rule: prenorm, full, block, mhc, denseformer;
+    or a bare ModelConfig residual) with non-uniform routing, as a trained one has."""
+    model = AttnResTransformer(ModelConfig(d_model=d_model, n_layers=n_layers, n_heads=4, n_ctx=n_ctx, seed=seed,
+                                           **rule_kwargs(residual)))
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for m in model.mixers:
-            m.query.copy_(torch.randn(m.query.shape, generator=g) * 0.5)
+            if hasattr(m, "query"):  # AttnRes; HC / mHC and DenseFormer reads have none
+                m.query.copy_(torch.randn(m.query.shape, generator=g) * 0.5)
+    perturb_coefficients(model, g)  # HC / DWA weights instead (nothing for the other rules)
     return model.eval()
 
 

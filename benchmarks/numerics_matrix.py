@@ -61,6 +61,10 @@ def quantity_class(test: str, quantity: str) -> str:
         return "model: d mixer query"
     if q.endswith("_res.norm.weight"):
         return "model: d mixer gain"
+    if "_res.hc." in q:  # Hyper-Connections / mHC: their reads have no query (issue #36)
+        return "model: d hyper-connection weights"
+    if "dwa.alphas" in q:  # DenseFormer's depth-weighted averages
+        return "model: d DWA weights"
     if re.search(r"(ln\d?|ln_final|norm)\.weight$", q):
         return "model: d norm gains"
     if q in ("depth_weights", "contrib", "grad_in", "mixer_grad", "saturated logits"):

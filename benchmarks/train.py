@@ -1,13 +1,16 @@
-"""Training throughput of PreNorm vs Full AttnRes vs Block AttnRes, side by side in one run.
+"""Training throughput of PreNorm vs Full AttnRes vs Block AttnRes vs mHC vs DenseFormer, side by
+side in one run.
 
 One optimizer step (AdamW, forward + backward + clip + update) of each architecture is timed in
 turn (the order rotating from round to round), repeatedly (with Python's collector set up as in the trainer's loop, see
-``attnres_probe.training.frozen_gc``), so that machine noise hits all three alike. The median step time gives
+``attnres_probe.training.frozen_gc``), so that machine noise hits them all alike. The median step time gives
 tokens/s; the ratio to PreNorm is the median over rounds of each round's ratio (the steps of
 one round run back to back, so a slow spell of the shared machine cancels out of it). Targets:
 Block <= 1.20x PreNorm's step time at the demo size and <= 1.10x at d=256 / 12 layers / 256
-tokens (Full is reported). Every model runs its one forward, through its hook points and norm
-modules; only the depth-attention op differs by backend.
+tokens (Full is reported). mHC (``residual="hyper", mhc=True, n_streams=4``, the demo's) and
+DenseFormer (a DWA after every block) are reported beside them, without a target (issue #36);
+the rules are the demo rules (``attnres_probe.demo_recipe.DEMO_RULES``). Every model runs its one
+forward, through its hook points and norm modules; only the depth-attention op differs by backend.
 
 Each ratio comes with a 95 % bootstrap interval of that median (the rounds resampled; rounds
 close in time share the machine's mood, so it is if anything too narrow), and Block's verdict
@@ -18,8 +21,9 @@ above, and "within noise" otherwise: one run on a shared machine cannot tell tho
     python benchmarks/train.py --quick
     python benchmarks/train.py --sizes demo --threads 1 --backend torch   # as the demo models are trained
     python benchmarks/train.py --sizes demo --stand-in   # also Block with a stand-in for the Numba op
+    python benchmarks/train.py --rules prenorm,mhc,denseformer --reps 8   # some rules (PreNorm always runs)
 
-``--stand-in`` adds a fourth row, ``block-s``: the Block model with the Numba op's forward and
+``--stand-in`` adds a row, ``block-s``: the Block model with the Numba op's forward and
 backward swapped, for its steps only, for a stand-in that moves almost nothing (the last source
 as the mixture, uniform weights, a gradient for the last source only) while every other part of
 a read runs as usual (the wrappers, the autograd node, the hook points). Its ratio is what a read
@@ -33,6 +37,8 @@ import contextlib
 import statistics
 import sys
 import time
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -42,20 +48,22 @@ from attnres_probe.analysis import verdicts
 from attnres_probe.analysis.bootstrap import resample_counts
 from attnres_probe.training import TrainConfig, frozen_gc, lm_loss, make_optimizer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rules import ALL_RULES, parse_rules, rule_kwargs  # noqa: E402  (the rules by name)
+
 SIZES = {
     "demo": dict(d_model=64, n_layers=8, n_heads=4, n_ctx=128, batch=16),
     "large": dict(d_model=256, n_layers=12, n_heads=8, n_ctx=256, batch=8),
     "quick": dict(d_model=32, n_layers=2, n_heads=2, n_ctx=64, batch=4),
 }
-RESIDUALS = ("prenorm", "full", "block")
+RESIDUALS = ALL_RULES  # prenorm, full, block, mhc, denseformer (the demo rules)
 TARGETS = {"demo": 1.20, "large": 1.10, "quick": 1.20}  # Block / PreNorm step time
 
 
 def make_step(size: str, residual: str, backend: str = "auto"):
     s = dict(SIZES[size])
     batch = s.pop("batch")
-    kw = {"block_size": 4} if residual == "block" else {}
-    model = AttnResTransformer(ModelConfig(residual=residual, seed=0, **s, **kw), backend=backend).train()
+    model = AttnResTransformer(ModelConfig(seed=0, **s, **rule_kwargs(residual)), backend=backend).train()
     opt = make_optimizer(model, TrainConfig(lr=1e-3, warmup_steps=0))  # the trainer's AdamW
     g = torch.Generator().manual_seed(0)
     windows = torch.randint(0, 256, (batch, s["n_ctx"] + 1), generator=g)
@@ -115,9 +123,60 @@ def verdict(low: float, high: float, target: float) -> str:
     return {"consistent": "met", "contrary": "missed", "inconclusive": "within noise"}[said]
 
 
+class Row(NamedTuple):
+    """One model's line of the table: median step seconds, tokens per step, and the median
+    per-round step-time ratio to PreNorm with its 95 % bootstrap interval."""
+
+    step_s: float
+    tokens: int
+    ratio: float
+    low: float
+    high: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+
+def measure(size: str, rules=RESIDUALS, reps: int = 24, backend: str = "auto", stand_in: bool = False) -> dict[str, Row]:
+    """Time one optimizer step of every rule in ``rules`` (PreNorm is added first if missing: the
+    ratios are to it), interleaved over ``reps`` rounds; ``stand_in`` adds ``block-s``."""
+    rules = ["prenorm", *(r for r in rules if r != "prenorm")]
+    steps = {r: make_step(size, r, backend) for r in rules}
+    if stand_in:
+        block_step, tokens = make_step(size, "block", backend)
+
+        def stand_in_step(step=block_step):
+            with stand_in_op():
+                step()
+
+        steps["block-s"] = (stand_in_step, tokens)
+    models = list(steps)
+    for fn, _ in steps.values():  # warm-up
+        fn()
+        fn()
+    times: dict[str, list[float]] = {r: [] for r in models}
+    with frozen_gc():  # as the trainer's loop runs
+        for rep in range(reps):
+            k = rep % len(models)
+            for r in models[k:] + models[:k]:  # each model first, second, ... in turn
+                fn = steps[r][0]
+                t = time.perf_counter()
+                fn()
+                times[r].append(time.perf_counter() - t)
+    rows = {}
+    for r in models:
+        ratio, lo, hi = ratio_interval(a / b for a, b in zip(times[r], times["prenorm"]))
+        rows[r] = Row(statistics.median(times[r]), steps[r][1], ratio, lo, hi)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=["demo", "large"], choices=list(SIZES))
+    ap.add_argument("--rules", nargs="+", default=[",".join(RESIDUALS)],
+                    help=f"comma-separated rules to time (default: {','.join(RESIDUALS)}; PreNorm always runs, "
+                         "the ratios are to it); a name not a demo rule is a ModelConfig residual with its defaults")
     ap.add_argument("--reps", type=int, default=24)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's, here the machine's cores)")
@@ -126,47 +185,27 @@ def main(argv=None) -> int:
     ap.add_argument("--stand-in", action="store_true",
                     help="also time Block with a stand-in for the Numba op (what a read costs besides the kernels)")
     args = ap.parse_args(argv)
+    rules = parse_rules(args.rules)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
         args.sizes, args.reps = ["quick"], 5
+    width = max(8, *(len(r) for r in rules))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, backend {args.backend}; median of {args.reps} interleaved steps\n")
-    print(f"{'size':6s} {'model':8s} {'step ms':>8s} {'tokens/s':>9s} {'x prenorm':>9s}  {'95% interval':>14s}")
+    print(f"{'size':6s} {'model':{width}s} {'step ms':>8s} {'tokens/s':>9s} {'x prenorm':>9s}  {'95% interval':>14s}")
     said: dict[str, str] = {}
     for size in args.sizes:
-        steps = {r: make_step(size, r, args.backend) for r in RESIDUALS}
-        if args.stand_in:
-            block_step, tokens = make_step(size, "block", args.backend)
-
-            def stand_in_step(step=block_step):
-                with stand_in_op():
-                    step()
-
-            steps["block-s"] = (stand_in_step, tokens)
-        models = list(steps)
-        for fn, _ in steps.values():  # warm-up
-            fn()
-            fn()
-        times: dict[str, list[float]] = {r: [] for r in models}
-        with frozen_gc():  # as the trainer's loop runs
-            for rep in range(args.reps):
-                k = rep % len(models)
-                for r in models[k:] + models[:k]:  # each model first, second, ... in turn
-                    fn = steps[r][0]
-                    t = time.perf_counter()
-                    fn()
-                    times[r].append(time.perf_counter() - t)
-        med = {r: statistics.median(v) for r, v in times.items()}
-        for r in models:
-            ratio, lo, hi = ratio_interval(a / b for a, b in zip(times[r], times["prenorm"]))
-            tokens = steps[r][1]
+        rows = measure(size, rules, args.reps, args.backend, args.stand_in)
+        for r, row in rows.items():
             note = ""
             if r == "block":
                 target = TARGETS[size]
-                said[size] = verdict(lo, hi, target)
+                said[size] = verdict(row.low, row.high, target)
                 note = f"  {said[size]} (target <= {target:.2f})"
-            print(f"{size:6s} {r:8s} {med[r] * 1e3:8.1f} {tokens / med[r]:9.0f} {ratio:9.3f}  [{lo:.3f}, {hi:.3f}]{note}")
-    print("\nBlock target: " + ", ".join(f"{v} at {size}" for size, v in said.items()))
+            print(f"{size:6s} {r:{width}s} {row.step_s * 1e3:8.1f} {row.tokens_per_s:9.0f} {row.ratio:9.3f}  "
+                  f"[{row.low:.3f}, {row.high:.3f}]{note}")
+    if said:
+        print("\nBlock target: " + ", ".join(f"{v} at {size}" for size, v in said.items()))
     return 0
 
 

@@ -319,3 +319,11 @@ def test_patching_runs_on_the_new_rules():
     result = Probe(model, name="hc").patch("Now is the winter", "Now is the summer", reads=[2, 4])
     assert len(result) == 2 and np.isfinite(result["metric_patched"].to_numpy(float)).all()
     assert np.isfinite(result["recovered"].to_numpy(float)).all()
+
+
+def test_caching_with_backward_hooks_does_not_warn_about_the_streams():
+    model = tiny_model("hyper", n_streams=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss, cache = model.run_with_cache(sample_tokens(6, batch=1), incl_bwd=True)
+    assert "blocks.0.hook_streams_mid_grad" in cache.cache_dict
