@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from attnres_probe import kernels
-from kernels.ops.sinkhorn.reference import sinkhorn as reference
+from attnres_probe.kernels.ops.sinkhorn.reference import sinkhorn as reference
 
 from closeness import assert_bounded
 
