@@ -27,7 +27,7 @@ browser:
 	fi
 
 test: venv browser
-	$(PY) -m pytest --headless -q
+	$(PY) -m pytest --headless -q --durations=30
 
 demo: venv
 	$(VENV)/bin/attnres-probe demo $(ARGS)

@@ -52,3 +52,21 @@ _import_installed_kernels()
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def _shared_chromium():
+    from helpers import SharedChromium
+
+    shared = SharedChromium()
+    yield shared
+    shared.quit()
+
+
+@pytest.fixture
+def chromium(_shared_chromium):
+    """``chromium(window="1400,1000")`` -> the session's headless Chromium WebDriver (helpers.SharedChromium)
+    on a blank page at that window size (None: Chromium's own default), for tests that open file:// pages;
+    skips the test where Chromium or ChromeDriver is missing. The test does not quit it."""
+    yield _shared_chromium.open
+    _shared_chromium.leave()

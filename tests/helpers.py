@@ -155,3 +155,51 @@ def find_components(node, pred) -> list:
 
     walk(node)
     return out
+
+
+# -- one headless Chromium for the file:// page tests (the `chromium` fixture, tests/conftest.py) --
+DEFAULT_WINDOW = "780,580"  # the window Chromium opens headless without --window-size
+
+
+class SharedChromium:
+    """A :func:`headless_chromium` (browser log: ALL) that the page tests of a session share:
+    starting and quitting Chromium for each test takes seconds. :meth:`open` hands it to a test on
+    a blank page, at that test's window size, with the log of earlier pages read and dropped; a
+    driver that stopped answering is replaced."""
+
+    def __init__(self):
+        self.driver = None
+
+    def open(self, window: str | None = "1400,1000"):
+        from selenium.common.exceptions import WebDriverException
+
+        if self.driver is not None:
+            try:
+                self.driver.get("about:blank")
+            except WebDriverException:
+                self.quit()
+        if self.driver is None:
+            self.driver = headless_chromium(window="1400,1000", browser_log=True)
+            self.driver.get("about:blank")
+        width, height = (int(v) for v in (window or DEFAULT_WINDOW).split(","))
+        self.driver.set_window_size(width, height)
+        self.driver.get_log("browser")
+        return self.driver
+
+    def leave(self) -> None:
+        """After a test: off its page (its scripts stop)."""
+        from selenium.common.exceptions import WebDriverException
+
+        if self.driver is not None:
+            try:
+                self.driver.get("about:blank")
+            except WebDriverException:
+                self.quit()
+
+    def quit(self) -> None:
+        if self.driver is not None:
+            try:
+                self.driver.quit()
+            except Exception:  # noqa: BLE001  (a driver that is gone already)
+                pass
+            self.driver = None

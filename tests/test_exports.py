@@ -164,35 +164,30 @@ def test_write_images_refuses_an_unknown_format(tmp_path):
 
 # -- the images, measured in Chromium -------------------------------------------------------------
 @pytest.mark.browser
-def test_the_standard_set_has_no_overlapping_or_clipped_text_at_either_size(demo_traces, tmp_path):
+def test_the_standard_set_has_no_overlapping_or_clipped_text_at_either_size(demo_traces, tmp_path, chromium):
     """#35 item 3: subplot titles, tick labels, legends, colour bars and titles keep apart at 3.3 in and at 7 in."""
-    from helpers import headless_chromium
-
-    driver = headless_chromium(window="1400,1400")  # skips the test where Chromium is missing
-    try:
-        jobs = {}
-        for size in exports.SIZES:
-            for name, fig in exports.standard_figures(demo_traces, size).items():
-                jobs[tmp_path / size / f"{name}.svg"] = fig
-            (tmp_path / size).mkdir()
-        double = exports.standard_figures(demo_traces, "double")
-        jobs[tmp_path / "magnitudes.png"] = double["magnitudes"]
-        jobs[tmp_path / "magnitudes.pdf"] = double["magnitudes"]
-        written = exports.write_images(jobs)  # one kaleido for all of them
-        assert written == list(jobs)
-        problems, texts = [], 0
-        for path in written:
-            if path.suffix != ".svg":
-                continue
-            driver.get(path.as_uri())
-            page = driver.execute_script(SVG_TEXT_BOXES)
-            assert page["width"] == pytest.approx(exports.paper_width_px(path.parent.name), abs=0.5), path
-            texts += len(page["boxes"])
-            problems += [f"{path.parent.name}/{path.name}: {p}" for p in _problems(page)]
-        assert texts > 500  # every tick label, title, legend entry was measured
-        assert not problems, "\n".join(problems)
-    finally:
-        driver.quit()
+    driver = chromium(window="1400,1400")  # skips the test where Chromium is missing
+    jobs = {}
+    for size in exports.SIZES:
+        for name, fig in exports.standard_figures(demo_traces, size).items():
+            jobs[tmp_path / size / f"{name}.svg"] = fig
+        (tmp_path / size).mkdir()
+    double = exports.standard_figures(demo_traces, "double")
+    jobs[tmp_path / "magnitudes.png"] = double["magnitudes"]
+    jobs[tmp_path / "magnitudes.pdf"] = double["magnitudes"]
+    written = exports.write_images(jobs)  # one kaleido for all of them
+    assert written == list(jobs)
+    problems, texts = [], 0
+    for path in written:
+        if path.suffix != ".svg":
+            continue
+        driver.get(path.as_uri())
+        page = driver.execute_script(SVG_TEXT_BOXES)
+        assert page["width"] == pytest.approx(exports.paper_width_px(path.parent.name), abs=0.5), path
+        texts += len(page["boxes"])
+        problems += [f"{path.parent.name}/{path.name}: {p}" for p in _problems(page)]
+    assert texts > 500  # every tick label, title, legend entry was measured
+    assert not problems, "\n".join(problems)
     # the raster at 300 dpi, the PDF 7 in wide
     png = (tmp_path / "magnitudes.png").read_bytes()
     width, height = struct.unpack(">II", png[16:24])

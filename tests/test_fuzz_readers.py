@@ -42,10 +42,29 @@ def valid(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def workers(valid, tmp_path_factory):
+    """reader -> (its worker process, the files its stdout and stderr go to). The four workers, each
+    a process of its own, start at once and share the machine's cores; each test below waits for
+    its reader's."""
+    logs = tmp_path_factory.mktemp("fuzz-logs")
+    running = {}
+    for reader in EXAMPLES:
+        cmd = [sys.executable, str(WORKER), reader, str(valid / reader), str(EXAMPLES[reader]), str(MEMORY)]
+        out, err = logs / f"{reader}.out", logs / f"{reader}.err"
+        with open(out, "w") as o, open(err, "w") as e:  # files, not pipes: no worker blocks on a full pipe
+            running[reader] = (subprocess.Popen(cmd, stdout=o, stderr=e, cwd=WORKER.parent), out, err)
+    yield running
+    for proc, _, _ in running.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("reader", list(EXAMPLES))
-def test_every_reader_loads_or_refuses_mutated_files_with_its_documented_error(valid, reader):
-    cmd = [sys.executable, str(WORKER), reader, str(valid / reader), str(EXAMPLES[reader]), str(MEMORY)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=WORKER.parent)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "every one loaded or refused" in out.stdout
+def test_every_reader_loads_or_refuses_mutated_files_with_its_documented_error(workers, reader):
+    proc, out, err = workers[reader]
+    returncode = proc.wait(timeout=600)
+    assert returncode == 0, err.read_text()[-3000:]
+    assert "every one loaded or refused" in out.read_text()

@@ -48,14 +48,17 @@ def test_the_study_page_compares_like_with_like_and_warns_of_few_documents(seed_
 
 @pytest.fixture(scope="module")
 def seed_studies(tmp_path_factory):
-    """Two seeds of a 2-step demo recipe, each studied on 3 validation windows (the whole pipeline, tiny)."""
-    from attnres_probe.demo import build_demo_models
+    """Two seeds of a 2-step demo recipe, each studied on 3 validation windows (the whole pipeline, tiny).
+
+    Each seed builds the demo models the study reads (DEMO_NAMES), not every buildable one
+    (DEMO_RULES): a model run_study never opens would only add its training time."""
+    from attnres_probe.demo import DEMO_NAMES, build_demo_models
 
     root = tmp_path_factory.mktemp("seeds")
     folders = []
     for s in (1, 2):
-        build_demo_models(root / f"models{s}", seed=s, work=root / "work", progress=False, steps=2, warmup_steps=0,
-                          eval_every=0, probe_every=1)
+        build_demo_models(root / f"models{s}", names=DEMO_NAMES, seed=s, work=root / "work", progress=False, steps=2,
+                          warmup_steps=0, eval_every=0, probe_every=1)
         run_study(root / f"study{s}", n_windows=3, images="html", n_resamples=50, models=root / f"models{s}")
         folders.append(root / f"study{s}")
     return root, folders

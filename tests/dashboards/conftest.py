@@ -61,6 +61,57 @@ def ex(app):
 
 
 # -- browser ------------------------------------------------------------------------------------
+WINDOW = (1400, 1000)  # as pytest_setup_options sets it
+
+
+@pytest.fixture(scope="module")
+def _dash_browser(request, tmp_path_factory):
+    """One Chromium for the browser tests of a module (starting and quitting one takes seconds):
+    dash's own ``dash_duo`` set-up, made once; :func:`dash_duo` gives each test a fresh server."""
+    from dash.testing.composite import DashComposite
+
+    with DashComposite(
+        server=None,
+        browser=request.config.getoption("webdriver"),
+        remote=request.config.getoption("remote"),
+        remote_url=request.config.getoption("remote_url"),
+        headless=request.config.getoption("headless"),
+        options=request.config.hook.pytest_setup_options(),
+        download_path=str(tmp_path_factory.mktemp("download")),
+        percy_assets_root=request.config.getoption("percy_assets"),
+        percy_finalize=request.config.getoption("nopercyfinalize"),
+        pause=request.config.getoption("pause"),
+    ) as dc:
+        yield dc
+
+
+@pytest.fixture
+def dash_duo(_dash_browser, dash_thread_server):
+    """dash's ``dash_duo`` on the module's Chromium: a server of its own (a new port, so nothing a
+    page stored for its origin carries over), a blank page at the usual window size and an empty
+    console log to start from; the page is left before the server stops."""
+    from selenium.common.exceptions import WebDriverException
+
+    dc = _dash_browser
+    dc.server = dash_thread_server
+    try:
+        dc.driver.get("about:blank")
+    except WebDriverException:  # an earlier test left the browser unusable: a new one, as dash_duo would make
+        try:
+            dc.driver.quit()
+        except WebDriverException:
+            pass
+        dc._driver = dc.get_webdriver()
+        dc._driver.implicitly_wait(2)
+        dc.driver.get("about:blank")
+    dc.driver.set_window_size(*WINDOW)
+    dc.driver.get_log("browser")  # what earlier tests' pages logged is read (and dropped) here
+    dc._last_ts, dc._url, dc._window_idx = 0, "", 0
+    yield dc
+    dc.driver.get("about:blank")
+    dc.server = None
+
+
 def pytest_setup_options():
     """Chrome options for dash_duo: Debian's chromium, no sandbox (root), nothing on the network."""
     from selenium.webdriver.chrome.options import Options

@@ -59,6 +59,11 @@ def _in_view(dash_duo, selector: str) -> list[dict]:
 
 
 def test_the_first_screen_holds_every_models_routing_and_the_headline(dash_duo, models8):
+    """The first screen of the 8-layer models at 96 tokens; then, on the same page, #35 item 4: the token
+    axis of "one source at every token" carries positions, a box marks the selected token's column and
+    follows a click; the 17 source labels of a token panel do not touch."""
+    from dash.testing.wait import until
+
     app = create_app(models8, text=TEXT96)
     pos = _open(dash_duo, app)
     assert pos != 0  # the first byte has no context: never the opening token when AttnRes models route
@@ -91,6 +96,23 @@ def test_the_first_screen_holds_every_models_routing_and_the_headline(dash_duo, 
     assert rows.all() and np.abs(np.nansum(z, 1) - 1).max() < 1e-9  # each read's implied weights sum to one
     assert dash_duo.driver.execute_script(BOXES, "#token-graph-0 .annotation-text-g text") == []
     _shot(dash_duo, "first_screen_text.png")
+    # #35 item 4 (the page as opened, before any click): the one-source view's token axis and selection box
+    wait_for_title(dash_duo, "source-graph-1", "at every token", timeout=30)
+
+    def marked():
+        return dash_duo.driver.execute_script(
+            "const gd = document.querySelector('#source-graph-1 .js-plotly-plot');"
+            "return (gd.layout.shapes || []).filter(s => s.name === 'selected-token').map(s => (s.x0 + s.x1) / 2);")
+
+    until(lambda: marked() == [pos], timeout=20)
+    ticks = dash_duo.driver.execute_script(BOXES, "#source-graph-1 .xtick text")
+    assert ticks and all(t["text"].split(" ")[0].isdigit() or t["text"][:1].isdigit() for t in ticks)  # "20" over "a"
+    dash_duo.find_element("#token-strip button:nth-child(4)").click()  # token 3
+    until(lambda: marked() == [3], timeout=20)
+    for i in range(3):
+        labels = dash_duo.driver.execute_script(BOXES, f"#token-graph-{i} .xtick text")
+        for a, b in zip(labels, labels[1:]):
+            assert a["x1"] <= b["x0"] + 0.5 or b["x1"] <= a["x0"] + 0.5, (i, a["text"], b["text"])
 
 
 def test_the_demo_first_screen_leads_with_the_studys_seeds(dash_duo, models8):
@@ -135,8 +157,8 @@ def test_a_link_opens_its_view_and_the_address_bar_follows_the_view(dash_duo, ap
     from dash.testing.wait import until
     from selenium.webdriver.common.keys import Keys
 
-    dash_duo.start_server(app)
-    base = dash_duo.server_url
+    dash_duo.start_server(app, navigate=False)  # the first page this test opens is the link's
+    base = dash_duo.server.url
     text = "Routing, then depth."
     dash_duo.driver.get(base + "/?token=4&kind=contrib&view=diff&text=" + text.replace(" ", "%20"))
     wait_for_title(dash_duo, "token-graph-1", "token 4 'i'", timeout=40)
@@ -157,28 +179,3 @@ def test_a_link_opens_its_view_and_the_address_bar_follows_the_view(dash_duo, ap
     box.send_keys("depth", Keys.ENTER)
     wait_for_title(dash_duo, "token-graph-1", f"token {text.index('depth')} 'd'", timeout=20)
     assert dash_duo.get_logs() == []
-
-
-def test_the_one_source_view_numbers_its_tokens_and_marks_the_selected_one(dash_duo, models8):
-    """#35 item 4: the token axis of "one source at every token" carries positions, a box marks the
-    selected token's column and follows a click; the 17 source labels of a token panel do not touch."""
-    from dash.testing.wait import until
-
-    app = create_app(models8, text=TEXT96)
-    pos = _open(dash_duo, app)
-    wait_for_title(dash_duo, "source-graph-1", "at every token", timeout=30)
-
-    def marked():
-        return dash_duo.driver.execute_script(
-            "const gd = document.querySelector('#source-graph-1 .js-plotly-plot');"
-            "return (gd.layout.shapes || []).filter(s => s.name === 'selected-token').map(s => (s.x0 + s.x1) / 2);")
-
-    until(lambda: marked() == [pos], timeout=20)
-    ticks = dash_duo.driver.execute_script(BOXES, "#source-graph-1 .xtick text")
-    assert ticks and all(t["text"].split(" ")[0].isdigit() or t["text"][:1].isdigit() for t in ticks)  # "20" over "a"
-    dash_duo.find_element("#token-strip button:nth-child(4)").click()  # token 3
-    until(lambda: marked() == [3], timeout=20)
-    for i in range(3):
-        labels = dash_duo.driver.execute_script(BOXES, f"#token-graph-{i} .xtick text")
-        for a, b in zip(labels, labels[1:]):
-            assert a["x1"] <= b["x0"] + 0.5 or b["x1"] <= a["x0"] + 0.5, (i, a["text"], b["text"])

@@ -1,26 +1,25 @@
 """The Numba kernels' tests and the whole-model backend tests once more, with the kernels
 compiled in memory for a generic x86-64 target (``NUMBA_CPU_NAME=generic``: no AVX, no FMA,
 other rounding in the reductions): the tolerances come from the arithmetic, not from this
-machine's instruction set (README, "Backends")."""
+machine's instruction set (README, "Backends").
+
+The child pytest (generic_cpu.py) is started by this folder's conftest.py when the folder's
+first test runs, so it runs beside them; this test runs after them and checks its result."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-FILES = ("test_numba_depth_attn.py", "test_model_backends.py")  # the op, then whole models on every backend
+from generic_cpu import DESELECT, ENV
 
 
-def test_the_kernel_tests_pass_with_the_numba_kernels_compiled_for_a_generic_x86_64_cpu():
-    env = dict(os.environ, NUMBA_CPU_NAME="generic", ATTNRES_NUMBA_CACHE="0")
+def test_the_kernel_tests_pass_with_the_numba_kernels_compiled_for_a_generic_x86_64_cpu(generic_cpu_run):
+    env = dict(os.environ, **ENV)
     probe = "import numba; print(numba.config.CPU_NAME)"
     assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout.strip() == "generic"
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(str(HERE / f) for f in FILES)],
-        env=env, capture_output=True, text=True, timeout=1200, cwd=HERE.parents[1],
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and " failed" not in run.stdout and " skipped" not in run.stdout
+    code, stdout, stderr = generic_cpu_run.result(timeout=1200)
+    assert code == 0, stdout[-4000:] + stderr[-2000:]
+    assert " passed" in stdout and " failed" not in stdout and " skipped" not in stdout
+    assert "triton" in DESELECT and " deselected" in stdout  # only the parametrizations that run Triton alone

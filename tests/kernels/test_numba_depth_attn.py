@@ -123,8 +123,11 @@ def test_concurrent_callers_get_their_own_results():
         assert torch.equal(g, want[i % len(cases)])
 
 
-@pytest.mark.parametrize("cache", ["1", "0"])
-def test_the_on_disk_kernel_cache_is_used_or_switched_off(tmp_path, cache):
+@pytest.fixture(scope="module")
+def cache_runs(tmp_path_factory):
+    """cache -> (its NUMBA_CACHE_DIR, its process): a fresh interpreter that compiles the kernels with
+    ATTNRES_NUMBA_CACHE=cache. Both are started at once (each compiles on one core for seconds);
+    each test below waits for its own."""
     import os
     import subprocess
     import sys
@@ -135,9 +138,23 @@ def test_the_on_disk_kernel_cache_is_used_or_switched_off(tmp_path, cache):
         "x = torch.randn(3, 5, 8, requires_grad=True)\n"
         "depth_attn(x, torch.randn(8), backend='numba')[0].sum().backward()\n"
     )
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "nb"), "ATTNRES_NUMBA_CACHE": cache}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
-    written = sorted(p.suffix for p in (tmp_path / "nb").rglob("*") if p.is_file())
+    runs = {}
+    for cache in ("1", "0"):
+        folder = tmp_path_factory.mktemp(f"cache{cache}") / "nb"
+        env = {**os.environ, "NUMBA_CACHE_DIR": str(folder), "ATTNRES_NUMBA_CACHE": cache}
+        runs[cache] = (folder, subprocess.Popen([sys.executable, "-c", code], env=env))
+    yield runs
+    for _, proc in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("cache", ["1", "0"])
+def test_the_on_disk_kernel_cache_is_used_or_switched_off(cache_runs, cache):
+    folder, proc = cache_runs[cache]
+    assert proc.wait(timeout=300) == 0
+    written = sorted(p.suffix for p in folder.rglob("*") if p.is_file())
     if cache == "1":
         assert ".nbi" in written and ".nbc" in written
     else:

@@ -4,9 +4,7 @@ size, the page's text, and (in Chromium) the chart the page draws for a chosen t
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ from attnres_probe import Probe
 from attnres_probe.reports import build_report, record_text
 from attnres_probe.reports.patterns import DIGITS, PATTERN_TOKENS, pattern_source, row_exponents
 from attnres_probe.reports.recording import record_readings
-from helpers import CHROME_FLAGS, tiny_model
+from helpers import tiny_model
 
 TEXT = "The cat sat on the mat; the dog sat on the log."  # 47 tokens, two windows of the tiny models' 24
 RESIDUALS = ("prenorm", "full", "block")
@@ -160,8 +158,6 @@ def test_pattern_tokens_default_matches_the_readings():
 
 
 # -- in Chromium -------------------------------------------------------------------------------------
-CHROMIUM = os.environ.get("ATTNRES_CHROMIUM", "/usr/bin/chromium")
-CHROMEDRIVER = os.environ.get("ATTNRES_CHROMEDRIVER", "/usr/bin/chromedriver")
 BARS = """
 const gd = document.getElementById(arguments[0]);
 const y = gd.data[0].y._inputArray || gd.data[0].y;
@@ -175,77 +171,57 @@ select.dispatchEvent(new Event('change'));
 """
 
 
-def chrome():
-    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
-        pytest.skip(f"needs Chromium and ChromeDriver ({CHROMIUM}, {CHROMEDRIVER})")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for flag in ("--headless", *CHROME_FLAGS):
-        opts.add_argument(flag)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-
-
 def atol(readings, name, layer, head, p) -> float:
     """The stored row's rounding bound: half a unit of the 4th significant digit of its largest weight."""
     return 0.5 * 10.0 ** -int(row_exponents(readings[name]["patterns"][layer, head])[p]) + 1e-9
 
 
 @pytest.mark.browser
-def test_the_page_draws_the_chosen_token_layer_and_head(report, readings):
-    driver = chrome()
-    try:
-        driver.get(report.as_uri())
-        assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
-        divs = driver.execute_script("return Array.from(document.querySelectorAll('#explorer-0 .pattern-grid div.plot'), d => d.id)")
-        assert len(divs) == 3
-        driver.execute_script(CHOOSE, "#explorer-0 select.token", "9")
-        driver.execute_script(CHOOSE, "#explorer-0 select.pattern-layer", "1")
-        driver.execute_script(CHOOSE, "#explorer-0 select.pattern-head", "3")
-        for name, div in zip(RESIDUALS, divs):
-            got = json.loads(driver.execute_script(BARS, div))
-            if name != "block":  # 2 heads: head 3 is not there, the chart is dimmed
-                assert got["opacity"] == "0.25"
-                continue
-            want = readings[name]["patterns"][1, 3, 9, :10]
-            np.testing.assert_allclose(got["y"], want, atol=atol(readings, name, 1, 3, 9))
-            assert re.search(r"token 9 .* · layer 1 head 3<br>attention weight \(softmax over key positions\)", got["title"])
-        driver.execute_script(CHOOSE, "#explorer-0 select.pattern-head", "1")
-        got = json.loads(driver.execute_script(BARS, divs[0]))
-        np.testing.assert_allclose(got["y"], readings["prenorm"]["patterns"][1, 1, 9, :10],
-                                   atol=atol(readings, "prenorm", 1, 1, 9))
-        assert got["opacity"] == "1"
-    finally:
-        driver.quit()
+def test_the_page_draws_the_chosen_token_layer_and_head(report, readings, chromium):
+    driver = chromium(window=None)
+    driver.get(report.as_uri())
+    assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
+    divs = driver.execute_script("return Array.from(document.querySelectorAll('#explorer-0 .pattern-grid div.plot'), d => d.id)")
+    assert len(divs) == 3
+    driver.execute_script(CHOOSE, "#explorer-0 select.token", "9")
+    driver.execute_script(CHOOSE, "#explorer-0 select.pattern-layer", "1")
+    driver.execute_script(CHOOSE, "#explorer-0 select.pattern-head", "3")
+    for name, div in zip(RESIDUALS, divs):
+        got = json.loads(driver.execute_script(BARS, div))
+        if name != "block":  # 2 heads: head 3 is not there, the chart is dimmed
+            assert got["opacity"] == "0.25"
+            continue
+        want = readings[name]["patterns"][1, 3, 9, :10]
+        np.testing.assert_allclose(got["y"], want, atol=atol(readings, name, 1, 3, 9))
+        assert re.search(r"token 9 .* · layer 1 head 3<br>attention weight \(softmax over key positions\)", got["title"])
+    driver.execute_script(CHOOSE, "#explorer-0 select.pattern-head", "1")
+    got = json.loads(driver.execute_script(BARS, divs[0]))
+    np.testing.assert_allclose(got["y"], readings["prenorm"]["patterns"][1, 1, 9, :10],
+                               atol=atol(readings, "prenorm", 1, 1, 9))
+    assert got["opacity"] == "1"
 
 
 @pytest.mark.browser
-def test_past_the_stored_tokens_the_charts_are_blank_and_a_note_says_why(report):
+def test_past_the_stored_tokens_the_charts_are_blank_and_a_note_says_why(report, chromium):
     """A token past the stored ones must not leave the last stored token's bars (and title) on the charts."""
     from selenium.webdriver.common.by import By
 
-    driver = chrome()
-    try:
-        driver.get(report.as_uri())
-        divs = driver.execute_script("return Array.from(document.querySelectorAll('#explorer-0 .pattern-grid div.plot'), d => d.id)")
-        note = driver.find_element(By.CSS_SELECTOR, "#explorer-0 .pattern-missing")
-        driver.execute_script(CHOOSE, "#explorer-0 select.token", "9")
-        assert not note.is_displayed()
-        assert all(json.loads(driver.execute_script(BARS, d))["y"] for d in divs)
-        driver.execute_script(CHOOSE, "#explorer-0 select.token", "20")  # past the 16 stored tokens
-        assert note.is_displayed() and "patterns are stored for the first 16 tokens" in note.text
-        for div in divs:
-            got = json.loads(driver.execute_script(BARS, div))
-            assert got["y"] == [] and got["x"] == [] and got["opacity"] == "0.25"
-            assert "token 20 " in got["title"] and "token 9 " not in got["title"] and "no pattern stored" in got["title"]
-        driver.execute_script(CHOOSE, "#explorer-0 select.pattern-head", "3")  # still none: the note stays
-        assert note.is_displayed()
-        driver.execute_script(CHOOSE, "#explorer-0 select.token", "9")  # back: bars and no note
-        assert not note.is_displayed()
-        assert json.loads(driver.execute_script(BARS, divs[2]))["y"] and "token 9 " in json.loads(driver.execute_script(BARS, divs[2]))["title"]
-        assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
-    finally:
-        driver.quit()
+    driver = chromium(window=None)
+    driver.get(report.as_uri())
+    divs = driver.execute_script("return Array.from(document.querySelectorAll('#explorer-0 .pattern-grid div.plot'), d => d.id)")
+    note = driver.find_element(By.CSS_SELECTOR, "#explorer-0 .pattern-missing")
+    driver.execute_script(CHOOSE, "#explorer-0 select.token", "9")
+    assert not note.is_displayed()
+    assert all(json.loads(driver.execute_script(BARS, d))["y"] for d in divs)
+    driver.execute_script(CHOOSE, "#explorer-0 select.token", "20")  # past the 16 stored tokens
+    assert note.is_displayed() and "patterns are stored for the first 16 tokens" in note.text
+    for div in divs:
+        got = json.loads(driver.execute_script(BARS, div))
+        assert got["y"] == [] and got["x"] == [] and got["opacity"] == "0.25"
+        assert "token 20 " in got["title"] and "token 9 " not in got["title"] and "no pattern stored" in got["title"]
+    driver.execute_script(CHOOSE, "#explorer-0 select.pattern-head", "3")  # still none: the note stays
+    assert note.is_displayed()
+    driver.execute_script(CHOOSE, "#explorer-0 select.token", "9")  # back: bars and no note
+    assert not note.is_displayed()
+    assert json.loads(driver.execute_script(BARS, divs[2]))["y"] and "token 9 " in json.loads(driver.execute_script(BARS, divs[2]))["title"]
+    assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []

@@ -9,7 +9,6 @@ from bs4 import BeautifulSoup
 from attnres_probe import Probe, metrics
 from attnres_probe.cli import main
 from attnres_probe.reports.builder import build_stats_report
-from helpers import headless_chromium
 
 DOCS = ["The cat sat on the mat, and then the dog sat on the log.", "Depth routing, window by window.",
         "def f(x):\n    return x + 1\n", "A fourth and longer document, long enough for two windows."] * 2
@@ -73,20 +72,17 @@ def test_report_stats_from_the_command_line_and_its_refusals(tmp_path, capsys, c
 
 
 @pytest.mark.browser
-def test_corpus_report_from_file_url_draws_and_shows_the_same_verdicts(stats_report, corpus_stats):
-    driver = headless_chromium(window=None, browser_log=True)
-    try:
-        driver.get(stats_report.as_uri())
-        assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
-        shown = driver.execute_script("return Array.from(document.querySelectorAll('#headline span.verdict'), s => s.textContent)")
-        metric_names = driver.execute_script("return Array.from(document.querySelectorAll('#headline div.metric-name'), d => d.dataset.metric)")
-        frame = metrics.compare(*corpus_stats.values(), names=list(corpus_stats), n_resamples=400, seed=3)
-        assert shown == _expected(frame, metric_names)
-        n_divs, n_drawn = driver.execute_script(
-            "const d = document.querySelectorAll('div.plot'); return [d.length, Array.from(d).filter(x => x.querySelector('.main-svg')).length];")
-        assert n_divs == n_drawn == 6  # three heatmaps, the difference from the baseline, two band charts
-    finally:
-        driver.quit()
+def test_corpus_report_from_file_url_draws_and_shows_the_same_verdicts(stats_report, corpus_stats, chromium):
+    driver = chromium(window=None)
+    driver.get(stats_report.as_uri())
+    assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
+    shown = driver.execute_script("return Array.from(document.querySelectorAll('#headline span.verdict'), s => s.textContent)")
+    metric_names = driver.execute_script("return Array.from(document.querySelectorAll('#headline div.metric-name'), d => d.dataset.metric)")
+    frame = metrics.compare(*corpus_stats.values(), names=list(corpus_stats), n_resamples=400, seed=3)
+    assert shown == _expected(frame, metric_names)
+    n_divs, n_drawn = driver.execute_script(
+        "const d = document.querySelectorAll('div.plot'); return [d.length, Array.from(d).filter(x => x.querySelector('.main-svg')).length];")
+    assert n_divs == n_drawn == 6  # three heatmaps, the difference from the baseline, two band charts
 
 
 def test_corpus_report_warns_of_few_documents_and_names_what_each_side_measures(stats_soup):
@@ -116,24 +112,21 @@ def test_corpus_profiles_use_the_single_text_report_s_names_and_say_what_the_lin
 
 
 @pytest.mark.browser
-def test_corpus_headline_cards_sit_two_a_row_and_each_interval_on_one_line(stats_report):
+def test_corpus_headline_cards_sit_two_a_row_and_each_interval_on_one_line(stats_report, chromium):
     """At 1400 px the four headline cards sit two a row (three a row made "95% CI [a, b]" wrap over three lines
     and left the fourth card alone); every interval holds on one line."""
-    driver = headless_chromium()
-    try:
-        driver.get(stats_report.as_uri())
-        cards = driver.execute_script(
-            "return Array.from(document.querySelectorAll('#headline .metric-card'), c => {"
-            "const r = c.getBoundingClientRect(); return [Math.round(r.left), Math.round(r.top), Math.round(r.width)]; });")
-        assert len(cards) == 4
-        assert len({left for left, _, _ in cards}) == 2 and len({top for _, top, _ in cards}) == 2
-        assert min(w for _, _, w in cards) > 500
-        spans = driver.execute_script(
-            "return Array.from(document.querySelectorAll('#headline td span.note'), s => {"
-            "const r = s.getBoundingClientRect(); return [s.textContent, r.height, parseFloat(getComputedStyle(s).lineHeight) || 1.2 * parseFloat(getComputedStyle(s).fontSize)]; });")
-        intervals = [(t, h, lh) for t, h, lh in spans if t.startswith("95% CI")]
-        assert intervals
-        for text, height, line in intervals:
-            assert height < 1.5 * line, (text, height, line)
-    finally:
-        driver.quit()
+    driver = chromium()
+    driver.get(stats_report.as_uri())
+    cards = driver.execute_script(
+        "return Array.from(document.querySelectorAll('#headline .metric-card'), c => {"
+        "const r = c.getBoundingClientRect(); return [Math.round(r.left), Math.round(r.top), Math.round(r.width)]; });")
+    assert len(cards) == 4
+    assert len({left for left, _, _ in cards}) == 2 and len({top for _, top, _ in cards}) == 2
+    assert min(w for _, _, w in cards) > 500
+    spans = driver.execute_script(
+        "return Array.from(document.querySelectorAll('#headline td span.note'), s => {"
+        "const r = s.getBoundingClientRect(); return [s.textContent, r.height, parseFloat(getComputedStyle(s).lineHeight) || 1.2 * parseFloat(getComputedStyle(s).fontSize)]; });")
+    intervals = [(t, h, lh) for t, h, lh in spans if t.startswith("95% CI")]
+    assert intervals
+    for text, height, line in intervals:
+        assert height < 1.5 * line, (text, height, line)
