@@ -44,7 +44,9 @@ from attnres_probe.analysis.compare import Windows, compare_windows
 from attnres_probe.analysis.display import BASIS_NOTE, LABELS, documents_warning, fmt_number, table_rows
 from attnres_probe.analysis.verdicts import verdict
 from attnres_probe.analysis.windows import WINDOW_COLUMNS, pooled_metrics, reference_column, window_metrics
+from attnres_probe.axis import ATTNRES_RULES, rule_title
 from attnres_probe.demo import DEMO_NAMES, demo_log, demo_validation_batches, demo_validation_documents
+from attnres_probe.demo_recipe import DEMO_RULES
 from attnres_probe.io import atomic_write
 from attnres_probe.probe import Probe
 from attnres_probe.trace import DepthTrace
@@ -53,12 +55,14 @@ __all__ = [
     "FINDINGS",
     "Finding",
     "evaluate_findings",
+    "findings_for",
     "pooled_numbers",
     "record_pooled",
     "record_validation",
     "run_seed_study",
     "run_study",
     "study_model",
+    "study_names",
     "study_windows",
 ]
 
@@ -110,8 +114,46 @@ def finding(model: str, metric: str) -> Finding:
 
 # every diagnostic of the catalog with a direction the paper states, for each AttnRes model
 FINDINGS: Sequence[Finding] = LiveList(
-    lambda: [finding(m, name) for m in ("full", "block") for name, d in CATALOG.items() if d.direction]
+    lambda: [finding(m, name) for m in ATTNRES_RULES for name, d in CATALOG.items() if d.direction]
 )
+BASELINE = "prenorm"
+# what must match between the models a study sets side by side (the windows, and the budget they trained on)
+SAME_RECIPE = ("corpus", "seq_len", "batch_size", "val_fraction", "split", "eval_batches", "steps", "seed")
+
+
+def findings_for(names: Sequence[str]) -> list[Finding]:
+    """The :data:`FINDINGS` about the models in ``names`` (the paper's claims are about AttnRes: other
+    rules get estimates and intervals against PreNorm, no finding)."""
+    return [f for f in FINDINGS if f.model in names]
+
+
+def study_names(names: Sequence[str] | None = None, models: str | Path | None = None) -> list[str]:
+    """The demo models a study sets side by side, in :data:`DEMO_RULES` order: ``names`` (checked), or every
+    shipped demo model (``models`` None), or every demo model the folder ``models`` holds.
+
+    Raises:
+        ValueError: an unknown name, a name twice, no PreNorm (the baseline every comparison is set
+            against), or no model beside it.
+    """
+    known = list(DEMO_RULES)
+    if names is None:
+        if models is None:
+            names = list(DEMO_NAMES)
+        else:
+            names = [n for n in known if (Path(models) / n / "model.safetensors").is_file()]
+    names = list(names)
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ValueError(f"unknown demo model {', '.join(map(repr, bad))}; the demo models are {', '.join(known)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a model is named twice: {', '.join(names)}")
+    if BASELINE not in names:
+        where = f"--models {models}" if models is not None else "the models"
+        raise ValueError(f"{where}: no {BASELINE} ({', '.join(names) or 'none'}); every comparison is set against the "
+                         f"PreNorm baseline, so the study needs it beside the models it compares")
+    if len(names) < 2:
+        raise ValueError(f"only {BASELINE}: name at least one model to compare with it ({', '.join(known[1:])})")
+    return sorted(names, key=known.index)
 
 
 def study_model(name: str, models: str | Path | None = None) -> tuple[Any, dict[str, Any]]:
@@ -125,7 +167,7 @@ def study_model(name: str, models: str | Path | None = None) -> tuple[Any, dict[
     if not (folder / "model.safetensors").is_file() or not (folder / "train_log.json").is_file():
         raise FileNotFoundError(
             f"--models {models}: {folder} holds no demo model (model.safetensors and train_log.json); pass a folder "
-            f"written by `attnres-probe demo-models --out`, holding {', '.join(DEMO_NAMES)}"
+            f"written by `attnres-probe demo-models --out` (or name the models it holds with --names)"
         )
     return load_model(folder).model, json.loads((folder / "train_log.json").read_text())
 
@@ -196,7 +238,7 @@ def evaluate_findings(
     frame = compare_windows(items, n_resamples=n_resamples, seed=seed, level=level, baseline="prenorm")
     rows = {(r["model"], r["metric"]): r for r in frame[frame["comparison"] != "value"].to_dict("records")}
     out = []
-    for f in FINDINGS:
+    for f in findings_for(list(windows)):
         r = rows[(f.model, f.metric)]
         uniform = f.against == "uniform"
         null = 1.0 if f.kind == "ratio" else 0.0
@@ -222,24 +264,42 @@ def _with_documents(w: Windows, documents: list[str]) -> Windows:
     return w
 
 
+def _check_recipes(logs: dict[str, dict[str, Any]], models: str | Path | None) -> None:
+    """The models of one study trained on the same data, windows, steps and seed (only the rule differs)."""
+    base = {k: logs[BASELINE]["train_config"].get(k) for k in SAME_RECIPE}
+    for name, log in logs.items():
+        other = {k: log["train_config"].get(k) for k in SAME_RECIPE}
+        if other != base:
+            diff = ", ".join(f"{k} {other[k]!r} vs {base[k]!r}" for k in SAME_RECIPE if other[k] != base[k])
+            where = f"--models {models}" if models is not None else "the shipped demo models"
+            raise ValueError(f"{where}: {name} was trained with another recipe than {BASELINE} ({diff}); a study sets "
+                             "side by side models that differ only in the residual rule")
+
+
 def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto", n_resamples: int = N_RESAMPLES,
-              seed: int = SEED, progress: bool = False, models: str | Path | None = None) -> dict[str, Any]:
-    """Record the demo models (the shipped ones, or those in ``models``), judge every finding over
-    windows and write results, page and figures."""
+              seed: int = SEED, progress: bool = False, models: str | Path | None = None,
+              names: Sequence[str] | None = None) -> dict[str, Any]:
+    """Record the demo models (the shipped ones, or those in ``models``; ``names`` picks some of them,
+    PreNorm always among them), judge every finding over windows and write results, page and figures.
+
+    Every model is set against PreNorm on the same windows; findings (the paper's directions, with
+    verdicts) exist for the AttnRes models only, the other rules get estimates and intervals."""
+    names = study_names(names, models)
     out = Path(out)
+    logs = {name: study_model(name, models)[1] for name in names}
+    _check_recipes(logs, models)
     out.mkdir(parents=True, exist_ok=True)
-    logs = {name: study_model(name, models)[1] for name in DEMO_NAMES}
-    recorded = {name: record_validation(name, n_windows, progress, models) for name in DEMO_NAMES}
+    recorded = {name: record_validation(name, n_windows, progress, models) for name in names}
     stats = {n: r[0] for n, r in recorded.items()}
     traces = {n: r[1] for n, r in recorded.items()}
     windows = {n: study_windows(t) for n, t in traces.items()}
-    documents = demo_validation_documents(logs["block"], n_windows)  # every model reads the same windows
-    pooled = {n: pooled_numbers(record_pooled(n, n_windows, models)) for n in DEMO_NAMES}
+    documents = demo_validation_documents(logs[BASELINE], n_windows)  # every model reads the same windows
+    pooled = {n: pooled_numbers(record_pooled(n, n_windows, models)) for n in names}
     findings = evaluate_findings(windows, pooled, n_resamples, seed, documents=documents)
     frame = compare_windows([_with_documents(Windows.of_stats(st, n), documents) for n, st in stats.items()],
                             n_resamples=n_resamples, seed=seed)
     numbers = {}
-    for n in DEMO_NAMES:
+    for n in names:
         rows = frame[(frame["model"] == n) & (frame["comparison"] == "value")].set_index("metric")
         numbers[n] = {m: {"mean": _num(r["estimate"]), "low": _num(r["low"]), "high": _num(r["high"]),
                           "pooled": _num(pooled[n].get(m)), "reference": _num(r["reference"]), "unit": r["unit"]}
@@ -249,13 +309,15 @@ def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto",
         {k: (_num(v) if isinstance(v, float) else (None if v is pd.NA else v)) for k, v in r.items()}
         for r in frame[frame["comparison"] != "value"].to_dict("records")
     ]
-    tc = logs["block"]["train_config"]
+    tc = logs[BASELINE]["train_config"]
     results = {
         "models": "the shipped demo models" if models is None else Path(models).as_posix(),
+        "names": names,
+        "titles": {n: _titles([n]) for n in names},
         "training": {"steps": tc["steps"], "seed": tc["seed"], "corpus": tc["corpus"], "batch_size": tc["batch_size"],
                      "seq_len": tc["seq_len"]},
         "n_windows": n_windows,
-        "tokens_per_model": int(stats["block"].n_tokens),
+        "tokens_per_model": int(stats[BASELINE].n_tokens),
         "bootstrap": {"n_resamples": n_resamples, "seed": seed, "level": 0.95, "unit": "document"},
         "documents": {str(k): int(v) for k, v in pd.Series(documents).value_counts(sort=False).items()},
         "numbers": numbers,
@@ -266,9 +328,9 @@ def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto",
     table = pd.concat([w.assign(model=n, window=np.arange(len(w)), document=documents) for n, w in windows.items()], ignore_index=True)
     table = table[["model", "window", "document", *[c for c in table.columns if c not in ("model", "window", "document")]]]
     atomic_write(out / WINDOWS_FILE, lambda p: table.to_csv(p, index=False, float_format="%.9g"))
-    results["pooled"] = {n: {k: _num(v) for k, v in pooled[n].items()} for n in DEMO_NAMES}
+    results["pooled"] = {n: {k: _num(v) for k, v in pooled[n].items()} for n in names}
     atomic_write(out / "results.json", lambda p: p.write_text(json.dumps(results, indent=1) + "\n"))
-    histories = {n: logs[n].get("probes", {}).get("history") for n in DEMO_NAMES}
+    histories = {n: logs[n].get("probes", {}).get("history") for n in names}
     histories = {n: h for n, h in histories.items() if h}
     written = _write_figures(_figures(stats, traces, histories), out, images)
     page = _page(results, frame, written)
@@ -324,8 +386,11 @@ def run_seed_study(out: str | Path, seed_dirs: list[str | Path], n_resamples: in
     def values(model: str, metric: str) -> np.ndarray:  # [seeds, windows]
         return np.stack([t[t["model"] == model].sort_values("window")[metric].to_numpy(np.float64) for _, _, t in runs])
 
+    names = [n for n in DEMO_RULES if all(n in r["numbers"] for _, r, _ in runs)]  # the models every seed studied
+    if BASELINE not in names:
+        raise ValueError(f"--seeds: not every folder studied {BASELINE}, the baseline of every comparison")
     findings = []
-    for f in FINDINGS:
+    for f in findings_for(names):
         per_seed = {str(sd): next((x["verdict"] for x in r["findings"] if x["key"] == f.key), "not in this study")
                     for sd, (_, r, _) in zip(seeds, runs)}
         a = values(f.model, f.metric)
@@ -347,7 +412,8 @@ def run_seed_study(out: str | Path, seed_dirs: list[str | Path], n_resamples: in
         "seeds": seeds, "folders": [Path(d).as_posix() for d, _, _ in runs], "training": recipe,
         "n_windows": runs[0][1]["n_windows"], "n_documents": int(np.unique(groups).size),
         "bootstrap": {"n_resamples": n_resamples, "seed": seed, "level": level, "unit": "seed x document (crossed)"},
-        "val_loss": {n: [r["numbers"][n]["val_loss_shipped"] for _, r, _ in runs] for n in DEMO_NAMES},
+        "names": names,
+        "val_loss": {n: [r["numbers"][n]["val_loss_shipped"] for _, r, _ in runs] for n in names},
         "findings": findings,
     }
     atomic_write(out / "seeds.json", lambda p: p.write_text(json.dumps(summary, indent=1) + "\n"))
@@ -363,7 +429,7 @@ def _seed_page(summary: dict[str, Any]) -> str:
         f"# The study across {len(seeds)} seeds",
         "",
         f"Seeds {', '.join(map(str, seeds))} of one recipe ({tr['steps']} steps of {tr['batch_size']} x {tr['seq_len']} tokens on "
-        f"`{tr['corpus']}`; PreNorm, Full and Block per seed), each recorded on the same {summary['n_windows']} validation "
+        f"`{tr['corpus']}`; {_titles(summary.get('names', ('prenorm', 'full', 'block')))} per seed), each recorded on the same {summary['n_windows']} validation "
         f"windows from {summary['n_documents']} documents (the study folders {', '.join(f'`{d}`' for d in summary['folders'])}). "
         f"Every interval draws seeds *and* documents with replacement (all windows of a drawn document; "
         f"{boot['n_resamples']} resamples, seed {boot['seed']}), so it is as wide as the spread between trainings and "
@@ -383,6 +449,12 @@ def _seed_page(summary: dict[str, Any]) -> str:
     lines += ["", "Validation loss of each seed's shipped fp16 weights: " + "; ".join(
         f"{n} {', '.join(f'{x:.4g}' for x in v)}" for n, v in summary["val_loss"].items()) + ".", ""]
     return "\n".join(lines)
+
+
+def _titles(names: Sequence[str]) -> str:
+    """"PreNorm, Full AttnRes and mHC": the models' titles in words."""
+    t = [rule_title(DEMO_RULES[n]["residual"], DEMO_RULES[n]) if n in DEMO_RULES else n for n in names]
+    return t[0] if len(t) == 1 else ", ".join(t[:-1]) + " and " + t[-1]
 
 
 def _num(x: Any) -> float | None:
@@ -452,11 +524,13 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
     tr = results.get("training")
     recipe = (f": {tr['steps']} steps of {tr['batch_size']} x {tr['seq_len']} tokens on `{tr['corpus']}`, seed {tr['seed']}"
               if tr else "")
+    names = results.get("names") or list(results["numbers"])
+    others = [n for n in names if n != BASELINE and n not in ATTNRES_RULES]
     lines = [
         "# Reproduction study: the paper's diagnostics on the demo models, window by window",
         "",
         f"Generated by `attnres-probe study{'' if shipped else ' --models ' + models}` from "
-        f"{'the shipped demo models' if shipped else 'the demo models in `' + models + '`'} (PreNorm, Full, Block; identical "
+        f"{'the shipped demo models' if shipped else 'the demo models in `' + models + '`'} ({_titles(names)}; identical "
         f"config, data and steps{recipe}). Each model records the same {n} validation windows "
         f"({results['tokens_per_model']} tokens; the windows its shipped validation loss was measured on), one forward "
         "and one backward pass per window. Every number is the mean over windows with a 95% percentile-bootstrap "
@@ -467,6 +541,10 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         "against the uniform weights on its own sources (PreNorm's implied weights, grouped as the model groups them) on "
         "the same windows.",
         "",
+        *([f"{_titles(others)}: set against PreNorm like the AttnRes models, with estimates and intervals, but "
+           "**exploratory**: the paper's claims are about AttnRes, so no finding and no verdict is made for "
+           f"{'it' if len(others) == 1 else 'them'} (its depth weights are its normalised effective coefficients c/Σc).", ""]
+          if others else []),
         f"**One training run per architecture{' (seed ' + str(tr['seed']) + ')' if tr else ''}**: the intervals cover the "
         "texts, not the training seed. Another seed of the same recipe can turn a verdict; study v3 (`attnres-probe "
         "study`, in the repository `docs/study/v3/study.md`) takes five training seeds as the unit, with pre-registered "
@@ -527,12 +605,12 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
     lines += [
         "",
         "Shipped validation loss (fp16 weights, the same windows): "
-        + ", ".join(f"{m} {nums[m]['val_loss_shipped']:.4g}" for m in DEMO_NAMES) + ". "
+        + ", ".join(f"{m} {nums[m]['val_loss_shipped']:.4g}" for m in names) + ". "
         "The uniform reference of each routing number (uniform weights on the model's own sources, mean over windows): "
         + "; ".join(
             f"{m}: " + ", ".join(f"{LABELS[k]} {fmt_number(nums[m][k]['reference'])} ({nums[m][k]['unit']})"
                                  for k in nums[m] if isinstance(nums[m][k], dict) and nums[m][k].get("reference") is not None)
-            for m in DEMO_NAMES
+            for m in names
         )
         + ".",
         "",

@@ -144,3 +144,84 @@ def test_the_study_across_seeds_refuses_mixed_recipes_and_single_seeds(seed_stud
         run_seed_study(tmp_path / "x", [two, two])
     with pytest.raises(FileNotFoundError, match="holds no demo model"):
         study_model("block", tmp_path)
+
+
+# -- any set of demo models against the baseline (#36 item 4) ------------------------------------------------
+
+
+def test_a_study_sets_every_model_it_holds_against_prenorm_and_judges_only_attnres(seed_studies):
+    """The seeds' folders hold DenseFormer beside PreNorm, Full and Block: the study compares it with PreNorm
+    like the others (estimates, intervals) but makes no finding or verdict about it; the page says why."""
+    _, (one, two) = seed_studies
+    results = json.loads((one / "results.json").read_text())
+    assert results["names"][0] == "prenorm" and "denseformer" in results["names"]
+    assert {f["model"] for f in results["findings"]} == {"full", "block"}
+    rows = [c for c in results["comparisons"] if c["model"] == "denseformer" and c["comparison"] != "value"]
+    assert rows and all(r["verdict"] in (None, "") for r in rows)  # compared, not judged
+    assert any(r["estimate"] is not None for r in rows)
+    assert results["numbers"]["denseformer"]["val_loss_shipped"] > 0
+    page = (one / "study.md").read_text()
+    assert "DenseFormer: set against PreNorm like the AttnRes models" in page and "**exploratory**" in page
+    assert "PreNorm baseline, Full AttnRes, Block AttnRes and DenseFormer; identical config" in page
+    summary = run_seed_study(one.parent / "across-all", [one, two], n_resamples=50)
+    assert "denseformer" in summary["val_loss"] and {f["model"] for f in summary["findings"]} == {"full", "block"}
+
+
+def test_a_study_of_some_models_names_them_and_needs_the_baseline(seed_studies, tmp_path):
+    from attnres_probe.study import study_names
+
+    root, _ = seed_studies
+    models = root / "models1"
+    results = run_study(tmp_path / "s", n_windows=2, images="html", n_resamples=20, models=models,
+                        names=["denseformer", "prenorm"])
+    assert results["names"] == ["prenorm", "denseformer"] and results["findings"] == []
+    page = (tmp_path / "s" / "study.md").read_text()
+    assert "Summary, of 0 findings" in page and "(PreNorm baseline and DenseFormer; identical config" in page
+    assert set(pd.read_csv(tmp_path / "s" / "windows.csv")["model"]) == {"prenorm", "denseformer"}
+    with pytest.raises(ValueError, match="no prenorm .*every comparison is set against the PreNorm baseline"):
+        study_names(["full", "block"])
+    with pytest.raises(ValueError, match="unknown demo model 'fulll'; the demo models are prenorm, full, block, mhc"):
+        study_names(["prenorm", "fulll"])
+    with pytest.raises(ValueError, match="named twice"):
+        study_names(["prenorm", "full", "full"])
+    with pytest.raises(ValueError, match="only prenorm: name at least one model"):
+        study_names(["prenorm"])
+    assert study_names(None, models) == [n for n in ("prenorm", "full", "block", "mhc", "denseformer")
+                                         if (models / n / "model.safetensors").is_file()]
+    import shutil
+
+    two = tmp_path / "two"
+    for n in ("prenorm", "full"):
+        shutil.copytree(models / n, two / n)
+    assert study_names(None, two) == ["prenorm", "full"]
+    with pytest.raises(FileNotFoundError, match="holds no demo model"):  # named, but not in the folder
+        run_study(tmp_path / "t", n_windows=2, images="html", n_resamples=20, models=two, names=["prenorm", "block"])
+    assert not (tmp_path / "t").exists()  # refused before anything was written
+
+
+def test_a_study_refuses_models_of_different_recipes(seed_studies, tmp_path):
+    import shutil
+
+    root, _ = seed_studies
+    mixed = tmp_path / "mixed"
+    for n in ("prenorm", "full"):
+        shutil.copytree(root / "models1" / n, mixed / n)
+    log = json.loads((mixed / "full" / "train_log.json").read_text())
+    log["train_config"]["steps"] = 3
+    (mixed / "full" / "train_log.json").write_text(json.dumps(log))
+    with pytest.raises(ValueError, match="full was trained with another recipe than prenorm \\(steps 3 vs 2\\)"):
+        run_study(tmp_path / "out", n_windows=2, images="html", n_resamples=20, models=mixed)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_study_command_takes_names_for_the_single_model_study_only(seed_studies, tmp_path, capsys):
+    from attnres_probe.cli import main
+
+    root, _ = seed_studies
+    assert main(["study", "--runs", "x", "--names", "prenorm", "full"]) == 2
+    assert "--names picks the models of the single-model study" in capsys.readouterr().err
+    assert main(["study", "--models", str(root / "models1"), "--names", "full", "--out", str(tmp_path / "o")]) == 2
+    assert "no prenorm" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    assert main(["study", "--models", str(root / "models1"), "--names", "prenorm", "denseformer", "--windows", "2",
+                 "--resamples", "20", "--images", "html", "--out", str(tmp_path / "o")]) == 0
+    assert "exploratory   denseformer" in capsys.readouterr().out

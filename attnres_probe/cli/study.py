@@ -4,6 +4,7 @@ or the single-model study of the demo models (:mod:`attnres_probe.study`).
     attnres-probe study                                                       # study v3: docs/study/v3
     attnres-probe study --demo --out study-demo                               # the shipped demo models
     attnres-probe study --models study_models/seed1 --out study-seed1         # another seed's models
+    attnres-probe study --demo --names prenorm full denseformer --out s       # some of them (PreNorm always)
     attnres-probe study --seeds study-seed0 study-seed1 study-seed2 --out study-seeds
 """
 
@@ -13,6 +14,7 @@ import argparse
 from pathlib import Path
 
 from attnres_probe.cli import UserError, arg_range
+from attnres_probe.demo_recipe import DEMO_RULES
 from attnres_probe.study import N_RESAMPLES, N_WINDOWS, SEED, run_seed_study, run_study
 from attnres_probe.validate import MAX_RESAMPLES
 
@@ -41,6 +43,10 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "when it can be written)")
     p.add_argument("--models", metavar="DIR", help="study the demo models in DIR (written by `attnres-probe demo-models --out DIR`, "
                    "e.g. another seed's) instead of the shipped ones")
+    p.add_argument("--names", nargs="+", metavar="NAME", choices=list(DEMO_RULES),
+                   help=f"the demo models the single-model study sets side by side ({', '.join(DEMO_RULES)}; prenorm, the "
+                        "baseline, among them); default: every shipped one, or every one --models DIR holds. Models other "
+                        "than Full and Block get estimates and intervals against PreNorm, no verdict")
     p.add_argument("--seeds", nargs="+", metavar="FOLDER", help="combine the study folders of several seeds of one recipe "
                    "(each the --out of `study --models`) into seeds.md: intervals over seeds and windows")
     p.set_defaults(func=lambda a: _run(a))
@@ -49,6 +55,9 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def _run(args: argparse.Namespace) -> int:
     single = args.demo or args.models or args.seeds
+    if args.names and not (args.demo or args.models):
+        raise UserError("--names picks the models of the single-model study (--demo or --models DIR); study v3 "
+                        "(--runs) is pre-registered on PreNorm, Full and Block")
     if single and args.runs:
         raise UserError("--runs is the study over seeds; --demo, --models and --seeds are the single-model study: pick one")
     if not single:
@@ -80,9 +89,20 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if not 1 <= args.windows <= N_WINDOWS:
         raise ValueError(f"--windows is {args.windows}; the demo models have {N_WINDOWS} validation windows (1..{N_WINDOWS})")
-    results = run_study(args.out, args.windows, args.images, args.resamples, args.seed, progress=True, models=args.models)
-    width = max(len(f["key"]) for f in results["findings"])
+    from attnres_probe.study import study_names
+
+    try:
+        names = study_names(args.names, args.models)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    results = run_study(args.out, args.windows, args.images, args.resamples, args.seed, progress=True, models=args.models,
+                        names=names)
+    width = max((len(f["key"]) for f in results["findings"]), default=0)
     for f in results["findings"]:
         print(f"{f['verdict']:<13} {f['key']:<{width}}  holds: {f['holds']}")
+    others = [n for n in names if n != "prenorm" and not any(f["model"] == n for f in results["findings"])]
+    if others:
+        print(f"exploratory   {', '.join(others)}: estimates and intervals against PreNorm in study.md, no verdict "
+              "(the paper's claims are about AttnRes)")
     print(f"wrote {Path(args.out) / 'study.md'}")
     return 0
