@@ -38,6 +38,7 @@ import pandas as pd
 import torch
 
 from attnres_probe.analysis.windows import normalised_weights
+from attnres_probe.numeric import CANCELLED
 from attnres_probe.axis import COEFFICIENT_RULES
 from attnres_probe.losses import next_token_loss
 
@@ -296,7 +297,9 @@ def _loss_with(probe, tokens: torch.Tensor, hook_name: str, k: int, targets: dic
         total = rest.sum(-1, keepdim=True)
         # rescale the kept sources to fill 1 - sum(targets) of the gain; uniform among them if they had no mass
         uniform = keep.to(avail.dtype) / max(int(keep.sum()), 1)
-        scaled = torch.where(total != 0, rest / torch.where(total != 0, total, 1.0), uniform) * (1.0 - fixed) * gain
+        # ... and where the kept coefficients cancel (attnres_probe.numeric.CANCELLED): their shares would be unbounded
+        fills = (total != 0) & (total.abs() >= CANCELLED * rest.abs().sum(-1, keepdim=True))
+        scaled = torch.where(fills, rest / torch.where(fills, total, 1.0), uniform) * (1.0 - fixed) * gain
         for c in cols:
             scaled[..., c] = targets[c] * gain[..., 0]
         w[..., :k] = scaled

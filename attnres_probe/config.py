@@ -18,7 +18,7 @@ MLPS = ("gelu", "swiglu")
 DEFAULT_BLOCK_SIZE = 4
 DYNAMIC_INPUTS = ("stream", "flat")
 # each rule's own fields and their defaults (None in the dataclass: "not this rule's")
-HYPER_DEFAULTS = dict(n_streams=4, hc_dynamic=True, mhc=False, hc_dynamic_input=None, hc_tanh=True, sinkhorn_iters=20)
+HYPER_DEFAULTS = dict(n_streams=4, hc_dynamic=True, mhc=False, hc_dynamic_input=None, hc_tanh=None, sinkhorn_iters=20)
 DENSEFORMER_DEFAULTS = dict(dwa_dilation=1, dwa_period=1)
 
 
@@ -49,7 +49,7 @@ class ModelConfig:
     hc_dynamic: bool | None = None  # per-token weights from the state (DHC) rather than static (SHC); default true
     mhc: bool | None = None  # manifold-constrained: Sinkhorn H_res, sigmoid H_pre, 2 sigmoid H_post; default false
     hc_dynamic_input: str | None = None  # "stream" (HC paper, the package) | "flat" (mHC paper); None: flat for mHC, stream for HC
-    hc_tanh: bool | None = None  # HC only: tanh on the dynamic terms (default true)
+    hc_tanh: bool | None = None  # HC only: tanh on the dynamic terms (default true; false for mHC)
     sinkhorn_iters: int | None = None  # mHC: Sinkhorn rounds (default 20)
     # residual="denseformer" (depth-weighted averaging, arXiv 2402.02622); None elsewhere
     dwa_dilation: int | None = None  # a DWA averages the block outputs j = i+1 (mod dilation) (default 1)
@@ -94,6 +94,8 @@ class ModelConfig:
                 setattr(self, name, default)
         if self.residual == "hyper" and self.hc_dynamic_input is None:
             self.hc_dynamic_input = "flat" if self.mhc else "stream"
+        if self.residual == "hyper" and self.hc_tanh is None:
+            self.hc_tanh = not self.mhc  # HC's dynamic terms pass a tanh; mHC's gates are sigmoids
         self.validate()
 
     # -- derived -------------------------------------------------------------------------
@@ -226,6 +228,11 @@ class ModelConfig:
             for name in ("hc_dynamic", "mhc", "hc_tanh"):
                 if not isinstance(getattr(self, name), bool):
                     raise ConfigError(f"{name} must be true or false; got {getattr(self, name)!r}")
+            if self.mhc and self.hc_tanh:
+                raise ConfigError(
+                    "hc_tanh=True applies only to Hyper-Connections without mhc (mHC's gates are sigmoids and a "
+                    "Sinkhorn projection, with no tanh); leave it unset or false"
+                )
             if self.hc_dynamic_input not in DYNAMIC_INPUTS:
                 raise ConfigError(
                     f"hc_dynamic_input is {self.hc_dynamic_input!r}; accepted values are {', '.join(DYNAMIC_INPUTS)} "
@@ -280,6 +287,33 @@ class ModelConfig:
             where = f"{p}" if p is not None else "config text"
             raise ConfigError(f"{where} is nested too deeply to be a model config") from None
         return cls.from_dict(data)
+
+
+# what a model's residual rule sets (and its seed): everything else is the model's shape
+RULE_FIELDS = frozenset({"residual", "block_size", "block_boundaries", *HYPER_DEFAULTS, *DENSEFORMER_DEFAULTS})
+
+
+def shape_of(config: Any) -> dict[str, Any]:
+    """A model config (a :class:`ModelConfig` or its dict) without its residual rule's fields and
+    its seed: what two models must share for their difference to be the rule's alone."""
+    d = config.to_dict() if isinstance(config, ModelConfig) else dict(config or {})
+    return {k: v for k, v in d.items() if k not in RULE_FIELDS and k != "seed"}
+
+
+def shape_difference(configs: dict[str, Any]) -> str:
+    """"" when the models of ``configs`` (name -> config or None) share one shape, else a sentence
+    naming the first model that differs and how (fields ``name value vs first's value``). Models
+    without a config are left out."""
+    shapes = {name: shape_of(c) for name, c in configs.items() if c}
+    if len(shapes) < 2:
+        return ""
+    (first, a), *rest = shapes.items()
+    for name, b in rest:
+        diff = [f"{k} {b.get(k)!r} vs {a.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        if diff:
+            return (f"These models differ in more than the residual rule: {name} against {first}, "
+                    f"{', '.join(diff)}. Their differences are not the rule's alone.")
+    return ""
 
 
 def dataclass_from_dict(cls, data: Any, field_word: str, what: str):

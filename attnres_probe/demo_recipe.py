@@ -15,8 +15,8 @@ DEMO_RULES = {
     "mhc": dict(residual="hyper", mhc=True, n_streams=4),  # dynamic mHC, the paper's whole-state input
     "denseformer": dict(residual="denseformer"),  # a DWA after every block, no dilation
 }
-# the demo models shipped in the package (what the pages open); mHC is still training (issue #36)
-DEMO_NAMES = ("prenorm", "full", "block", "denseformer")
+# the demo models shipped in the package (what the pages open): every rule above
+DEMO_NAMES = ("prenorm", "full", "block", "mhc", "denseformer")
 
 DEMO_TRAIN = dict(
     steps=8000,

@@ -38,7 +38,7 @@ from plotly.subplots import make_subplots
 
 from attnres_probe.axis import COEFFICIENT_RULES
 from attnres_probe import metrics
-from attnres_probe.numeric import token_mean
+from attnres_probe.numeric import over_sum, row_sum, token_mean
 from attnres_probe.trace import DepthTrace, unique_names
 
 __all__ = [
@@ -153,10 +153,9 @@ def implied_weights(coefficients: np.ndarray) -> np.ndarray:
     one), 1/k for the k sources a read sees (NaN where it sees none); Hyper-Connections' and
     DenseFormer's normalised coefficients (entries may be negative or above one). Every consumer
     of a read is an RMSNorm, so the read and this normalised mixture are the same input: these are
-    the weights AttnRes is compared with."""
-    c = np.asarray(coefficients, dtype=np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return c / np.nansum(c, axis=-1, keepdims=True)
+    the weights AttnRes is compared with. A read whose coefficients cancel has none (NaN:
+    :func:`attnres_probe.numeric.over_sum`)."""
+    return over_sum(coefficients)
 
 
 def kind_title(trace, kind: str) -> str:
@@ -1008,11 +1007,15 @@ def corpus_heatmap(stats, kind: str = "weights", name: str | None = None, value:
     key = {"weights": "depth_weights", "contrib": "contrib", "logits": "logits"}[kind]
     mean = np.asarray(stats.mean(key), np.float64)
     mean = np.where(np.isinf(mean), np.nan, mean)
-    if trace.residual in COEFFICIENT_RULES and kind == "weights":
-        # the mean coefficients over their sum: PreNorm's 1/k and DenseFormer's (constant per token) exactly;
-        # for dynamic Hyper-Connections the normalised mean, not the mean of normalised rows (the sd is the raw one)
-        mean = implied_weights(mean)
     sd = np.sqrt(np.asarray(stats.var(key), np.float64))
+    sd_label = "sd over tokens"
+    if trace.residual in COEFFICIENT_RULES and kind == "weights":
+        # the mean coefficients c̄ over their sum Σc̄: PreNorm's 1/k and DenseFormer's (constant per token) exactly;
+        # for dynamic Hyper-Connections the normalised mean, not the mean of normalised rows. The sd is put on the
+        # same scale (sd of c, over Σc̄), so that colour, mean and sd speak of one quantity.
+        sd = sd / row_sum(mean)[..., None]
+        mean = implied_weights(mean)
+        sd_label = "sd over tokens of c/Σc̄"
     count = np.asarray(stats.stats[key].count, np.float64)
     name = name or stats.name
     z = mean if value == "mean" else sd
@@ -1024,7 +1027,7 @@ def corpus_heatmap(stats, kind: str = "weights", name: str | None = None, value:
     fig = go.Figure(
         go.Heatmap(
             z=z, x=trace.source_labels, y=trace.read_labels, customdata=np.stack([mean, sd, count], axis=-1),
-            hovertemplate="read %{y}<br>source %{x}<br>mean %{customdata[0]:.4~g}<br>sd over tokens %{customdata[1]:.3~g}"
+            hovertemplate="read %{y}<br>source %{x}<br>mean %{customdata[0]:.4~g}<br>" + sd_label + " %{customdata[1]:.3~g}"
             "<br>tokens %{customdata[2]:.0f}<extra></extra>",
             hoverongaps=False, colorscale=COLORSCALES[kind] if value == "mean" else "Greys",
             colorbar={"title": {"text": kind if value == "mean" else "sd"}}, **colors,

@@ -45,6 +45,7 @@ from attnres_probe.analysis.display import BASIS_NOTE, LABELS, documents_warning
 from attnres_probe.analysis.verdicts import verdict
 from attnres_probe.analysis.windows import WINDOW_COLUMNS, pooled_metrics, reference_column, window_metrics
 from attnres_probe.axis import ATTNRES_RULES, rule_title
+from attnres_probe.config import shape_of
 from attnres_probe.demo import DEMO_NAMES, demo_log, demo_validation_batches, demo_validation_documents
 from attnres_probe.demo_recipe import DEMO_RULES
 from attnres_probe.io import atomic_write
@@ -77,7 +78,8 @@ EDITIONS_NOTE = (" (a document is a file of the corpus; where a play comes in tw
 WINDOWS_FILE = "windows.csv"
 HOLDS_WORDS = {"per window": "hold per window", "contrary": "contrary", "only in the pool": "hold only in the pool",
                "neither": "neither (inconclusive)", "per window (the pooled number points the other way)":
-               "hold per window, the pooled number the other way"}  # every window's value of every metric, per model
+               "hold per window, the pooled number the other way",
+               "untested": "untested (no interval)"}  # every window's value of every metric, per model
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,9 @@ def study_names(names: Sequence[str] | None = None, models: str | Path | None = 
             against), or no model beside it.
     """
     known = list(DEMO_RULES)
+    if models is not None and not Path(models).is_dir():
+        raise ValueError(f"--models {models}: not a folder (pass a folder written by `attnres-probe demo-models --out DIR`)")
+    given = names is not None
     if names is None:
         if models is None:
             names = list(DEMO_NAMES)
@@ -145,12 +150,20 @@ def study_names(names: Sequence[str] | None = None, models: str | Path | None = 
     bad = [n for n in names if n not in known]
     if bad:
         raise ValueError(f"unknown demo model {', '.join(map(repr, bad))}; the demo models are {', '.join(known)}")
+    if models is None:
+        unshipped = [n for n in names if n not in DEMO_NAMES]
+        if unshipped:
+            raise ValueError(f"{', '.join(unshipped)}: not shipped with this version (the shipped demo models are "
+                             f"{', '.join(DEMO_NAMES)}); build {'it' if len(unshipped) == 1 else 'them'} with `attnres-probe "
+                             f"demo-models --only prenorm {' '.join(unshipped)} --out DIR` and study --models DIR")
     if len(set(names)) != len(names):
         raise ValueError(f"a model is named twice: {', '.join(names)}")
     if BASELINE not in names:
         where = f"--models {models}" if models is not None else "the models"
-        raise ValueError(f"{where}: no {BASELINE} ({', '.join(names) or 'none'}); every comparison is set against the "
-                         f"PreNorm baseline, so the study needs it beside the models it compares")
+        held = f"it holds {', '.join(names)}" if names else "it holds no demo model (<name>/model.safetensors)"
+        raise ValueError(f"{where}: no {BASELINE} ({held if models is not None and not given else 'named: ' + ', '.join(names)}); "
+                         "every comparison is set against the PreNorm baseline, so the study needs it beside the models "
+                         "it compares")
     if len(names) < 2:
         raise ValueError(f"only {BASELINE}: name at least one model to compare with it ({', '.join(known[1:])})")
     return sorted(names, key=known.index)
@@ -202,7 +215,9 @@ def pooled_numbers(trace: DepthTrace) -> dict[str, float]:
     return {k: float(v) for k, v in pooled_metrics(trace).items()}
 
 
-def _where(verdict_: str, pooled_ok: bool | None) -> str:
+def _where(verdict_: str, pooled_ok: bool | None, has_interval: bool = True) -> str:
+    if not has_interval:  # one document (or window): nothing was tested, whatever the windows and the pool show
+        return "untested"
     if verdict_ == "consistent":
         return "per window" if pooled_ok is not False else "per window (the pooled number points the other way)"
     if verdict_ == "contrary":
@@ -233,7 +248,7 @@ def evaluate_findings(
         raise ValueError(f"{len(docs)} document labels for {n} windows")
     keys = pd.DataFrame({"doc": docs, "start": np.arange(n, dtype=np.int64), "n_tokens": np.ones(n, np.int64),
                          "digest": [f"w{i}" for i in range(n)]})
-    items = [Windows(name, name, pd.concat([keys, t.reindex(columns=list(WINDOW_COLUMNS)).reset_index(drop=True)], axis=1),
+    items = [Windows(name, DEMO_RULES.get(name, {}).get("residual", name), pd.concat([keys, t.reindex(columns=list(WINDOW_COLUMNS)).reset_index(drop=True)], axis=1),
                      pd.Series(pooled[name])) for name, t in windows.items()]
     frame = compare_windows(items, n_resamples=n_resamples, seed=seed, level=level, baseline="prenorm")
     rows = {(r["model"], r["metric"]): r for r in frame[frame["comparison"] != "value"].to_dict("records")}
@@ -250,7 +265,8 @@ def evaluate_findings(
             "against": "uniform weights on the same sources and windows" if uniform else "PreNorm on the same windows",
             "comparison": f.kind, "null": null, "expected": f.expected, "estimate": r["estimate"], "low": r["low"],
             "high": r["high"], "pooled": pooled_value, "windows": int(r["windows"]),
-            "held": None if held is None or held is pd.NA else int(held), "verdict": r["verdict"], "holds": _where(r["verdict"], pooled_ok),
+            "held": None if held is None or held is pd.NA else int(held), "verdict": r["verdict"],
+            "holds": _where(r["verdict"], pooled_ok, bool(np.isfinite(r["low"]) and np.isfinite(r["high"]))),
         })
     return out
 
@@ -264,16 +280,27 @@ def _with_documents(w: Windows, documents: list[str]) -> Windows:
     return w
 
 
-def _check_recipes(logs: dict[str, dict[str, Any]], models: str | Path | None) -> None:
-    """The models of one study trained on the same data, windows, steps and seed (only the rule differs)."""
-    base = {k: logs[BASELINE]["train_config"].get(k) for k in SAME_RECIPE}
-    for name, log in logs.items():
+def _check_recipes(loaded: dict[str, tuple[Any, dict[str, Any]]], models: str | Path | None) -> None:
+    """The models of one study have one shape and trained on the same data, windows, steps and seed:
+    only the residual rule differs."""
+    where = f"--models {models}" if models is not None else "the shipped demo models"
+    for name, (_, log) in loaded.items():
+        if not isinstance(log.get("train_config"), dict):
+            raise ValueError(f"{where}: {name}'s train_log.json has no train_config (written by an older version?); "
+                             "rebuild it with `attnres-probe demo-models`")
+    base_model, base_log = loaded[BASELINE]
+    base = {k: base_log["train_config"].get(k) for k in SAME_RECIPE}
+    for name, (model, log) in loaded.items():
         other = {k: log["train_config"].get(k) for k in SAME_RECIPE}
         if other != base:
             diff = ", ".join(f"{k} {other[k]!r} vs {base[k]!r}" for k in SAME_RECIPE if other[k] != base[k])
-            where = f"--models {models}" if models is not None else "the shipped demo models"
             raise ValueError(f"{where}: {name} was trained with another recipe than {BASELINE} ({diff}); a study sets "
                              "side by side models that differ only in the residual rule")
+        a, b = shape_of(model.cfg), shape_of(base_model.cfg)
+        if a != b:
+            diff = ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+            raise ValueError(f"{where}: {name} has another shape than {BASELINE} ({diff}); a study sets side by side "
+                             "models that differ only in the residual rule")
 
 
 def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto", n_resamples: int = N_RESAMPLES,
@@ -286,8 +313,10 @@ def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto",
     verdicts) exist for the AttnRes models only, the other rules get estimates and intervals."""
     names = study_names(names, models)
     out = Path(out)
-    logs = {name: study_model(name, models)[1] for name in names}
-    _check_recipes(logs, models)
+    loaded = {name: study_model(name, models) for name in names}
+    _check_recipes(loaded, models)
+    logs = {name: log for name, (_, log) in loaded.items()}
+    del loaded
     out.mkdir(parents=True, exist_ok=True)
     recorded = {name: record_validation(name, n_windows, progress, models) for name in names}
     stats = {n: r[0] for n, r in recorded.items()}
@@ -437,7 +466,10 @@ def _seed_page(summary: dict[str, Any]) -> str:
         f"seed's PreNorm. With {len(seeds)} seeds the seed draws take few distinct values: the intervals are rough. "
         "*Per seed* gives each seed's own verdict over windows (its study page).",
         "",
-        f"Summary: {', '.join(f'{v} {k}' for k, v in sorted(counts.items()))} (of {len(summary['findings'])} findings).",
+        (f"Summary: {', '.join(f'{v} {k}' for k, v in sorted(counts.items()))} (of {len(summary['findings'])} findings)."
+         if summary["findings"] else "No finding: the paper's claims are about AttnRes, and no Full or Block AttnRes model "
+         "is among the studied models. Each seed's study page (`study.md`) sets the models against PreNorm with estimates "
+         "and intervals."),
         "",
         "| the paper's claim | model | against | estimate | 95% interval (seeds x windows) | per seed | verdict |",
         "|---|---|---|---|---|---|---|",
@@ -449,6 +481,18 @@ def _seed_page(summary: dict[str, Any]) -> str:
     lines += ["", "Validation loss of each seed's shipped fp16 weights: " + "; ".join(
         f"{n} {', '.join(f'{x:.4g}' for x in v)}" for n, v in summary["val_loss"].items()) + ".", ""]
     return "\n".join(lines)
+
+
+def _constant_note(results: dict[str, Any]) -> str:
+    """" X's routing is the same in every window ..." for the models whose routing rows carry the
+    comparison's CONSTANT note (fixed coefficients, as DenseFormer's), else ""."""
+    from attnres_probe.analysis.compare import CONSTANT
+
+    fixed = list(dict.fromkeys(c["model"] for c in results.get("comparisons", []) if CONSTANT in str(c.get("note") or "")))
+    if not fixed:
+        return ""
+    return (f" {_titles(fixed)}'s depth weights do not depend on the input (fixed parameters): {'its' if len(fixed) == 1 else 'their'} "
+            "routing metrics are the same in every window, so an interval over windows has no width and is no evidence of precision.")
 
 
 def _titles(names: Sequence[str]) -> str:
@@ -516,7 +560,7 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
     n = results["n_windows"]
     boot = results["bootstrap"]
     docs = results.get("documents") or {}
-    docs_words = (f"{len(docs)} documents of the corpus, " + ", ".join(f"`{Path(k).stem}` {v}" for k, v in docs.items())
+    docs_words = (f"{len(docs)} document{'s' if len(docs) != 1 else ''} of the corpus, " + ", ".join(f"`{Path(k).stem}` {v}" for k, v in docs.items())
                   + " windows" if docs else "each window its own")
     counts = pd.Series([f["holds"] for f in results["findings"]]).value_counts().to_dict()
     models = results.get("models", "the shipped demo models")
@@ -534,16 +578,17 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         f"config, data and steps{recipe}). Each model records the same {n} validation windows "
         f"({results['tokens_per_model']} tokens; the windows its shipped validation loss was measured on), one forward "
         "and one backward pass per window. Every number is the mean over windows with a 95% percentile-bootstrap "
-        f"interval; the bootstrap resamples **documents** ({docs_words}: all windows of a drawn document together; "
+        f"interval{' where the windows come from two or more documents (here they come from one: no interval)' if len(docs) == 1 else ''}; the bootstrap resamples **documents** ({docs_words}: all windows of a drawn document together; "
         f"{boot['n_resamples']} resamples, seed {boot['seed']}), because windows of one text are alike, so the "
         f"intervals rest on the number of texts, not of windows{EDITIONS_NOTE if tr and tr.get('corpus') == 'shakespeare' else ''}. Comparisons with PreNorm are paired on the same windows "
-        "(a ratio of means for spreads and growths, a mean difference otherwise); each AttnRes model's routing is set "
+        "(a ratio of means for spreads and growths, a mean difference otherwise); each model's routing is set "
         "against the uniform weights on its own sources (PreNorm's implied weights, grouped as the model groups them) on "
         "the same windows.",
         "",
         *([f"{_titles(others)}: set against PreNorm like the AttnRes models, with estimates and intervals, but "
            "**exploratory**: the paper's claims are about AttnRes, so no finding and no verdict is made for "
-           f"{'it' if len(others) == 1 else 'them'} (its depth weights are its normalised effective coefficients c/Σc).", ""]
+           f"{'it' if len(others) == 1 else 'them'} ({'its' if len(others) == 1 else 'their'} depth weights are the "
+           "normalised effective coefficients c/Σc)." + _constant_note(results), ""]
           if others else []),
         f"**One training run per architecture{' (seed ' + str(tr['seed']) + ')' if tr else ''}**: the intervals cover the "
         "texts, not the training seed. Another seed of the same recipe can turn a verdict; study v3 (`attnres-probe "
@@ -556,7 +601,8 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         "from all windows recorded together as one batch (gradients from one backward pass of their mean loss, as a "
         "single-batch analysis would have it); a finding holds **per window** when its verdict is consistent, **only in "
         "the pool** when the pooled number points the paper's way but the windows do not bear it out, **neither** when "
-        "the verdict is inconclusive and the pooled number points the other way too.",
+        "the verdict is inconclusive and the pooled number points the other way too, **untested** when there is no "
+        "interval to judge (windows from one document).",
         "",
         *([f"**{documents_warning(frame)}**", ""] if documents_warning(frame) else []),
         f"Summary, of {len(results['findings'])} findings: " + "; ".join(f"{HOLDS_WORDS.get(k, k)}: {v}" for k, v in sorted(counts.items())) + ".",
@@ -564,7 +610,8 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
     ]
     for label, keys in (("Hold per window", ("per window", "per window (the pooled number points the other way)")),
                         ("Hold only in the pool", ("only in the pool",)), ("Contrary (the interval excludes the paper's side)", ("contrary",)),
-                        ("Neither (inconclusive, and the pooled number points the other way)", ("neither",))):
+                        ("Neither (inconclusive, and the pooled number points the other way)", ("neither",)),
+                        ("Untested (no interval: windows from one document)", ("untested",))):
         hits = [f"`{f['key']}`" for f in results["findings"] if f["holds"] in keys]
         if hits:
             lines.append(f"- {label}: {', '.join(hits)}.")
@@ -591,8 +638,8 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         "",
         "## Every metric",
         "",
-        "Each model's mean over windows [95% interval]; each AttnRes model against PreNorm on the same windows "
-        "[95% interval] with the verdict (`metrics.compare`, resampling the same documents). " + BASIS_NOTE,
+        "Each model's mean over windows [95% interval]; each model against PreNorm on the same windows "
+        "[95% interval], with a verdict for the AttnRes models (`metrics.compare`, resampling the same documents). " + BASIS_NOTE,
         "",
         "| metric | " + " | ".join(t["columns"]) + " | " + " | ".join(f"verdict: {c}" for c in t["comparisons"]) + " |",
         "|---|" + "---|" * (len(t["columns"]) + len(t["comparisons"])),

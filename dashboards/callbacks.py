@@ -392,7 +392,7 @@ def difference_caption(ex: Explorer, kind: str) -> str:
     shown = difference_kind(ex, kind)
     why = (f" {base} has no routing {'weights' if kind == 'weights' else 'logits'} (its coefficients are all one), so the "
            "difference is in contribution shares whatever the colour choice." if shown != kind else "")
-    return (f"Difference view: each AttnRes panel is that model minus {base}, cell by cell, for the selected token "
+    return (f"Difference view: each other panel is that model minus {base}, cell by cell, for the selected token "
             f"(difference in {figures.KIND_TITLES[shown]}, on one source axis: Block's blocks where Block is drawn, else sublayers).{why} Blue is negative (the model is lower "
             f"there than {base}), red positive (higher), white the same; the {base} panel shows {base} itself.")
 

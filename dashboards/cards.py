@@ -7,7 +7,7 @@ from __future__ import annotations
 from dash import html
 
 from attnres_probe import metrics
-from attnres_probe.analysis.display import BASIS_NOTE, LABELS, documents_warning, headline, table_rows
+from attnres_probe.analysis.display import BASIS_NOTE, LABELS, documents_warning, headline, shape_warning, table_rows
 from attnres_probe.seed_study import PRIMARIES
 
 __all__ = ["comparison_notes", "glance_study", "glance_table", "headline_cards", "metric_table"]
@@ -18,6 +18,8 @@ def comparison_notes(frame) -> list:
     documents for firm intervals, and what each comparison sets side by side (the same quantity,
     routing against the uniform reference on each model's own axis)."""
     out = []
+    if shape_warning(frame):
+        out.append(html.P(shape_warning(frame), className="notice shape-warning"))
     warning = documents_warning(frame)
     if warning:
         out.append(html.P(warning, className="notice few-documents"))
@@ -27,6 +29,8 @@ def comparison_notes(frame) -> list:
 
 
 def _verdict_badge(verdict: str, note: str = "") -> html.Span:
+    if not verdict:  # no direction to judge against (the note, on hover, says why)
+        return html.Span("no verdict", className="vs no-verdict", title=note or None)
     return html.Span(verdict, className=f"verdict {verdict}", title=note or None)
 
 
@@ -120,7 +124,7 @@ def glance_table(frame) -> html.Table:
             comps = {c["model"]: c for c in m["comparisons"]}
             if not comps:
                 continue
-            first = next(iter(comps.values()))
+            first = next((c for c in comps.values() if c["expected"]), next(iter(comps.values())))  # the paper's side, if any
             cells = []
             for model in models:
                 c = comps.get(model)

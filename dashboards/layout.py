@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dash import dcc, html
 
-from attnres_probe.analysis.display import WEIGHT_EFFECT_NOTE, documents_warning
+from attnres_probe.analysis.display import WEIGHT_EFFECT_NOTE, page_warnings
 from attnres_probe.dashboards.cards import comparison_notes, glance_study, glance_table, headline_cards, metric_table
 from attnres_probe.dashboards.patching import patching_section
 from attnres_probe.dashboards.patterns import pattern_section
@@ -204,8 +204,8 @@ def _headline(ex: Explorer) -> list:
     if ex.stats:
         frame = ex.stats_frame
         n = ", ".join(f"{name} {s.n_windows} windows" for name, s in ex.stats.items())
-        warning = documents_warning(frame)
-        title, body = "Corpus: AttnRes against its references", glance_table(frame)
+        warning = " ".join(page_warnings(frame))
+        title, body = "Corpus: each model against its references", glance_table(frame)
         note = [f"{n}; 95% bootstrap intervals, documents resampled with their windows.",
                 html.Span(" " + warning, className="few-documents") if warning else None]
     elif getattr(ex, "study", None) and ex.study.get("primaries"):
@@ -469,7 +469,7 @@ def _corpus(ex: Explorer) -> html.Section | None:
     frame = ex.stats_frame
     return html.Section(
         [
-            html.H2("Corpus: AttnRes against the baseline, window by window"),
+            html.H2("Corpus: each model against the baseline, window by window"),
             _help(f"Recorded corpus ({sizes}). " + VERDICT_HELP),
             *comparison_notes(frame),
             html.Div(headline_cards(frame, ex.colors), className="cards", id=CORPUS_HEADLINE),
@@ -541,7 +541,7 @@ def _corpus_documents(ex: Explorer) -> list:
 
 def corpus_difference_caption(models: list[str], baseline: str) -> str:
     """What the corpus difference chart shows: which model minus which, and how the colours read."""
-    return (f"Each cell is the AttnRes model's mean contribution share over every token of the corpus minus "
+    return (f"Each cell is the model's mean contribution share over every token of the corpus minus "
             f"{baseline}'s ({', '.join(models)} minus {baseline}), like from like: a Block model on its blocks (with "
             f"{baseline}'s shares summed into the same blocks), the others on sublayers, so a row sums to about zero. "
             f"The scale diverges around zero: red, the model takes more from "
@@ -563,7 +563,7 @@ def _corpus_difference(ex: Explorer) -> list:
         return []
     same = [t for t in others if list(t.read_labels) == list(base.read_labels)]
     skipped = [t.name for t in others if t not in same]
-    out: list = [html.H3(f"Difference: each AttnRes model minus {base.name}")]
+    out: list = [html.H3(f"Difference: each model minus {base.name}")]
     if same:
         out += [html.P(corpus_difference_caption([t.name for t in same], base.name), className="help", id=CORPUS_DIFF_NOTE),
                 dcc.Graph(id=CORPUS_DIFF, figure=figures.difference_side_by_side(same, base, "contrib"),

@@ -58,7 +58,7 @@ __all__ = [
 SECTIONS: dict[str, str] = {
     "models": "Models",
     "text": "Text and tokens",
-    "metrics": "Metrics: AttnRes vs baseline",
+    "metrics": "Metrics: each model against the baseline",
     "heatmaps": "Mean depth routing",
     "magnitudes": "Magnitudes by depth",
     "gradients": "Gradient norms by depth",  # the chart's own title, and the corpus report's heading
@@ -245,7 +245,7 @@ def render_report(
 # section id -> heading of a corpus report (build_stats_report)
 STATS_SECTIONS: dict[str, str] = {
     "models": "Models and corpus",
-    "metrics": "Comparisons: AttnRes vs baseline, window by window",
+    "metrics": "Comparisons: each model against the baseline, window by window",
     "heatmaps": "Mean depth routing over the corpus",
     "magnitudes": "Magnitudes by depth",
     "gradients": "Gradient norms by depth",
@@ -618,7 +618,7 @@ def _footnote_pooled(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _metrics_context(frame: pd.DataFrame) -> dict[str, Any]:
     """The headline panel and the full metric table of a :func:`metrics.compare` frame, as strings."""
-    from attnres_probe.analysis.display import BASIS_NOTE, documents_warning, headline, table_rows
+    from attnres_probe.analysis.display import BASIS_NOTE, documents_warning, headline, shape_warning, table_rows
 
     windows = {str(r["model"]): int(r["windows"]) for _, r in frame[frame["comparison"] == "value"].groupby("model", sort=False).max().reset_index().iterrows()}
     has_baseline = frame.attrs.get("baseline") is not None
@@ -632,6 +632,7 @@ def _metrics_context(frame: pd.DataFrame) -> dict[str, Any]:
         "note": f"{note} {COMPARISON_NOTE if has_baseline else NO_BASELINE_NOTE}",
         "basis_note": BASIS_NOTE if (frame["comparison"] != "value").any() else "",
         "documents": documents_warning(frame),
+        "shape": shape_warning(frame),
         "one_window": max(windows.values(), default=0) <= 1,
     }
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from attnres_probe import AttnResTransformer, ModelConfig
+from attnres_probe.config import ConfigError
 from attnres_probe.axis import RESIDUALS, rule_title
 from attnres_probe.cli.train import add_train_parser
 
@@ -80,8 +81,8 @@ def test_train_flags_of_the_rules_reach_the_model_config(tmp_path):
     assert (hyper.d_model, hyper.n_layers, hyper.n_streams, hyper.mhc, hyper.hc_dynamic_input) == (64, 8, 4, False, "stream")
     mhc = config("--residual", "hyper", "--mhc", "--sinkhorn-iters", "5")
     assert (mhc.mhc, mhc.hc_dynamic_input, mhc.sinkhorn_iters) == (True, "flat", 5)  # mHC's own default input
-    static = config("--residual", "hyper", "--static-hc", "--hc-dynamic-input", "flat", "--no-mhc")
-    assert (static.hc_dynamic, static.hc_dynamic_input, static.mhc) == (False, "flat", False)
+    static = config("--residual", "hyper", "--static-hc", "--no-mhc")
+    assert (static.hc_dynamic, static.hc_dynamic_input, static.mhc) == (False, "stream", False)
     dense = config("--residual", "denseformer", "--dwa-dilation", "2", "--dwa-period", "2")
     assert (dense.residual, dense.dwa_dilation, dense.dwa_period, dense.n_streams) == ("denseformer", 2, 2, None)
     # a config file of one rule, another rule on the command line: the file's fields of its rule go
@@ -91,6 +92,10 @@ def test_train_flags_of_the_rules_reach_the_model_config(tmp_path):
     # --no-mhc over an mHC file whose input was mHC's default: HC's default input
     hc = config("--config", str(tmp_path / "hc.json"), "--no-mhc")
     assert (hc.mhc, hc.hc_dynamic_input) == (False, "stream")
+    # the tanh belongs to HC's dynamic terms: on by default for HC, off for mHC, and refused with mHC
+    assert (hc.hc_tanh, config("--residual", "hyper", "--mhc").hc_tanh) == (True, False)
+    with pytest.raises(ConfigError, match="hc_tanh=True applies only to Hyper-Connections without mhc"):
+        ModelConfig(residual="hyper", mhc=True, hc_tanh=True)
 
 
 @pytest.mark.parametrize(
@@ -100,6 +105,12 @@ def test_train_flags_of_the_rules_reach_the_model_config(tmp_path):
         (["--n-streams", "2"], "--n-streams (n_streams) applies only to --residual hyper; this run's residual is 'full'"),
         (["--residual", "denseformer", "--mhc"], "--mhc/--no-mhc (mhc) applies only to --residual hyper"),
         (["--residual", "hyper", "--n-streams", "0"], "n_streams must be a positive integer; got 0"),
+        (["--residual", "hyper", "--block-size", "2"], "--block-size (block_size) applies only to --residual block"),
+        # a flag of one Hyper-Connections variant given to another would change nothing
+        (["--residual", "hyper", "--mhc", "--no-hc-tanh"], "--no-hc-tanh (hc_tanh) applies only to dynamic Hyper-Connections without --mhc"),
+        (["--residual", "hyper", "--static-hc", "--no-hc-tanh"], "this run is static (--static-hc)"),
+        (["--residual", "hyper", "--sinkhorn-iters", "5"], "--sinkhorn-iters (sinkhorn_iters) applies only with --mhc"),
+        (["--residual", "hyper", "--static-hc", "--hc-dynamic-input", "flat"], "--hc-dynamic-input (hc_dynamic_input) applies only to dynamic"),
     ],
 )
 def test_a_rule_flag_the_residual_does_not_take_is_a_one_line_error(tmp_path, capsys, flags, message):

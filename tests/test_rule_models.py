@@ -327,3 +327,125 @@ def test_caching_with_backward_hooks_does_not_warn_about_the_streams():
         warnings.simplefilter("error")
         loss, cache = model.run_with_cache(sample_tokens(6, batch=1), incl_bwd=True)
     assert "blocks.0.hook_streams_mid_grad" in cache.cache_dict
+
+
+# -- a review of #36: one quantity, honest words, for every rule --------------------------------------------
+
+
+def test_coefficients_that_cancel_have_no_normalised_weights_anywhere(rule_traces):
+    """A read whose signed coefficients sum to (nearly) nothing has no c/Σc: the pages, the metrics, the
+    torch helper and the ablation all say "unavailable" (NaN) or fall back, instead of numbers in the millions."""
+    import copy
+
+    from attnres_probe import figures
+    from attnres_probe.analysis.windows import mixture_rms, normalised_weights
+    from attnres_probe.depth_rules import normalise_coefficients
+    from attnres_probe.numeric import CANCELLED, over_sum
+
+    row = np.array([[1.0, -1.0 + 1e-6, np.nan], [0.5, 0.25, 0.25], [1.0, -(1 - 2 * CANCELLED), np.nan]])
+    out = over_sum(row)
+    assert np.isnan(out[0]).all()  # cancelled
+    assert np.allclose(out[1], row[1]) and np.isnan(out[2, 2])  # a proper row, NaN kept NaN
+    assert np.allclose(out[2, :2], row[2, :2] / (2 * CANCELLED))  # at 2x the threshold: still defined
+    torch_out = normalise_coefficients(torch.tensor(np.nan_to_num(row[:2]), dtype=torch.float64))
+    assert torch.isnan(torch_out[0]).all() and torch.allclose(torch_out[1], torch.tensor(row[1]))
+    assert np.isnan(figures.implied_weights(row)[0]).all()
+
+    t = copy.deepcopy(rule_traces["denseformer"])
+    w = np.array(t.depth_weights, np.float64)
+    k = int(np.sum(~np.isnan(w[0, 0, 3])))
+    w[..., 3, :k] = 0.0
+    w[..., 3, 0], w[..., 3, 1] = 1.0, -1.0 + 1e-6  # read 3: coefficients that cancel
+    t.depth_weights = w.astype(np.float32)
+    assert np.isnan(normalised_weights(t, t.depth_weights)[..., 3, :]).all()
+    assert np.isfinite(normalised_weights(t, t.depth_weights)[..., 2, :2]).all()
+    assert np.isnan(mixture_rms(t, t.rms_in, t.depth_weights)[..., 3]).all()
+    locality = metrics.locality(t, kind="weights")
+    assert np.isfinite(locality.to_numpy(float)).any() and np.nanmax(np.abs(locality.to_numpy(float))) < 1e3
+
+
+def test_a_page_opens_where_weights_depend_on_the_token(rule_traces):
+    """DenseFormer's coefficients are the same at every token: they cannot say which token routes furthest."""
+    from attnres_probe.analysis.windows import informative_token
+
+    dense = rule_traces["denseformer"]
+    n = int(dense.mask[0].sum())
+    pos, why = informative_token([rule_traces["prenorm"], dense])
+    assert pos == n - 1 and "last token" in why
+    pos, why = informative_token([rule_traces["prenorm"], dense, rule_traces["mhc"]])
+    assert "mhc route furthest" in why and "denseformer" not in why
+
+
+def test_rows_without_a_direction_say_no_verdict_not_half_a_sentence(rule_traces):
+    from attnres_probe.analysis.display import comparison_rows, expected_text, held_text
+    from dashboards.cards import glance_table, headline_cards
+
+    frame = metrics.compare(*rule_traces.values(), n_resamples=50)
+    rows = frame[(frame["comparison"] != "value") & frame["model"].isin(["mhc", "denseformer"])]
+    assert rows["held"].isna().all()  # nothing counted against a direction the paper does not give
+    for r in rows.to_dict("records"):
+        assert expected_text(r) == "" and held_text(r) == ""
+    for m in ("locality_distance", "embed_weight_deep"):
+        for r in comparison_rows(frame, m):
+            if r["model"] in ("mhc", "denseformer"):
+                assert "than" not in r["expected"] and r["held"] == ""
+    colors = {n: "#000" for n in rule_traces}
+    text = str(headline_cards(frame, colors))
+    assert "no verdict" in text and " than uniform'" not in text and "paper:  than" not in text
+    glance = str(glance_table(frame))
+    import re
+
+    against = re.findall(r"Td\(children='([^']*)', className='vs against'\)", glance)  # the "paper: the model is" column
+    assert against and all(a.startswith(("lower than", "higher than")) for a in against), against  # from the AttnRes row
+
+
+def test_the_corpus_heatmap_puts_the_sd_on_the_scale_of_its_colours(rule_traces):
+    from attnres_probe import figures
+    from attnres_probe.corpus.stats import CorpusStats
+
+    t = rule_traces["mhc"]
+    stats = CorpusStats.empty(t.meta)
+    stats.update(t)
+    fig = figures.corpus_heatmap(stats, "weights", value="sd")
+    sd = np.asarray(fig.data[0].z, float)
+    raw = np.sqrt(np.asarray(stats.var("depth_weights"), np.float64))
+    total = np.nansum(np.asarray(stats.mean("depth_weights"), np.float64), -1, keepdims=True)
+    assert np.allclose(sd, raw / total, equal_nan=True)
+    assert "c/Σc̄" in fig.data[0].hovertemplate
+
+
+def test_models_of_different_shapes_are_compared_under_a_warning(rule_traces):
+    from attnres_probe.analysis.display import readable
+    from reports.builder import render_report
+
+    text = "Now is the winter of our"
+    deeper = Probe(tiny_model(residual="full", n_layers=3), name="deep").run(text, backward=True)
+    frame = metrics.compare(rule_traces["prenorm"], deeper)
+    warning = frame.attrs["shape"]
+    assert warning.startswith("These models differ in more than the residual rule: deep against prenorm")
+    assert "n_layers 3 vs 2" in warning
+    # models that differ only in the rule (and its fields) compare without it
+    assert metrics.compare(*rule_traces.values()).attrs["shape"] == ""
+    # every page says it once above the comparison: the notebook frame, the report
+    with pytest.warns(UserWarning, match="differ in more than the residual rule"):
+        assert warning in readable(frame).attrs["notes"]
+    page = render_report([rule_traces["prenorm"], deeper])
+    assert 'id="shape-warning"' in page and "n_layers 3 vs 2" in page
+    assert 'id="shape-warning"' not in render_report(list(rule_traces.values()))
+
+
+def test_routing_that_does_not_depend_on_the_input_says_why_its_interval_has_no_width():
+    """DenseFormer's coefficients are parameters: its routing metrics are one number in every window,
+    and the frame says so instead of showing a zero-width interval as if it were evidence."""
+    from attnres_probe.analysis.compare import CONSTANT
+
+    tokens = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))  # 3 windows of 3 documents
+    traces = [Probe(tiny_model(**kw), name=kw["residual"]).run(tokens, backward=False)
+              for kw in (dict(residual="prenorm"), dict(residual="denseformer"), dict(residual="full"))]
+    frame = metrics.compare(*traces, n_resamples=50)
+    routing = frame[frame["metric"] == "mean_entropy"].set_index(["model", "comparison"])
+    dense = routing.loc[("denseformer", "value")]
+    assert dense["low"] == pytest.approx(dense["high"], rel=1e-9) and CONSTANT in dense["note"]
+    assert CONSTANT in routing.loc[("denseformer", "difference")]["note"]
+    full = routing.loc[("full", "value")]  # AttnRes routes by the token: a real interval, no such note
+    assert full["high"] > full["low"] and CONSTANT not in full["note"]

@@ -124,6 +124,10 @@ def test_findings_resample_whole_documents():
         return f["high"] - f["low"]
 
     assert width(docs) > 1.5 * width(None)
+    # windows from one document: no interval, so nothing is tested, however the windows and the pool point
+    one = next(f for f in evaluate_findings(windows, {**pooled, "full": {"mean_loss": 1.0}}, 400, 0,
+                                            documents=["play0"] * 12) if f["key"] == "full_mean_loss")
+    assert (one["holds"], one["verdict"]) == ("untested", "inconclusive") and np.isnan(one["low"])
     with pytest.raises(ValueError, match="11 document labels for 12 windows"):
         evaluate_findings(windows, pooled, 400, 0, documents=docs[:11])
 
@@ -162,7 +166,8 @@ def test_a_study_sets_every_model_it_holds_against_prenorm_and_judges_only_attnr
     assert results["numbers"]["denseformer"]["val_loss_shipped"] > 0
     page = (one / "study.md").read_text()
     assert "DenseFormer: set against PreNorm like the AttnRes models" in page and "**exploratory**" in page
-    assert "PreNorm baseline, Full AttnRes, Block AttnRes and DenseFormer; identical config" in page
+    assert "PreNorm baseline, Full AttnRes, Block AttnRes, mHC and DenseFormer; identical config" in page
+    assert "DenseFormer's depth weights do not depend on the input (fixed parameters)" in page  # no-width intervals, said
     summary = run_seed_study(one.parent / "across-all", [one, two], n_resamples=50)
     assert "denseformer" in summary["val_loss"] and {f["model"] for f in summary["findings"]} == {"full", "block"}
 
@@ -225,3 +230,61 @@ def test_the_study_command_takes_names_for_the_single_model_study_only(seed_stud
     assert main(["study", "--models", str(root / "models1"), "--names", "prenorm", "denseformer", "--windows", "2",
                  "--resamples", "20", "--images", "html", "--out", str(tmp_path / "o")]) == 0
     assert "exploratory   denseformer" in capsys.readouterr().out
+
+
+def test_a_study_says_what_was_wrong_with_the_models_it_was_given(seed_studies, tmp_path, capsys):
+    import shutil
+
+    from attnres_probe.cli import main
+    from attnres_probe.demo import DEMO_NAMES
+    from attnres_probe.study import study_names
+
+    root, (one, two) = seed_studies
+    with pytest.raises(ValueError, match="--models .*nowhere: not a folder"):
+        study_names(None, tmp_path / "nowhere")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="it holds no demo model"):
+        study_names(None, empty)
+    if "mhc" not in DEMO_NAMES:  # a buildable demo model not shipped: how to build it
+        with pytest.raises(ValueError, match="mhc: not shipped with this version .*demo-models --only prenorm mhc --out DIR"):
+            study_names(["prenorm", "mhc"])
+    assert main(["study", "--seeds", str(one), str(two), "--names", "prenorm", "--out", str(tmp_path / "s")]) == 2
+    assert "--seeds combines study folders" in capsys.readouterr().err
+    # another shape (d_model) with the same recipe: refused, naming the field
+    other = tmp_path / "shape"
+    shutil.copytree(root / "models1" / "prenorm", other / "prenorm")
+    shutil.copytree(root / "models1" / "full", other / "full")
+    from attnres_probe import AttnResTransformer
+    from attnres_probe.config import ModelConfig
+    from attnres_probe.loading import load_model
+
+    cfg = load_model(other / "full").model.cfg.to_dict()
+    cfg["d_mlp"] = cfg["d_mlp"] * 2
+    AttnResTransformer(ModelConfig.from_dict(cfg)).save(other / "full")  # its train_log.json stays
+    with pytest.raises(ValueError, match="full has another shape than prenorm \\(d_mlp"):
+        run_study(tmp_path / "o", n_windows=2, images="html", n_resamples=20, models=other)
+    # a log without its train_config
+    old = tmp_path / "old"
+    shutil.copytree(root / "models1" / "prenorm", old / "prenorm")
+    shutil.copytree(root / "models1" / "full", old / "full")
+    log = json.loads((old / "full" / "train_log.json").read_text())
+    del log["train_config"]
+    (old / "full" / "train_log.json").write_text(json.dumps(log))
+    with pytest.raises(ValueError, match="full's train_log.json has no train_config"):
+        run_study(tmp_path / "o", n_windows=2, images="html", n_resamples=20, models=old)
+
+
+def test_a_seed_study_without_an_attnres_model_says_there_is_no_finding(seed_studies, tmp_path, capsys):
+    from attnres_probe.cli import main
+
+    root, _ = seed_studies
+    folders = []
+    for s in (1, 2):
+        run_study(tmp_path / f"s{s}", n_windows=2, images="html", n_resamples=20, models=root / f"models{s}",
+                  names=["prenorm", "denseformer"])
+        folders.append(str(tmp_path / f"s{s}"))
+    assert main(["study", "--seeds", *folders, "--resamples", "50", "--out", str(tmp_path / "across")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    page = (tmp_path / "across" / "seeds.md").read_text()
+    assert "No finding: the paper's claims are about AttnRes" in page and "PreNorm baseline and DenseFormer per seed" in page

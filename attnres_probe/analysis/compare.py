@@ -56,6 +56,7 @@ import pandas as pd
 from attnres_probe.axis import ATTNRES_RULES, rule_title
 from attnres_probe.analysis import bootstrap
 from attnres_probe.analysis.catalog import CATALOG, UNIFORM
+from attnres_probe.config import shape_difference
 from attnres_probe.analysis.verdicts import verdict
 from attnres_probe.analysis.windows import (
     KEY_COLUMNS,
@@ -86,12 +87,15 @@ class Windows:
         table: one row per window: :data:`~attnres_probe.analysis.windows.KEY_COLUMNS` then
             every metric of :data:`~attnres_probe.analysis.windows.WINDOW_METRICS`.
         pooled: the metrics of the pooled data (:func:`attnres_probe.metrics.summary`).
+        config: the model's config as a dict (None: unknown); models of different shapes are
+            compared with a warning (``frame.attrs["shape"]``).
     """
 
     name: str
     residual: str
     table: pd.DataFrame
     pooled: pd.Series
+    config: dict | None = None
 
     @classmethod
     def of_trace(cls, trace: Any, name: str | None = None) -> Windows:
@@ -113,13 +117,13 @@ class Windows:
             }
         )
         pooled = table.iloc[0].rename(trace.name) if B == 1 else pooled_metrics(trace)
-        return cls(name or trace.name, trace.residual, pd.concat([keys, table], axis=1), pooled)
+        return cls(name or trace.name, trace.residual, pd.concat([keys, table], axis=1), pooled, trace.meta.get("config"))
 
     @classmethod
     def of_stats(cls, stats: Any, name: str | None = None) -> Windows:
         """The windows a :class:`~attnres_probe.corpus.stats.CorpusStats` recorded, and its pooled values
         (:meth:`~attnres_probe.corpus.stats.CorpusStats.pooled`: the same diagnostics over every token)."""
-        return cls(name or stats.name, stats.meta["residual"], stats.window_table(), stats.pooled())
+        return cls(name or stats.name, stats.meta["residual"], stats.window_table(), stats.pooled(), stats.meta.get("config"))
 
     @property
     def n(self) -> int:
@@ -167,7 +171,17 @@ def _note_interval(n_ok: int, n_docs: int) -> str:
     return few_documents_note(n_docs)
 
 
-def _note_value(item: Windows, metric: str, n_ok: int, n_docs: int, pooled: float) -> str:
+CONSTANT = ("the same in every window: this model's depth weights do not depend on the input (its coefficients are "
+            "fixed parameters), so an interval over windows has no width and says nothing about them")
+
+
+def _constant(values: np.ndarray) -> bool:
+    """Whether a metric's finite per-window values are one number (to float64 rounding of their means)."""
+    v = values[np.isfinite(values)]
+    return v.size >= 2 and float(v.max() - v.min()) <= 1e-9 * max(float(np.abs(v).max()), 1e-300)
+
+
+def _note_value(item: Windows, metric: str, n_ok: int, n_docs: int, pooled: float, values: np.ndarray) -> str:
     if n_ok == 0:
         if np.isfinite(pooled):
             return "pooled value only: per-window values need one backward pass per window"
@@ -176,7 +190,8 @@ def _note_value(item: Windows, metric: str, n_ok: int, n_docs: int, pooled: floa
         if "grad" in metric:
             return "not available: recorded without gradients (record with backward=True; `attnres-probe corpus` does unless --no-backward)"
         return "not available"
-    return _note_interval(n_ok, n_docs)
+    fixed = CATALOG[metric].reference == UNIFORM and item.residual != "prenorm" and _constant(values)
+    return "; ".join(x for x in (_note_interval(n_ok, n_docs), CONSTANT if fixed else "") if x)
 
 
 def _align(model: Windows, base: Windows) -> tuple[np.ndarray | None, np.ndarray | None, str]:
@@ -211,7 +226,8 @@ def compare_windows(
 
     Returns:
         the tidy frame described in the module docstring (columns :data:`COLUMNS`), with
-        ``attrs`` holding ``n_resamples``, ``seed``, ``level``, ``baseline``.
+        ``attrs`` holding ``n_resamples``, ``seed``, ``level``, ``baseline``, ``documents`` and
+        ``shape`` (a warning when the models differ in more than the residual rule, else "").
     """
     if not items:
         raise ValueError("compare needs at least one model")
@@ -258,7 +274,7 @@ def compare_windows(
                 "unit": CATALOG[m].unit, "reference": ref,
                 "estimate": est[j], "low": lo[j], "high": hi[j], "pooled": pooled, "windows": int(n_ok[j]),
                 "documents": int(n_docs[j]), "held": pd.NA, "expected": "", "verdict": "",
-                "note": _note_value(it, m, int(n_ok[j]), int(n_docs[j]), pooled),
+                "note": _note_value(it, m, int(n_ok[j]), int(n_docs[j]), pooled, v[:, j]),
             })
         if it.residual != "prenorm" and it.n:  # routing against the uniform reference on the model's own axis
             a = it.table[routing].to_numpy(np.float64)
@@ -295,7 +311,8 @@ def compare_windows(
     for c in ("reference", "estimate", "low", "high", "pooled"):
         frame[c] = frame[c].astype(np.float64)
     frame.attrs.update({"n_resamples": int(n_resamples), "seed": seed, "level": level, "baseline": baseline,
-                        "unit": "document", "documents": documents})
+                        "unit": "document", "documents": documents,
+                        "shape": shape_difference({it.name: it.config for it in items})})
     return frame
 
 
@@ -320,7 +337,7 @@ def _row(m: str, it: Windows, against: str, est: float, lo: float, hi: float, po
         "metric": m, "model": it.name, "baseline": against, "comparison": kind, "basis": basis(m),
         "unit": "ratio (dimensionless)" if kind == "ratio" else d.unit, "reference": np.nan,
         "estimate": est, "low": lo, "high": hi, "pooled": pooled, "windows": n_used, "documents": n_docs,
-        "held": held, "expected": direction or "",
+        "held": held if direction else pd.NA, "expected": direction or "",  # no direction: nothing to count against
         "verdict": verdict(lo, hi, direction, 1.0 if kind == "ratio" else 0.0) if direction else "",
         "note": "; ".join(x for x in notes if x),
     }
@@ -348,8 +365,11 @@ def _comparison_rows(ms: list[str], it: Windows, against: str, a: np.ndarray, b:
         if n_used[j] and d.direction:
             aj, bj = a[ok[:, j], j], b[ok[:, j], j]
             held = int((aj < bj).sum() if d.direction == "lower" else (aj > bj).sum())
+        notes = [pair_note]
+        if against == "uniform" and _constant(a[ok[:, j], j] - b[ok[:, j], j]):
+            notes.append(CONSTANT)  # fixed coefficients against fixed uniform weights
         out.append(_row(m, it, against, est[j], lo[j], hi[j], _pooled_pair(d.compare, pa[m], pb[m]), int(n_used[j]),
-                        int(n_docs[j]), held, [pair_note]))
+                        int(n_docs[j]), held, notes))
     return out
 
 

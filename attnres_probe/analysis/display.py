@@ -24,6 +24,8 @@ __all__ = [
     "basis_caveat",
     "comparison_rows",
     "documents_warning",
+    "page_warnings",
+    "shape_warning",
     "fmt_estimate",
     "fmt_interval",
     "fmt_number",
@@ -166,6 +168,17 @@ def documents_warning(frame: pd.DataFrame) -> str:
     return ""
 
 
+def shape_warning(frame: pd.DataFrame) -> str:
+    """A sentence for the top of a page when the compared models differ in more than the residual
+    rule (depth, width, context...): their differences are then not the rule's alone ("" otherwise)."""
+    return str(frame.attrs.get("shape") or "")
+
+
+def page_warnings(frame: pd.DataFrame) -> list[str]:
+    """What a page says once above a comparison: models of different shapes, too few documents."""
+    return [w for w in (shape_warning(frame), documents_warning(frame)) if w]
+
+
 def basis_caveat(row: pd.Series | dict) -> str:
     """"weights vs shares: different quantities" for a comparison of AttnRes's routing weights with
     PreNorm's contribution shares (the frame's ``basis``); else ""."""
@@ -176,14 +189,15 @@ def basis_caveat(row: pd.Series | dict) -> str:
 def held_text(row: pd.Series | dict) -> str:
     """"lower in 6 of 16 windows" for a comparison row with per-window values; else ""."""
     held, n = row.get("held"), row.get("windows")
-    if row["comparison"] == "value" or held is None or held is pd.NA or not _finite(held) or not n:
+    if row["comparison"] == "value" or not row.get("expected") or held is None or held is pd.NA or not _finite(held) or not n:
         return ""
     return f"{row['expected']} in {int(held)} of {int(n)} windows"
 
 
 def expected_text(row: pd.Series | dict) -> str:
-    """"paper: lower than prenorm" for a comparison row."""
-    if row["comparison"] == "value":
+    """"paper: lower than prenorm" for a comparison row; "" where the paper states no direction for it
+    (a metric without one, or a rule other than AttnRes: the row's note says which)."""
+    if row["comparison"] == "value" or not row.get("expected"):
         return ""
     return f"paper: {row['expected']} than {row['baseline']}"
 
@@ -350,7 +364,7 @@ def readable(frame: pd.DataFrame) -> pd.DataFrame:
             rows.append([r["unit"], *r["cells"], *(f"{v} ({c})" if c else v for v, c in zip(r["verdicts"], r["caveats"]))])
     columns = ["unit", *t["columns"], *(f"verdict: {c}" for c in t["comparisons"])]
     out = pd.DataFrame(rows, index=pd.MultiIndex.from_tuples(index, names=["group", "metric"]), columns=columns)
-    notes = [n for n in (documents_warning(frame),) if n]
+    notes = page_warnings(frame)
     out.attrs["notes"] = notes  # what a page says once above the table
     for note in notes:  # a notebook shows the frame, not its attrs: say it as a warning too
         warnings.warn(note, UserWarning, stacklevel=2)

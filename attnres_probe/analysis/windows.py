@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from attnres_probe.analysis.catalog import CATALOG, COMPUTE, LiveList, routing_names
+from attnres_probe.numeric import over_sum, row_sum
 from attnres_probe.trace import DepthTrace
 
 __all__ = [
@@ -145,10 +146,9 @@ def normalised_weights(trace: Any, coefficients: np.ndarray) -> np.ndarray:
     Each written source's coefficient c (the softmax weight of its column for AttnRes, 1 for
     PreNorm) times the written sources in that column, over their sum: w_i = c_i m_i / sum_j c_j m_j.
     Full and PreNorm: c / sum(c). Block: a block's members share its weight, so its column holds
-    m_i of them. NaN stays NaN (unavailable)."""
-    mass = np.asarray(coefficients, np.float64) * source_members(trace)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return mass / np.nansum(mass, axis=-1, keepdims=True)
+    m_i of them. NaN stays NaN (unavailable); a read whose signed coefficients cancel (sum under
+    :data:`~attnres_probe.numeric.CANCELLED` of their absolute sum) has none (NaN)."""
+    return over_sum(np.asarray(coefficients, np.float64) * source_members(trace))
 
 
 def _routing_rows(w: np.ndarray, mask: np.ndarray, R: int) -> dict[str, np.ndarray]:
@@ -255,9 +255,9 @@ def profile_values(rms_out: np.ndarray, rms_mix: np.ndarray, grad_out: np.ndarra
 
 
 def mixture_rms(trace: Any, rms_in: np.ndarray, depth_weights: np.ndarray) -> np.ndarray:
-    """rms(h_r / sum_i c_i) per token and read, [..., R]: what a read sees as a mixture (PreNorm: its sum over k)."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.asarray(rms_in, np.float64) / np.nansum(np.asarray(depth_weights, np.float64) * source_members(trace), axis=-1)
+    """rms(h_r / sum_i c_i) per token and read, [..., R]: what a read sees as a mixture (PreNorm: its sum over k;
+    NaN where the coefficients cancel, as in :func:`normalised_weights`)."""
+    return np.asarray(rms_in, np.float64) / row_sum(np.asarray(depth_weights, np.float64) * source_members(trace))
 
 
 _USED = ("depth_weights", "contrib", "rms_in", "rms_out", "grad_out", "loss")
@@ -327,11 +327,25 @@ def window_digests(trace: DepthTrace) -> list[str]:
     return out
 
 
+def _varies_by_token(weights: np.ndarray) -> bool:
+    """Whether a sequence's depth weights [n, R, S] differ between its tokens (beyond float32 rounding)."""
+    w = np.asarray(weights, np.float64)
+    if w.shape[0] < 2:
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        spread = np.nanmax(np.abs(w - w[:1]))
+        scale = np.nanmax(np.abs(w))
+    return bool(np.isfinite(spread) and spread > 4 * np.finfo(np.float32).eps * max(float(scale), 1e-30))
+
+
 def informative_token(traces, limit: int | None = None) -> tuple[int, str]:
     """The token a page opens on, and why: in sequence 0, the token whose depth weights depart furthest
-    from uniform, averaged over the AttnRes models (per read, the total-variation distance between
-    its normalised weights and the uniform weights on the same sources, PreNorm's implied weights;
-    mean over reads). Without an AttnRes model, the last token (it sees the most context).
+    from uniform, averaged over the models whose weights depend on the token (AttnRes, dynamic
+    Hyper-Connections / mHC; not PreNorm, DenseFormer or static HC, whose weights are the same at
+    every token) (per read, the total-variation distance between its normalised weights and the
+    uniform weights on the same sources, PreNorm's implied weights; mean over reads). Without such a
+    model, the last token (it sees the most context).
     ``limit``: choose among the first ``limit`` tokens only (a page that stores only those).
 
     Returns:
@@ -342,9 +356,12 @@ def informative_token(traces, limit: int | None = None) -> tuple[int, str]:
     n = int(first.mask[0].sum())
     if n == 0:
         return 0, ""
-    routed = [t for t in traces if t.residual != "prenorm" and t.depth_weights is not None and int(t.mask[0].sum()) == n]
     if limit is not None:
-        n = max(1, min(n, int(limit)))
+        n_all, n = n, max(1, min(n, int(limit)))
+    else:
+        n_all = n
+    routed = [t for t in traces if t.residual != "prenorm" and t.depth_weights is not None
+              and int(t.mask[0].sum()) == n_all and _varies_by_token(t.depth_weights[0, :n])]
     if not routed or n == 1:
         return n - 1, f"Opened on the last token ({n - 1}): it sees the most context." if n > 1 else ""
     distance = np.zeros(n)
@@ -356,5 +373,6 @@ def informative_token(traces, limit: int | None = None) -> tuple[int, str]:
     tok = first.str_tokens[0][pos] if pos < len(first.str_tokens[0]) else ""
     models = ", ".join(t.name for t in routed)
     return pos, (f"Opened on token {pos} '{tok}', where {models} route furthest from uniform (mean total-variation "
-                 f"distance {distance[pos]:.2f} over reads; 0 = PreNorm's uniform mixture, 1 = no overlap). "
+                 f"distance {distance[pos]:.2f} over reads; 0 = PreNorm's uniform mixture, 1 = no overlap for "
+                 "non-negative weights). "
                  "Click any token to route it.")

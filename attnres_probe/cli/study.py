@@ -55,6 +55,9 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def _run(args: argparse.Namespace) -> int:
     single = args.demo or args.models or args.seeds
+    if args.names and args.seeds:
+        raise UserError("--names picks the models a single-model study records (--demo or --models DIR); --seeds combines "
+                        "study folders and takes the models every one of them holds")
     if args.names and not (args.demo or args.models):
         raise UserError("--names picks the models of the single-model study (--demo or --models DIR); study v3 "
                         "(--runs) is pre-registered on PreNorm, Full and Block")
@@ -82,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError("the single-model study needs --out FOLDER (docs/study holds study v3: `attnres-probe study`)")
     if args.seeds:
         summary = run_seed_study(args.out, args.seeds, args.resamples, args.seed)
-        width = max(len(f["key"]) for f in summary["findings"])
+        width = max((len(f["key"]) for f in summary["findings"]), default=0)
         for f in summary["findings"]:
             print(f"{f['verdict']:<13} {f['key']:<{width}}  consistent in {f['seeds_consistent']} of {len(summary['seeds'])} seeds")
         print(f"wrote {Path(args.out) / 'seeds.md'}")

@@ -190,10 +190,12 @@ def _configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConf
         for name, rule in _RULE_OF_FIELD.items():
             if rule != args.residual:
                 model_dict.pop(name, None)
-    if args.mhc is not None and args.hc_dynamic_input is None and base.get("mhc") is not None and (
-        base.get("hc_dynamic_input") == ("flat" if base["mhc"] else "stream")
-    ):  # --mhc / --no-mhc over a base whose input was its rule's default: the new rule's default
-        model_dict.pop("hc_dynamic_input", None)
+    if args.mhc is not None and base.get("mhc") is not None:
+        # --mhc / --no-mhc over a base whose input and tanh were its variant's defaults: the new variant's
+        if args.hc_dynamic_input is None and base.get("hc_dynamic_input") == ("flat" if base["mhc"] else "stream"):
+            model_dict.pop("hc_dynamic_input", None)
+        if args.hc_tanh is None and base.get("hc_tanh") == (not base["mhc"]):
+            model_dict.pop("hc_tanh", None)
     if base and (model_dict["d_model"], model_dict["n_heads"]) != (base["d_model"], base["n_heads"]):
         # the width changed: re-derive the sizes the base had derived from the old width
         if base["d_head"] == base["d_model"] // base["n_heads"]:
@@ -208,11 +210,27 @@ def _configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConf
 def _check_rule_flags(args: argparse.Namespace, model_dict: dict) -> None:
     """A flag of another rule than the run's residual: a ConfigError naming the flag, its field and the rule."""
     residual = model_dict.get("residual", "full")
+    if args.block_size is not None and residual != "block":
+        raise ConfigError(f"--block-size (block_size) applies only to --residual block; this run's residual is {residual!r}")
     for name, rule in _RULE_OF_FIELD.items():
         if getattr(args, name, None) is not None and residual != rule:
             raise ConfigError(
                 f"{_FLAG_OF_FIELD[name]} ({name}) applies only to --residual {rule}; this run's residual is {residual!r}"
             )
+    if residual != "hyper":
+        return
+    # flags of one Hyper-Connections variant given to another: they would change nothing, so say so
+    mhc = bool(model_dict.get("mhc"))
+    dynamic = model_dict.get("hc_dynamic") is not False
+    if args.sinkhorn_iters is not None and not mhc:
+        raise ConfigError("--sinkhorn-iters (sinkhorn_iters) applies only with --mhc (Sinkhorn projects mHC's H_res); "
+                          "this run is plain Hyper-Connections")
+    if args.hc_tanh is not None and (mhc or not dynamic):
+        raise ConfigError("--no-hc-tanh (hc_tanh) applies only to dynamic Hyper-Connections without --mhc (the tanh "
+                          f"acts on HC's dynamic terms); this run is {'mHC, whose gates are sigmoids' if mhc else 'static (--static-hc)'}")
+    if args.hc_dynamic_input is not None and not dynamic:
+        raise ConfigError("--hc-dynamic-input (hc_dynamic_input) applies only to dynamic Hyper-Connections; this run "
+                          "is static (--static-hc)")
 
 
 def _read_model_config(path: str) -> ModelConfig:

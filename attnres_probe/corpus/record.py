@@ -210,10 +210,10 @@ def _record_locked(out, data, models, demo, names, batch_size, backward, save_ev
                                             seed=seed)
             atomic_write(out / DOCUMENTS_FILE, lambda p: docs_frame.to_csv(p, index=False))
             manifest["complete"] = True
-            from attnres_probe.analysis.display import documents_warning
+            from attnres_probe.analysis.display import page_warnings
 
             manifest["comparison"] = {"n_resamples": n_resamples, "seed": seed, "file": COMPARISON_FILE,
-                                      "note": documents_warning(frame), "documents_file": DOCUMENTS_FILE,
+                                      "note": " ".join(page_warnings(frame)), "documents_file": DOCUMENTS_FILE,
                                       "documents_loo_resamples": docs_frame.attrs["loo_resamples"]}
             write_manifest(out, manifest)
 

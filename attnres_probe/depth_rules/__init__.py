@@ -76,8 +76,11 @@ def normalise_coefficients(coefficients: torch.Tensor) -> torch.Tensor:
     """Each read's coefficients [..., reads, sources] divided by their sum over the sources.
 
     The result sums to one over each row, like AttnRes's weights, but entries may be negative or
-    above one (HC and DenseFormer weights are unconstrained); a row whose sum is 0 gives NaN.
+    above one (HC and DenseFormer weights are unconstrained); a row whose coefficients cancel (sum
+    under :data:`attnres_probe.numeric.CANCELLED` of their absolute sum) gives NaN, as the pages do.
     """
+    from attnres_probe.numeric import CANCELLED
+
     total = coefficients.sum(-1, keepdim=True)
-    safe = torch.where(total == 0, torch.ones_like(total), total)
-    return torch.where(total == 0, torch.full_like(coefficients, float("nan")), coefficients / safe)
+    ok = (total.abs() >= CANCELLED * coefficients.abs().sum(-1, keepdim=True)) & (total != 0)
+    return torch.where(ok, coefficients / torch.where(ok, total, torch.ones_like(total)), torch.full_like(coefficients, float("nan")))

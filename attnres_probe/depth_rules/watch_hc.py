@@ -224,11 +224,12 @@ def watch_trace(watch: HCWatch, tokens: Any = None, logits: torch.Tensor | None 
             f"the watched forward made {L} hyper-connection calls; a trace needs an even number (L / 2 layers of two "
             f"sublayers on the common axis): {', '.join(watch.call_names)}"
         )
-    coef = watch.read_coefficients(final=final).double()  # [B, P, R, S]
-    V = watch.sources().double()  # [B, P, S, d]
-    state = watch.final_state().double()
-    fin = torch.ones(state.shape[-2], dtype=state.dtype) if final is None else final.double()
-    reads = torch.cat([watch.branch_inputs().double(), torch.einsum("...s,...sd->...d", fin, state).unsqueeze(-2)], -2)
+    # a trace holds numpy arrays: everything moves to the CPU first (the model may run on a GPU)
+    coef = watch.read_coefficients(final=final).detach().double().cpu()  # [B, P, R, S]
+    V = watch.sources().detach().double().cpu()  # [B, P, S, d]
+    state = watch.final_state().detach().double().cpu()
+    fin = torch.ones(state.shape[-2], dtype=state.dtype) if final is None else final.detach().double().cpu()
+    reads = torch.cat([watch.branch_inputs().detach().double().cpu(), torch.einsum("...s,...sd->...d", fin, state).unsqueeze(-2)], -2)
     B, P, R, S = coef.shape
     seen = torch.ones(R, S, dtype=torch.bool).tril()
     dots = torch.einsum("bpsd,bprd->bprs", V, reads)

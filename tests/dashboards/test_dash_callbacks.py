@@ -543,7 +543,7 @@ def test_the_corpus_section_shows_each_attnres_model_minus_the_baseline_as_the_r
     caption = _find(corpus, lambda n: getattr(n, "id", None) == "corpus-difference-note")[0].children
     assert "full, block minus prenorm" in caption and "contribution share" in caption and "zero" in caption
     headings = [h.children for h in _find(corpus, lambda n: isinstance(n, html.H3))]
-    assert "Difference: each AttnRes model minus prenorm" in headings
+    assert "Difference: each model minus prenorm" in headings
 
 
 def test_the_per_token_difference_view_has_its_own_caption_and_names_the_token(ex):
