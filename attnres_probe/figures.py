@@ -580,9 +580,20 @@ def side_by_side(
         plot_bgcolor="white",
         height=max(f.layout.height or 400 for f in figs) + 20,
         margin={"t": 60 + 18 * lines},
-        title={"text": KIND_TITLES.get(kind, kind), "y": 0.99, "yanchor": "top"},
+        title={"text": _shared_title(traces, kind), "y": 0.99, "yanchor": "top"},
     )
     return out
+
+
+def _shared_title(traces: Sequence[DepthTrace], kind: str) -> str:
+    """The title over panels of ``kind``: the quantity's name when every panel shows the same one,
+    else each rule's ("depth weights: implied weight 1/k; depth weight α; normalised coefficient
+    c/Σc"), whose panels name theirs again."""
+    titles = list(dict.fromkeys(kind_title(t, kind) if isinstance(t, DepthTrace) else KIND_TITLES.get(kind, kind)
+                                for t in traces))
+    if len(titles) <= 1 or kind != "weights":
+        return titles[0] if titles else KIND_TITLES.get(kind, kind)
+    return "depth weights: " + "; ".join(titles)
 
 
 def difference_heatmap(
@@ -1155,8 +1166,9 @@ def ablation_chart(frame: pd.DataFrame, read: str | None = None) -> go.Figure:
 
     Returns:
         Figure with three rows sharing the source axis: bars of Δloss per source (``y``), markers
-        of the routing mass α (``y2``, 0..1) and of the contribution share c (``y3``, its own
-        axis: shares can be negative or above one).
+        of the routing mass (``y2``: the mean normalised depth weight, AttnRes's α or another rule's
+        c/Σc; 0..1, widened for coefficients outside it) and of the contribution share c (``y3``,
+        its own axis: shares can be negative or above one).
     """
     missing = [c for c in ABLATION_COLUMNS if c not in frame.columns]
     if missing:
@@ -1181,7 +1193,7 @@ def ablation_chart(frame: pd.DataFrame, read: str | None = None) -> go.Figure:
     rows = rows.drop_duplicates("source")  # mass and contrib do not depend on the mode
     x = [str(s) for s in rows["source"]]
     for r, (col, label, color, symbol) in enumerate(
-        (("mass", "routing mass α", "#1F77B4", "circle"), ("contrib", "contribution share c", "#2CA02C", "diamond")), start=2
+        (("mass", "routing mass (normalised weight)", "#1F77B4", "circle"), ("contrib", "contribution share c", "#2CA02C", "diamond")), start=2
     ):
         data.append(go.Scatter(x=x, y=rows[col].to_numpy(), name=label, mode="markers", marker={"color": color, "size": 11, "symbol": symbol},
                                hovertemplate=f"source %{{x}}<br>{label} %{{y:.4~g}}<extra></extra>", **cell_axes(r, 1, 1)))
@@ -1190,7 +1202,11 @@ def ablation_chart(frame: pd.DataFrame, read: str | None = None) -> go.Figure:
     hi = max(1.0, float(np.nanmax(c)) if np.isfinite(c).any() else 1.0)
     pad = 0.05 * (hi - lo)
     layout["yaxis"].update(title={"text": "Δloss"}, zeroline=True, tickformat=".3~g")
-    layout["yaxis2"].update(title={"text": "mass α"}, range=[0, 1.05], tickvals=[0, 0.5, 1])
+    m = rows["mass"].to_numpy(dtype=float)
+    m_lo = min(0.0, float(np.nanmin(m)) if np.isfinite(m).any() else 0.0)
+    m_hi = max(1.0, float(np.nanmax(m)) if np.isfinite(m).any() else 1.0)
+    layout["yaxis2"].update(title={"text": "mass"}, range=[m_lo - 0.05 * (m_hi - m_lo), m_hi + 0.05 * (m_hi - m_lo)],
+                            tickformat=".2~f", nticks=4, zeroline=True, zerolinecolor="#999")
     layout["yaxis3"].update(title={"text": "share c"}, range=[lo - pad, hi + pad], zeroline=True, zerolinecolor="#999",
                             tickformat=".2~f", nticks=4)
     layout["xaxis3"].update(title={"text": "source"})
@@ -1410,6 +1426,7 @@ def over_training(histories: dict[str, Sequence[dict]], read_labels: Sequence[st
             if c == 1:
                 fig.update_yaxes(title={"text": title, "font": {"size": 11}}, row=rw, col=c)
         fig.update_xaxes(title={"text": "training step"}, row=len(rows), col=c)
+    fig.update_yaxes(tickformat=".3~g")  # a flat row (PreNorm's entropy, 1 to rounding) keeps short ticks
     fig.update_layout(height=190 * len(rows) + 120,
                       title={"text": "Routing over training<br><span style='font-size:12px'>each line one read's mean over the "
                                      "held-out probe windows of one run (no interval); the same y scale in every column</span>"},

@@ -1,6 +1,6 @@
 """Reproduction study: do the small demo models show the paper's diagnostics, window by window?
 
-Loads the three shipped demo models, records the fixed validation windows their logged loss was
+Loads the shipped demo models (or some of them), records the fixed validation windows their logged loss was
 measured on (one forward and one backward pass per window: :meth:`Probe.run_corpus`), and
 judges every finding over the windows: the estimate (mean over windows), its 95% bootstrap
 interval (resampling the documents the windows come from, the corpus's plays or topics, since

@@ -71,7 +71,7 @@ CORPUS_GRADIENTS = "corpus-gradients"
 CHIP = "chip"  # pattern-matching type of the token chips: {"type": "chip", "index": i}
 
 KIND_OPTIONS = [
-    {"label": "depth weights α", "value": "weights"},
+    {"label": "depth weights (α, or c/Σc)", "value": "weights"},
     {"label": "contribution share", "value": "contrib"},
     {"label": "depth logits z", "value": "logits"},
 ]

@@ -145,7 +145,7 @@ def serve(app, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, threads: int 
 
 def run_demo(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, text: str | None = None, threads: int = DEFAULT_THREADS,
              open_browser: bool = False, torch_threads: int | None = DEFAULT_TORCH_THREADS) -> int:
-    """Open the dashboard on the three bundled demo models (``attnres-probe demo``, ``make demo``).
+    """Open the dashboard on the bundled demo models (``attnres-probe demo``, ``make demo``).
 
     Blocks until Ctrl+C. ``torch_threads`` sets torch's intra-op threads for this process (None: leave).
     """

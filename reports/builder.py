@@ -75,7 +75,7 @@ PLOT_CONFIG = {"displaylogo": False, "responsive": True, "typesetMath": False}
 VERSION_PACKAGES = ("torch", "transformer_lens", "numpy", "pandas", "plotly", "dash", "jinja2")
 KIND_ORDER = ("weights", "logits", "contrib")  # index into the explorer's per-cell triples
 # the same words as the dashboard's "colour by:" control, which the PreNorm panels' notes name
-EXPLORER_KINDS = {"auto": "auto (depth weights; PreNorm's implied weights 1/k)", "weights": "depth weights α",
+EXPLORER_KINDS = {"auto": "auto (depth weights; PreNorm's implied weights 1/k)", "weights": "depth weights (α, or c/Σc)",
                   "contrib": "contribution share", "logits": "depth logits z"}
 
 

@@ -449,3 +449,10 @@ def test_routing_that_does_not_depend_on_the_input_says_why_its_interval_has_no_
     assert CONSTANT in routing.loc[("denseformer", "difference")]["note"]
     full = routing.loc[("full", "value")]  # AttnRes routes by the token: a real interval, no such note
     assert full["high"] > full["low"] and CONSTANT not in full["note"]
+    # the per-document breakdown states the same directions as the comparison: none for DenseFormer
+    from attnres_probe.analysis.documents import document_breakdown
+
+    docs = document_breakdown(*traces, n_resamples=20, loo_resamples=20)
+    dense_rows = docs[docs["model"] == "denseformer"]
+    assert len(dense_rows) and (dense_rows["expected"] == "").all() and (dense_rows["verdict"] == "").all()
+    assert (docs[(docs["model"] == "full") & (docs["metric"] == "locality_distance")]["expected"] == "lower").all()

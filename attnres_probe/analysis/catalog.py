@@ -90,6 +90,10 @@ _GRAD = ("The baseline's \"earliest layers took disproportionately large gradien
          "gradients more uniformly\" (the paper's gradient figure: per transformer block).")
 _LOSS = "AttnRes reaches a lower loss than a PreNorm baseline of the same size and recipe."
 _AXIS = "normalised weights on the model's own source axis (Block: blocks)"
+# the unit of a normalised weight: a fraction of the read, 0..1 for AttnRes's and PreNorm's; another
+# rule's normalised coefficients c/sum(c) may be negative or above one (they still sum to one)
+_SHARE = "fraction of the read (0-1; c/Σc may leave it)"
+_SHARE_DIFF = "fraction of the read (-1 to 1; c/Σc may leave it)"
 
 GROUPS = ("routing", "embedding", "magnitude", "gradients", "loss")
 
@@ -102,34 +106,35 @@ CATALOG: dict[str, Diagnostic] = {d.name: d for d in (
         UNIFORM, "difference", "lower", _LOCAL, headline=True, pooling="tokens"),
     Diagnostic(
         "locality_recent_mass", "routing", "weight on the most recent source",
-        f"the most recent source's share of a read's {_AXIS}", "fraction of the read (0-1)",
+        f"the most recent source's share of a read's {_AXIS}", _SHARE,
         "w_{k_r - 1}; mean over tokens, then over reads with k_r >= 2",
         UNIFORM, "difference", "higher", _LOCAL, headline=True, pooling="tokens"),
     Diagnostic(
         "mean_entropy", "routing", "normalised routing entropy",
         f"entropy of a read's {_AXIS} over log k_r", "fraction of the maximum (0-1)",
-        "H(w) / log k_r, H(w) = -sum_i w_i log w_i; mean over tokens, then over reads with k_r >= 2",
+        "H(p) / log k_r, H(p) = -sum_i p_i log p_i with p = w (p = |w| / sum|w| where another rule's "
+        "normalised coefficients are signed); mean over tokens, then over reads with k_r >= 2",
         UNIFORM, "difference", None, "", pooling="tokens"),
     Diagnostic(
         "embed_weight_deep", "embedding", "embedding weight, deep half",
-        f"the embedding's share of the deep reads' {_AXIS}", "fraction of the read (0-1)",
+        f"the embedding's share of the deep reads' {_AXIS}", _SHARE,
         "w_0 at reads r >= floor(R/2); mean over tokens, then over those reads",
         UNIFORM, "difference", "higher", _EMBED + " Read as: more than the uniform share 1/k a PreNorm read gives it.",
         headline=True, pooling="tokens"),
     Diagnostic(
         "embed_vs_old_deep", "embedding", "embedding against other old sources, deep half",
         f"the embedding's weight minus the mean weight of the other non-recent sources, deep reads, {_AXIS}",
-        "fraction of the read (-1 to 1)",
+        _SHARE_DIFF,
         "w_0 - mean(w_1 .. w_{k_r - 2}) at reads r >= floor(R/2) with k_r >= 3; mean over tokens, then reads",
         UNIFORM, "difference", "higher", _EMBED, pooling="tokens"),
     Diagnostic(
         "embed_weight_deep_attn", "embedding", "embedding weight, deep attention reads",
-        f"the embedding's share of the deep reads before attention, {_AXIS}", "fraction of the read (0-1)",
+        f"the embedding's share of the deep reads before attention, {_AXIS}", _SHARE,
         "w_0 at reads r >= floor(R/2) that feed an attention sublayer; mean over tokens, then over those reads",
         UNIFORM, "difference", None, "", pooling="tokens"),
     Diagnostic(
         "embed_weight_deep_mlp", "embedding", "embedding weight, deep MLP reads",
-        f"the embedding's share of the deep reads before the MLP, {_AXIS}", "fraction of the read (0-1)",
+        f"the embedding's share of the deep reads before the MLP, {_AXIS}", _SHARE,
         "w_0 at reads r >= floor(R/2) that feed an MLP sublayer; mean over tokens, then over those reads",
         UNIFORM, "difference", None, "", pooling="tokens"),
     Diagnostic(

@@ -343,6 +343,12 @@ def _row(m: str, it: Windows, against: str, est: float, lo: float, hi: float, po
     }
 
 
+def judged_direction(metric: str, residual: str) -> str:
+    """The paper's direction a comparison of ``metric`` is judged against for a model of rule
+    ``residual``: the catalog's, for the AttnRes rules only ("" otherwise, and where it states none)."""
+    return (CATALOG[metric].direction or "") if residual in ATTNRES_RULES else ""
+
+
 def _pooled_pair(kind: str, pa: float, pb: float) -> float:
     with np.errstate(invalid="ignore", divide="ignore"):
         if kind == "ratio":

@@ -36,7 +36,7 @@ import pandas as pd
 
 from attnres_probe.analysis import bootstrap
 from attnres_probe.analysis.catalog import CATALOG, UNIFORM
-from attnres_probe.analysis.compare import Windows, _align, _row, compare_windows
+from attnres_probe.analysis.compare import Windows, _align, _row, compare_windows, judged_direction
 from attnres_probe.analysis.windows import WINDOW_METRICS, reference_column
 from attnres_probe.trace import unique_names
 
@@ -197,7 +197,7 @@ def _paired(ms: list[str], it: Windows, against: str, a: np.ndarray, b: np.ndarr
         for j, m in enumerate(ms):
             rows.append({
                 "model": it.name, "metric": m, "baseline": against, "comparison": CATALOG[m].compare,
-                "expected": CATALOG[m].direction or "", "doc": int(uniq[d]), "n_windows": int(N[d, j]),
+                "expected": judged_direction(m, it.residual), "doc": int(uniq[d]), "n_windows": int(N[d, j]),
                 "n_tokens": int(TOK[d, j]), "value": own[d, j], "pooled": est_all[j], "verdict": verdict_all[j],
                 "pooled_without": est[j], "low_without": lo[j], "high_without": hi[j], "verdict_without": v_without[j],
             })
@@ -228,7 +228,7 @@ def _unpaired(ms: list[str], it: Windows, base: Windows, n_resamples: int, loo_r
             ok = np.isfinite(mine[m].to_numpy(np.float64))
             out.append({
                 "model": it.name, "metric": m, "baseline": base.name, "comparison": CATALOG[m].compare,
-                "expected": CATALOG[m].direction or "", "doc": int(d), "n_windows": int(ok.sum()),
+                "expected": judged_direction(m, it.residual), "doc": int(d), "n_windows": int(ok.sum()),
                 "n_tokens": int(mine["n_tokens"].to_numpy()[ok].sum()), "value": alone.at[m, "estimate"],
                 "pooled": whole.at[m, "estimate"], "verdict": whole.at[m, "verdict"],
                 "pooled_without": without.at[m, "estimate"], "low_without": without.at[m, "low"],
@@ -277,7 +277,8 @@ def document_breakdown(
         model, metric           the comparison's model and diagnostic
         baseline                what it is compared with: "uniform" (routing) or the baseline's name
         comparison              "difference" (model − reference) or "ratio" (ratio of means)
-        expected                the paper's direction ("" where it states none: no verdict)
+        expected                the paper's direction ("" where it states none, and for rules other
+                                than AttnRes: no verdict)
         doc, document           the document's id and its name ("document <id>" where unknown)
         n_windows, n_tokens     the document's windows (and their tokens) with both values
         value                   the comparison's estimate over this document's windows alone

@@ -1,6 +1,6 @@
 """``attnres-probe dash``: serve the dashboard with waitress (loopback by default).
 
-    attnres-probe dash                                   # the three bundled demo models
+    attnres-probe dash                                   # the bundled demo models
     attnres-probe dash --models runs/prenorm runs/block  # checkpoint folders
     attnres-probe dash --traces traces/a traces/b        # saved DepthTraces (traces-only mode)
     attnres-probe dash --stats runs/corpus               # a recorded corpus: intervals and verdicts first

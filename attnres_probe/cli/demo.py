@@ -54,9 +54,10 @@ def _run_demo(args: argparse.Namespace) -> int:
 def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "demo", help="open the dashboard on the bundled demo models",
-        description="Serve the dashboard on the three bundled demo models (PreNorm, Full and Block AttnRes: seed 0 of "
-                    "study v3, 8 layers, 64 wide, byte tokens, trained on Shakespeare with whole plays held out), with "
-                    "what five training seeds show beside them. --summary prints per-layer tables instead.")
+        description="Serve the dashboard on the five bundled demo models (PreNorm, Full and Block AttnRes: seed 0 of "
+                    "study v3; mHC and DenseFormer: the same recipe and seed; 8 layers, 64 wide, byte tokens, trained on "
+                    "Shakespeare with whole plays held out), with what five training seeds show beside them. --summary "
+                    "prints per-layer tables instead.")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
     p.add_argument("--port", type=arg_range("int", 0, 65535), default=8050, help="port to serve on (default: %(default)s)")
     p.add_argument("--open", action="store_true", help="also open the page in a browser")

@@ -15,7 +15,7 @@ One idea per module:
   mergeable aggregates with every window's metrics.
 
     from attnres_probe.corpus import load_stats_dir, record_corpus
-    manifest = record_corpus("notes/", "runs/corpus", demo=[])   # the three demo models
+    manifest = record_corpus("notes/", "runs/corpus", demo=[])   # every shipped demo model
     manifest, stats = load_stats_dir("runs/corpus")              # {model name: CorpusStats}
 """
 

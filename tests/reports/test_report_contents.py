@@ -165,7 +165,7 @@ def test_heatmap_magnitude_and_gradient_charts_come_from_figures(soup, traces):
     }
     weights, contrib, _difference = section_plots["heatmaps"]
     assert [d["type"] for d in weights["data"]] == ["heatmap"] * 3
-    assert weights["layout"]["title"]["text"] == "depth weight α" and contrib["layout"]["title"]["text"] == "contribution share c"
+    assert weights["layout"]["title"]["text"] == "depth weights: implied weight 1/k; depth weight α" and contrib["layout"]["title"]["text"] == "contribution share c"
     (mags,) = section_plots["magnitudes"]
     assert mags["layout"]["title"]["text"] == "Magnitudes by depth" and len(mags["data"]) == 6
     (grads,) = section_plots["gradients"]
