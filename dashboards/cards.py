@@ -7,7 +7,7 @@ from __future__ import annotations
 from dash import html
 
 from attnres_probe import metrics
-from attnres_probe.analysis.display import BASIS_NOTE, LABELS, documents_warning, headline, shape_warning, table_rows
+from attnres_probe.analysis.display import BASIS_NOTE, LABELS, documents_warning, headline, shape_warning, table_rows, verdict_scope_note
 from attnres_probe.seed_study import PRIMARIES
 
 __all__ = ["comparison_notes", "glance_study", "glance_table", "headline_cards", "metric_table"]
@@ -24,7 +24,7 @@ def comparison_notes(frame) -> list:
     if warning:
         out.append(html.P(warning, className="notice few-documents"))
     if (frame["comparison"] != "value").any():
-        out.append(html.P(BASIS_NOTE, className="help basis-note"))
+        out.append(html.P(" ".join(x for x in (BASIS_NOTE, verdict_scope_note(frame)) if x), className="help basis-note"))
     return out
 
 

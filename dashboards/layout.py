@@ -441,7 +441,9 @@ VERDICT_HELP = ("Each comparison is the model against the baseline on the same w
                 "resampled, since windows of one document are alike). The verdict "
                 "sets that interval against the paper's direction: consistent (it excludes no difference, on the paper's "
                 "side), contrary (it excludes it, on the other side), inconclusive (it does not exclude it, or there is "
-                "no interval). Hover a metric name for its formula.")
+                "no interval). The paper's directions are claims about AttnRes: other rules (mHC, DenseFormer) get "
+                "estimates and intervals against the same references but \"no verdict\". Hover a metric name for its "
+                "formula.")
 
 
 def _cards(ex: Explorer) -> html.Section:

@@ -618,7 +618,7 @@ def _footnote_pooled(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _metrics_context(frame: pd.DataFrame) -> dict[str, Any]:
     """The headline panel and the full metric table of a :func:`metrics.compare` frame, as strings."""
-    from attnres_probe.analysis.display import BASIS_NOTE, documents_warning, headline, shape_warning, table_rows
+    from attnres_probe.analysis.display import BASIS_NOTE, documents_warning, headline, shape_warning, table_rows, verdict_scope_note
 
     windows = {str(r["model"]): int(r["windows"]) for _, r in frame[frame["comparison"] == "value"].groupby("model", sort=False).max().reset_index().iterrows()}
     has_baseline = frame.attrs.get("baseline") is not None
@@ -630,7 +630,8 @@ def _metrics_context(frame: pd.DataFrame) -> dict[str, Any]:
         "pooled_note": POOLED_TABLE_NOTE if any("(pooled)" in c for r in table["rows"] for c in r["cells"]) else "",
         "has_baseline": has_baseline,
         "note": f"{note} {COMPARISON_NOTE if has_baseline else NO_BASELINE_NOTE}",
-        "basis_note": BASIS_NOTE if (frame["comparison"] != "value").any() else "",
+        "basis_note": " ".join(x for x in (BASIS_NOTE, verdict_scope_note(frame)) if x)
+        if (frame["comparison"] != "value").any() else "",
         "documents": documents_warning(frame),
         "shape": shape_warning(frame),
         "one_window": max(windows.values(), default=0) <= 1,

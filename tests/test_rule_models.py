@@ -425,7 +425,13 @@ def test_models_of_different_shapes_are_compared_under_a_warning(rule_traces):
     assert warning.startswith("These models differ in more than the residual rule: deep against prenorm")
     assert "n_layers 3 vs 2" in warning
     # models that differ only in the rule (and its fields) compare without it
-    assert metrics.compare(*rule_traces.values()).attrs["shape"] == ""
+    same = metrics.compare(*rule_traces.values())
+    assert same.attrs["shape"] == ""
+    # and the page says once why the rules beyond AttnRes get no verdict
+    from attnres_probe.analysis.display import verdict_scope_note
+
+    assert verdict_scope_note(same).startswith("The paper's directions are claims about AttnRes: mhc, denseformer are set")
+    assert verdict_scope_note(frame) == ""  # PreNorm and an AttnRes model only
     # every page says it once above the comparison: the notebook frame, the report
     with pytest.warns(UserWarning, match="differ in more than the residual rule"):
         assert warning in readable(frame).attrs["notes"]

@@ -312,7 +312,8 @@ def compare_windows(
         frame[c] = frame[c].astype(np.float64)
     frame.attrs.update({"n_resamples": int(n_resamples), "seed": seed, "level": level, "baseline": baseline,
                         "unit": "document", "documents": documents,
-                        "shape": shape_difference({it.name: it.config for it in items})})
+                        "shape": shape_difference({it.name: it.config for it in items}),
+                        "residuals": {it.name: it.residual for it in items}})
     return frame
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import pandas as pd
 
 from attnres_probe.analysis.bootstrap import FEW_DOCUMENTS
+from attnres_probe.axis import ATTNRES_RULES
 from attnres_probe.analysis.catalog import CATALOG, LiveMapping
 from attnres_probe.analysis.verdicts import EXPECTED
 
@@ -26,6 +27,7 @@ __all__ = [
     "documents_warning",
     "page_warnings",
     "shape_warning",
+    "verdict_scope_note",
     "fmt_estimate",
     "fmt_interval",
     "fmt_number",
@@ -172,6 +174,17 @@ def shape_warning(frame: pd.DataFrame) -> str:
     """A sentence for the top of a page when the compared models differ in more than the residual
     rule (depth, width, context...): their differences are then not the rule's alone ("" otherwise)."""
     return str(frame.attrs.get("shape") or "")
+
+
+def verdict_scope_note(frame: pd.DataFrame) -> str:
+    """Why some rows carry no verdict: "" unless the frame holds a model of a rule other than AttnRes
+    and PreNorm (mHC, DenseFormer), whose comparisons are estimates and intervals only."""
+    others = [n for n, r in (frame.attrs.get("residuals") or {}).items() if r not in ATTNRES_RULES and r != "prenorm"]
+    if not others:
+        return ""
+    return (f"The paper's directions are claims about AttnRes: {', '.join(others)} "
+            f"{'is' if len(others) == 1 else 'are'} set against the same references with estimates and intervals, "
+            "and no verdict.")
 
 
 def page_warnings(frame: pd.DataFrame) -> list[str]:
