@@ -1,4 +1,4 @@
-"""Size and build time of an HTML report on the three demo models and a 256-token text.
+"""Size and build time of an HTML report on the bundled demo models (five) and a 256-token text.
 
     python benchmarks/report.py [--out report.html] [--repeat 3] [--threads 2] [--ablate embed]
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     record_s = time.perf_counter() - t0
     shapes = ", ".join(f"{t.name} {tuple(t.tokens.shape)}" for t in traces)
     print(f"text: {n_tokens} tokens, recorded as {shapes} (windows of n_ctx={traces[0].meta['windows']['n_ctx']})")
-    print(f"recording (forward + backward, 3 models): {record_s:.2f} s")
+    print(f"recording (forward + backward, {len(traces)} models): {record_s:.2f} s")
 
     ablations = None
     if args.ablate:

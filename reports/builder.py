@@ -812,22 +812,26 @@ def _explorer_model(trace: DepthTrace, name: str, positions: list[tuple[int, int
     last = np.where(finite.any(-1), S - np.argmax(finite[..., ::-1], axis=-1), 0)  # (N, 3, R)
     flat = [_num(v, digits) for v in picked.ravel().tolist()]
     lens = last.ravel().tolist()
-    parts = []
-    for n in range(N):
-        per_kind = []
-        for k in range(K):
-            rows = []
-            for r in range(R):
-                i = (n * K + k) * R + r
-                start = i * S
-                rows.append("[" + ",".join(flat[start : start + lens[i]]) + "]")
-            per_kind.append("[" + ",".join(rows) + "]")
-        parts.append("[" + ",".join(per_kind) + "]")
-    cells_json = "[" + ",".join(parts) + "]"
+
+    def rows_of(n: int, k: int) -> str:
+        rows = []
+        for r in range(R):
+            i = (n * K + k) * R + r
+            rows.append("[" + ",".join(flat[i * S : i * S + lens[i]]) + "]")
+        return "[" + ",".join(rows) + "]"
+
+    # a kind the same at every token (PreNorm's implied weights, DenseFormer's coefficients) is stored
+    # once, in "fixed"; each token then holds 0 in its place (the page reads the fixed rows)
+    same = [bool(np.array_equal(picked[:, k], np.broadcast_to(picked[:1, k], picked[:, k].shape), equal_nan=True))
+            for k in range(K)]
+    fixed_json = "[" + ",".join(rows_of(0, k) if same[k] else "null" for k in range(K)) + "]"
+    cells_json = "[" + ",".join("[" + ",".join("0" if same[k] else rows_of(n, k) for k in range(K)) + "]"
+                                for n in range(N)) + "]"
     head = {"name": name, "div": pid, "R": R, "S": S, "auto": auto, "styles": styles}
     data = json.loads(json.dumps(head, default=_json_default))  # plain JSON types only
-    data["cells"] = "__CELLS__"
-    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).replace('"__CELLS__"', cells_json)
+    data["fixed"], data["cells"] = "__FIXED__", "__CELLS__"
+    text = (json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+            .replace('"__FIXED__"', fixed_json).replace('"__CELLS__"', cells_json))
     return {"plot": item, "data": text}
 
 

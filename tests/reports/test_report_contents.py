@@ -232,6 +232,21 @@ def test_explorer_data_holds_each_tokens_cells_rounded(soup, traces):
         assert np.isnan(want[r, len(row) :]).all()
 
 
+def test_explorer_stores_a_kind_the_same_at_every_token_once(soup, traces):
+    """PreNorm's implied weights 1/k do not depend on the token: stored once ("fixed"), each token
+    holding 0 in their place; its contribution shares, which do, stay per token."""
+    data = json.loads(soup.find("script", id="explorer-0-json").string)
+    names = [t.name for t in traces]
+    pre = data["models"][names.index("prenorm")]
+    assert all(cell[0] == 0 for cell in pre["cells"]) and pre["fixed"][0] is not None
+    k = 1 / np.arange(1, pre["R"] + 1)
+    for r, row in enumerate(pre["fixed"][0]):
+        np.testing.assert_allclose(row, k[r], rtol=1e-3)
+    assert pre["fixed"][2] is None and all(cell[2] != 0 for cell in pre["cells"])
+    full = data["models"][names.index("full")]
+    assert full["fixed"][0] is None and all(cell[0] != 0 for cell in full["cells"])
+
+
 def test_explorer_tokens_caps_the_explorer_and_says_so(traces, tmp_path):
     html = build_report(traces, tmp_path / "r.html", explorer_tokens=5).read_text()
     assert "first 5 of" in html
