@@ -422,7 +422,8 @@ def _run_steps(session: _Session, end: int, progress: bool) -> None:
     cfg, history = session.cfg, session.history
     bar = _progress_bar(progress, history.step, cfg.steps, session.model.cfg.residual)
     clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    start, t_start, estimated = history.step, time.perf_counter(), False
+    # the estimate leaves out the session's first step: it compiles kernels (Numba, Triton) and warms caches
+    start, t_start, estimated = history.step, None, False
     try:
         with frozen_gc():  # the collector skips the objects that predate the loop
             while history.step < end:
@@ -430,6 +431,8 @@ def _run_steps(session: _Session, end: int, progress: bool) -> None:
                 windows = sample_batch(session.data.train_tokens, cfg.batch_size, cfg.seq_len, session.batch_gen)
                 value, norm = _update(session.model, session.opt, windows.to(session.device), lr, clip, history.step)
                 history.step += 1
+                if t_start is None:
+                    t_start = time.perf_counter()
                 history.losses.append(value)
                 history.grad_norms.append(norm)
                 history.lrs.append(lr)
@@ -449,15 +452,16 @@ def _run_steps(session: _Session, end: int, progress: bool) -> None:
                     bar.update(1)
                     if validated:
                         bar.refresh()  # show the new validation loss now, not at the next redraw
-                    if not estimated and history.step - start >= ESTIMATE_AFTER_STEPS and history.step < end:
+                    if not estimated and history.step - start - 1 >= ESTIMATE_AFTER_STEPS and history.step < end:
                         estimated = True
-                        bar.write(time_estimate(time.perf_counter() - t_start, history.step - start, end - history.step), file=sys.stderr)
+                        bar.write(time_estimate(time.perf_counter() - t_start, history.step - start - 1, end - history.step),
+                                  file=sys.stderr)
     finally:
         if bar is not None:
             bar.close()
 
 
-ESTIMATE_AFTER_STEPS = 5  # the progress bar prints the expected run time after this many steps
+ESTIMATE_AFTER_STEPS = 5  # the progress bar prints the expected run time after this many steps (after the first)
 
 
 def progress_postfix(loss: float, val_losses: list) -> dict[str, str]:
@@ -481,8 +485,8 @@ def time_estimate(elapsed: float, done: int, remaining: int) -> str:
     """One line after the first steps: seconds per step and the time the remaining steps will take
     (validation and probes come on top)."""
     per = elapsed / max(done, 1)
-    return (f"{per:.2f} s/step over the first {done} steps: about {_duration(per * remaining)} for the remaining "
-            f"{remaining} steps (plus validation)")
+    return (f"{per:.2f} s/step over {done} steps after the first (which compiles kernels): about "
+            f"{_duration(per * remaining)} for the remaining {remaining} steps (plus validation)")
 
 
 def _finish(session: _Session, used_backend: str) -> TrainResult:
