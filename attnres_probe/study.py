@@ -41,7 +41,7 @@ import torch
 from attnres_probe import figures
 from attnres_probe.analysis.catalog import CATALOG, UNIFORM, LiveList
 from attnres_probe.analysis.compare import Windows, compare_windows
-from attnres_probe.analysis.display import BASIS_NOTE, LABELS, documents_warning, fmt_number, table_rows
+from attnres_probe.analysis.display import BASIS_NOTE, LABELS, documents_warning, table_rows
 from attnres_probe.analysis.verdicts import verdict
 from attnres_probe.analysis.windows import WINDOW_COLUMNS, pooled_metrics, reference_column, window_metrics
 from attnres_probe.axis import ATTNRES_RULES, rule_title
@@ -60,6 +60,7 @@ __all__ = [
     "pooled_numbers",
     "record_pooled",
     "record_validation",
+    "study_window_indices",
     "run_seed_study",
     "run_study",
     "study_model",
@@ -185,6 +186,23 @@ def study_model(name: str, models: str | Path | None = None) -> tuple[Any, dict[
     return load_model(folder).model, json.loads((folder / "train_log.json").read_text())
 
 
+def study_window_indices(log: dict[str, Any], n_windows: int = N_WINDOWS) -> np.ndarray:
+    """Which of a demo model's validation windows a study of ``n_windows`` records, in order: every
+    one when ``n_windows`` covers them; fewer are spread over the documents (each document's first
+    window, then each one's second, ...), so a short study still rests on several texts (the
+    windows come in document order, and the first eleven are all one play)."""
+    docs = pd.Series(demo_validation_documents(log))
+    if n_windows >= len(docs):
+        return np.arange(len(docs))
+    rank = docs.groupby(docs, sort=False).cumcount().to_numpy()  # each window's place within its document
+    return np.sort(np.lexsort((np.arange(len(docs)), rank))[:n_windows])
+
+
+def _study_windows(log: dict[str, Any], n_windows: int) -> torch.Tensor:
+    """The inputs (n, n_ctx) of the windows :func:`study_window_indices` picks."""
+    return torch.cat(demo_validation_batches(log))[torch.as_tensor(study_window_indices(log, n_windows)), :-1]
+
+
 def record_validation(name: str, n_windows: int = N_WINDOWS, progress: bool = False,
                       models: str | Path | None = None) -> tuple[Any, list[DepthTrace]]:
     """Record the fixed validation windows of demo model ``name`` (see :func:`study_model`), one forward
@@ -194,7 +212,7 @@ def record_validation(name: str, n_windows: int = N_WINDOWS, progress: bool = Fa
         (CorpusStats with every window's metrics, the per-window traces).
     """
     model, log = study_model(name, models)
-    windows = torch.cat(demo_validation_batches(log))[:n_windows, :-1]  # (n, n_ctx): the inputs
+    windows = _study_windows(log, n_windows)  # (n, n_ctx): the inputs
     return Probe(model, name=name).run_corpus(list(windows), backward=True, progress=progress, keep_traces=True)
 
 
@@ -206,8 +224,7 @@ def study_windows(traces: list[DepthTrace]) -> pd.DataFrame:
 def record_pooled(name: str, n_windows: int = N_WINDOWS, models: str | Path | None = None) -> DepthTrace:
     """The same windows recorded together, as one batch with one backward pass of their mean loss (the pool)."""
     model, log = study_model(name, models)
-    windows = torch.cat(demo_validation_batches(log))[:n_windows, :-1]
-    return Probe(model, name=name).run(windows, backward=True)
+    return Probe(model, name=name).run(_study_windows(log, n_windows), backward=True)
 
 
 def pooled_numbers(trace: DepthTrace) -> dict[str, float]:
@@ -322,7 +339,9 @@ def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto",
     stats = {n: r[0] for n, r in recorded.items()}
     traces = {n: r[1] for n, r in recorded.items()}
     windows = {n: study_windows(t) for n, t in traces.items()}
-    documents = demo_validation_documents(logs[BASELINE], n_windows)  # every model reads the same windows
+    every_doc = demo_validation_documents(logs[BASELINE])
+    picked = study_window_indices(logs[BASELINE], n_windows)  # the same windows for every model (one recipe)
+    documents = [every_doc[i] for i in picked]
     pooled = {n: pooled_numbers(record_pooled(n, n_windows, models)) for n in names}
     findings = evaluate_findings(windows, pooled, n_resamples, seed, documents=documents)
     frame = compare_windows([_with_documents(Windows.of_stats(st, n), documents) for n, st in stats.items()],
@@ -345,7 +364,9 @@ def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto",
         "titles": {n: _titles([n]) for n in names},
         "training": {"steps": tc["steps"], "seed": tc["seed"], "corpus": tc["corpus"], "batch_size": tc["batch_size"],
                      "seq_len": tc["seq_len"]},
-        "n_windows": n_windows,
+        "n_windows": len(documents),
+        "n_validation_windows": len(every_doc),
+        "n_params": {n: logs[n].get("n_params") for n in names},
         "tokens_per_model": int(stats[BASELINE].n_tokens),
         "bootstrap": {"n_resamples": n_resamples, "seed": seed, "level": 0.95, "unit": "document"},
         "documents": {str(k): int(v) for k, v in pd.Series(documents).value_counts(sort=False).items()},
@@ -354,7 +375,7 @@ def run_study(out: str | Path, n_windows: int = N_WINDOWS, images: str = "auto",
         "verdicts": {f["key"]: f["verdict"] for f in findings},
         "comparisons": comparisons,
     }
-    table = pd.concat([w.assign(model=n, window=np.arange(len(w)), document=documents) for n, w in windows.items()], ignore_index=True)
+    table = pd.concat([w.assign(model=n, window=picked, document=documents) for n, w in windows.items()], ignore_index=True)
     table = table[["model", "window", "document", *[c for c in table.columns if c not in ("model", "window", "document")]]]
     atomic_write(out / WINDOWS_FILE, lambda p: table.to_csv(p, index=False, float_format="%.9g"))
     results["pooled"] = {n: {k: _num(v) for k, v in pooled[n].items()} for n in names}
@@ -483,6 +504,22 @@ def _seed_page(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _windows_words(results: dict[str, Any]) -> str:
+    """Which validation windows a study recorded, in words."""
+    n, every = results["n_windows"], results.get("n_validation_windows", results["n_windows"])
+    if n >= every:
+        return "every window its shipped validation loss was measured on"
+    return f"{n} of the {every} windows its shipped validation loss was measured on, spread over the documents"
+
+
+def _params_words(results: dict[str, Any], names: Sequence[str]) -> str:
+    """"; parameters: prenorm 437,824, mhc 540,656" where the models' parameter counts differ, else ""."""
+    counts = {n: c for n, c in (results.get("n_params") or {}).items() if n in names and c}
+    if len(set(counts.values())) <= 1:
+        return ""
+    return "; parameters (the rule's own included): " + ", ".join(f"{n} {c:,}" for n, c in counts.items())
+
+
 def _constant_note(results: dict[str, Any]) -> str:
     """" X's routing is the same in every window ..." for the models whose routing rows carry the
     comparison's CONSTANT note (fixed coefficients, as DenseFormer's), else ""."""
@@ -574,13 +611,13 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         "# Reproduction study: the paper's diagnostics on the demo models, window by window",
         "",
         f"Generated by `attnres-probe study{'' if shipped else ' --models ' + models}` from "
-        f"{'the shipped demo models' if shipped else 'the demo models in `' + models + '`'} ({_titles(names)}; identical "
-        f"config, data and steps{recipe}). Each model records the same {n} validation windows "
-        f"({results['tokens_per_model']} tokens; the windows its shipped validation loss was measured on), one forward "
-        "and one backward pass per window. Every number is the mean over windows with a 95% percentile-bootstrap "
+        f"{'the shipped demo models' if shipped else 'the demo models in `' + models + '`'} ({_titles(names)}; the same "
+        f"width, depth, data and steps{recipe}; only the residual rule differs{_params_words(results, names)}). Each "
+        f"model records the same {n} validation windows ({results['tokens_per_model']} tokens; {_windows_words(results)}), "
+        "one forward and one backward pass per window. Every number is the mean over windows with a 95% percentile-bootstrap "
         f"interval{' where the windows come from two or more documents (here they come from one: no interval)' if len(docs) == 1 else ''}; the bootstrap resamples **documents** ({docs_words}: all windows of a drawn document together; "
         f"{boot['n_resamples']} resamples, seed {boot['seed']}), because windows of one text are alike, so the "
-        f"intervals rest on the number of texts, not of windows{EDITIONS_NOTE if tr and tr.get('corpus') == 'shakespeare' else ''}. Comparisons with PreNorm are paired on the same windows "
+        f"intervals rest on the number of texts, not of windows{EDITIONS_NOTE if tr and tr.get('corpus') == 'shakespeare' and len(docs) > 1 else ''}. Comparisons with PreNorm are paired on the same windows "
         "(a ratio of means for spreads and growths, a mean difference otherwise); each model's routing is set "
         "against the uniform weights on its own sources (PreNorm's implied weights, grouped as the model groups them) on "
         "the same windows.",
@@ -651,15 +688,10 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
     nums = results["numbers"]
     lines += [
         "",
-        "Shipped validation loss (fp16 weights, the same windows): "
-        + ", ".join(f"{m} {nums[m]['val_loss_shipped']:.4g}" for m in names) + ". "
-        "The uniform reference of each routing number (uniform weights on the model's own sources, mean over windows): "
-        + "; ".join(
-            f"{m}: " + ", ".join(f"{LABELS[k]} {fmt_number(nums[m][k]['reference'])} ({nums[m][k]['unit']})"
-                                 for k in nums[m] if isinstance(nums[m][k], dict) and nums[m][k].get("reference") is not None)
-            for m in names
-        )
-        + ".",
+        f"Shipped validation loss (fp16 weights, all {results.get('n_validation_windows', n)} validation windows, as "
+        "train_log.json has it): " + ", ".join(f"{m} {nums[m]['val_loss_shipped']:.4g}" for m in names) + "."
+        + ("" if n >= results.get("n_validation_windows", n) else
+           f" The next-token loss of the table above is measured on the {n} windows of this study, so it differs."),
         "",
         "## Figures",
         "",

@@ -39,7 +39,7 @@ def test_the_study_page_compares_like_with_like_and_warns_of_few_documents(seed_
     assert "Only 3 documents: intervals are rough" in top and page.count("Only 3 documents") == 1
     loc = next(line for line in every.splitlines() if "`locality_distance`" in line)
     assert loc.count("|") > 6  # values, comparisons with uniform and with PreNorm, verdicts
-    assert "uniform reference of each routing number" in page
+    assert "(uniform " in loc  # each routing number beside its uniform reference, in its cell
     assert "log scale" in page[page.index("## Figures"):]
 
 
@@ -95,11 +95,18 @@ def test_a_study_resamples_the_documents_its_windows_come_from(seed_studies):
     root, (one, _) = seed_studies
     results = json.loads((one / "results.json").read_text())
     table = pd.read_csv(one / "windows.csv")
+    from attnres_probe.study import study_window_indices
+
     log = json.loads((root / "models1" / "block" / "train_log.json").read_text())
-    docs = demo_validation_documents(log, 3)
+    every = demo_validation_documents(log)
+    picked = study_window_indices(log, 3)
     assert results["bootstrap"]["unit"] == "document" and sum(results["documents"].values()) == 3
     for _, t in table.groupby("model"):
-        assert t.sort_values("window")["document"].tolist() == docs
+        assert t["window"].tolist() == picked.tolist()
+        assert t["document"].tolist() == [every[i] for i in picked]
+    # three windows of a short study come from three documents, not the first play's first three windows
+    assert len(set(every[i] for i in picked)) == 3 and len(set(every[:3])) == 1
+    assert study_window_indices(log, len(every)).tolist() == list(range(len(every)))
 
 
 def test_findings_resample_whole_documents():
@@ -166,7 +173,8 @@ def test_a_study_sets_every_model_it_holds_against_prenorm_and_judges_only_attnr
     assert results["numbers"]["denseformer"]["val_loss_shipped"] > 0
     page = (one / "study.md").read_text()
     assert "DenseFormer: set against PreNorm like the AttnRes models" in page and "**exploratory**" in page
-    assert "PreNorm baseline, Full AttnRes, Block AttnRes, mHC and DenseFormer; identical config" in page
+    assert "PreNorm baseline, Full AttnRes, Block AttnRes, mHC and DenseFormer; the same width, depth, data and steps" in page
+    assert f"mhc {results['n_params']['mhc']:,}" in page  # mHC's streams add parameters: the page says so
     assert "DenseFormer's depth weights do not depend on the input (fixed parameters)" in page  # no-width intervals, said
     summary = run_seed_study(one.parent / "across-all", [one, two], n_resamples=50)
     assert "denseformer" in summary["val_loss"] and {f["model"] for f in summary["findings"]} == {"full", "block"}
@@ -181,7 +189,7 @@ def test_a_study_of_some_models_names_them_and_needs_the_baseline(seed_studies, 
                         names=["denseformer", "prenorm"])
     assert results["names"] == ["prenorm", "denseformer"] and results["findings"] == []
     page = (tmp_path / "s" / "study.md").read_text()
-    assert "Summary, of 0 findings" in page and "(PreNorm baseline and DenseFormer; identical config" in page
+    assert "Summary, of 0 findings" in page and "(PreNorm baseline and DenseFormer; the same width, depth" in page
     assert set(pd.read_csv(tmp_path / "s" / "windows.csv")["model"]) == {"prenorm", "denseformer"}
     with pytest.raises(ValueError, match="no prenorm .*every comparison is set against the PreNorm baseline"):
         study_names(["full", "block"])

@@ -295,8 +295,9 @@ def table_rows(frame: pd.DataFrame) -> dict[str, Any]:
     comparison "estimate [low, high]" and its verdict.
 
     Returns:
-        {"columns": [header strings], "rows": [{"metric", "label", "cells": [str], "verdicts": [str],
-        "caveats": [str per comparison, :func:`basis_caveat`]}]}
+        {"columns": [header strings], "comparisons": [the comparisons with a verdict column: those
+        judged in some row], "rows": [{"metric", "label", "cells": [str], "verdicts": [str per judged
+        comparison], "caveats": [str per judged comparison, :func:`basis_caveat`]}]}
     """
     records = _records(frame)
     models = list(dict.fromkeys(r["model"] for r in records if r["comparison"] == "value"))
@@ -316,8 +317,12 @@ def table_rows(frame: pd.DataFrame) -> dict[str, Any]:
         rows.append({"metric": metric, "label": LABELS.get(metric, metric), "unit": unit_text(metric),
                      "reference": reference_text(metric), "cells": cells, "verdicts": verdicts,
                      "caveats": caveats, "n_models": len(models)})
-    return {"columns": columns, "models": models, "comparisons": [f"{m} vs {b}" for m, b in comps], "rows": rows,
-            "groups": group_rows(rows)}
+    # a verdict column only for the comparisons judged somewhere (mHC's, DenseFormer's never are)
+    judged = [j for j in range(len(comps)) if any(r["verdicts"][j] for r in rows)]
+    for r in rows:
+        r["verdicts"], r["caveats"] = [r["verdicts"][j] for j in judged], [r["caveats"][j] for j in judged]
+    return {"columns": columns, "models": models, "comparisons": [f"{comps[j][0]} vs {comps[j][1]}" for j in judged],
+            "rows": rows, "groups": group_rows(rows)}
 
 
 OTHER_GROUP = "Other measures"
