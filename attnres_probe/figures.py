@@ -161,7 +161,7 @@ def implied_weights(coefficients: np.ndarray) -> np.ndarray:
 def kind_title(trace, kind: str) -> str:
     """The coloured value's name for ``trace``: PreNorm's weights are its implied weights, 1/k;
     Hyper-Connections' and DenseFormer's their normalised coefficients."""
-    residual = getattr(trace, "residual", None)
+    residual = getattr(trace, "residual", None) or (getattr(trace, "meta", None) or {}).get("residual")  # traces, stats
     if kind == "weights" and residual == "prenorm":
         return IMPLIED_TITLE
     if kind == "weights" and residual in COEFFICIENT_RULES:
@@ -580,17 +580,16 @@ def side_by_side(
         plot_bgcolor="white",
         height=max(f.layout.height or 400 for f in figs) + 20,
         margin={"t": 60 + 18 * lines},
-        title={"text": _shared_title(traces, kind), "y": 0.99, "yanchor": "top"},
+        title={"text": shared_title(traces, kind), "y": 0.99, "yanchor": "top"},
     )
     return out
 
 
-def _shared_title(traces: Sequence[DepthTrace], kind: str) -> str:
+def shared_title(traces: Sequence[DepthTrace], kind: str) -> str:
     """The title over panels of ``kind``: the quantity's name when every panel shows the same one,
     else each rule's ("depth weights: implied weight 1/k; depth weight α; normalised coefficient
     c/Σc"), whose panels name theirs again."""
-    titles = list(dict.fromkeys(kind_title(t, kind) if isinstance(t, DepthTrace) else KIND_TITLES.get(kind, kind)
-                                for t in traces))
+    titles = list(dict.fromkeys(kind_title(t, kind) for t in traces))
     if len(titles) <= 1 or kind != "weights":
         return titles[0] if titles else KIND_TITLES.get(kind, kind)
     return "depth weights: " + "; ".join(titles)

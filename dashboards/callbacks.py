@@ -662,7 +662,7 @@ def compare_two(ex: Explorer, n_clicks: Any, key: Any, a: Any, b: Any, text_b: A
         fig = figures.difference_heatmap(ta, tb, kind=kind)
     except ValueError as exc:
         return {**cleared, "status": str(exc)}
-    fig.update_layout(title={"text": f"{html_text(la)} − {html_text(lb)}: mean {figures.KIND_TITLES[kind]}"})
+    fig.update_layout(title={"text": f"{html_text(la)} − {html_text(lb)}: mean {figures.shared_title([ta, tb], kind)}"})
     va, vb = pooled_metrics(ta), pooled_metrics(tb)
     # routing diagnostics are on each model's own source axis (Block's in blocks): A − B only on one axis
     one_axis = ta.residual == tb.residual and list(ta.block_starts or []) == list(tb.block_starts or []) or \

@@ -455,6 +455,16 @@ def test_routing_that_does_not_depend_on_the_input_says_why_its_interval_has_no_
     assert CONSTANT in routing.loc[("denseformer", "difference")]["note"]
     full = routing.loc[("full", "value")]  # AttnRes routes by the token: a real interval, no such note
     assert full["high"] > full["low"] and CONSTANT not in full["note"]
+    # the pages show no zero-width interval for it, and say why
+    from attnres_probe.analysis.display import FIXED, interval_text, table_rows
+
+    def value_row(model):
+        return frame[(frame["model"] == model) & (frame["comparison"] == "value") & (frame["metric"] == "mean_entropy")].iloc[0]
+
+    assert interval_text(value_row("denseformer")) == FIXED and interval_text(value_row("full")).startswith("95% CI [")
+    row = next(r for r in table_rows(frame)["rows"] if r["metric"] == "mean_entropy")
+    cells = dict(zip(table_rows(frame)["columns"], row["cells"]))
+    assert cells["denseformer"].endswith("(fixed: no interval) (uniform 1)") and "[" in cells["full"]
     # the per-document breakdown states the same directions as the comparison: none for DenseFormer
     from attnres_probe.analysis.documents import document_breakdown
 

@@ -99,10 +99,22 @@ def fmt_estimate(row: pd.Series | dict, digits: int = 3) -> str:
     return f"{text} (pooled)" if pooled else text
 
 
+FIXED = "no interval: fixed coefficients, the same in every window"
+
+
+def _fixed(row: pd.Series | dict) -> bool:
+    """Whether the row's windows all share one value because the model's weights do not depend on the
+    input (DenseFormer's coefficients): its zero-width interval is no evidence, so none is shown."""
+    from attnres_probe.analysis.compare import CONSTANT
+
+    return CONSTANT in str(row.get("note") or "")
+
+
 def fmt_interval(row: pd.Series | dict, digits: int = 3) -> str:
-    """"[low, high]" (with × for ratios), or "" when there is no interval."""
+    """"[low, high]" (with × for ratios), or "" when there is no interval (or only the zero-width
+    one of fixed coefficients)."""
     lo, hi = row["low"], row["high"]
-    if not (_finite(lo) and _finite(hi)):
+    if not (_finite(lo) and _finite(hi)) or _fixed(row):
         return ""
     lo, hi = _clean(lo), _clean(hi)
     if row["comparison"] == "ratio":
@@ -125,6 +137,8 @@ def interval_text(row: pd.Series | dict, level: float = 0.95, said: str = "") ->
 
 
 def _reason(row: pd.Series | dict) -> str:
+    if _fixed(row):
+        return FIXED
     note = str(row.get("note") or "")
     return next((p for p in note.split("; ") if p.startswith(("no interval", "pooled", "not available", "no windows", "PreNorm"))), "")
 
@@ -363,7 +377,7 @@ def _cell(r: pd.Series | dict, with_reference: bool = False) -> str:
     """"estimate [interval]"; a value's uniform reference after it ("(uniform 0.25)") with ``with_reference``."""
     est = fmt_estimate(r)
     iv = fmt_interval(r)
-    text = f"{est} {iv}" if iv else est
+    text = f"{est} {iv}" if iv else (f"{est} (fixed: no interval)" if _fixed(r) and est != "—" else est)
     if with_reference and _finite(r.get("reference")):
         text += f" (uniform {fmt_number(r['reference'], 4)})"
     return text
