@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ATTNRES_RULES", "COEFFICIENT_RULES", "RESIDUALS", "RULE_TITLES", "SourceAxis", "rule_title"]
+__all__ = ["ATTNRES_RULES", "COEFFICIENT_RULES", "RESIDUALS", "RULE_TITLES", "SourceAxis", "fixed_routing", "rule_title"]
 
 # every residual rule; "hyper" (Hyper-Connections / mHC) and "denseformer" use the Full/PreNorm axis
 RESIDUALS = ("prenorm", "full", "block", "hyper", "denseformer")
@@ -36,6 +36,15 @@ RULE_TITLES = {
     "hyper": "Hyper-Connections",
     "denseformer": "DenseFormer",
 }
+
+
+def fixed_routing(residual: str, config: Mapping[str, Any] | None = None) -> bool:
+    """Whether a rule's depth weights are the same for every input: PreNorm's (all one), DenseFormer's
+    (its DWA weights are parameters) and static Hyper-Connections' (``hc_dynamic`` false). There is
+    nothing to patch in them, and their routing is the same in every window."""
+    if residual in ("prenorm", "denseformer"):
+        return True
+    return residual == "hyper" and isinstance(config, Mapping) and config.get("hc_dynamic") is False
 
 
 def rule_title(residual: str, config: Mapping[str, Any] | None = None) -> str:

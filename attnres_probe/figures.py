@@ -84,7 +84,7 @@ PRENORM_NOTES = {  # PreNorm's weights are drawn: its implied weights 1/k (see i
 }
 KIND_TITLES = {"weights": "depth weight α", "logits": "depth logit z", "contrib": "contribution share c"}
 IMPLIED_TITLE = "implied weight 1/k"  # PreNorm's weights: every source added with weight 1, normalised
-NORMALISED_TITLE = "normalised coefficient c/Σc"  # Hyper-Connections', DenseFormer's weights (docs/depth_rules.md)
+NORMALISED_TITLE = "normalised weight c/Σc"  # Hyper-Connections', DenseFormer's weights (docs/depth_rules.md)
 RULE_NOTES = {  # rules without depth logits: what a blank logits panel says
     "logits": "This rule has no depth logits<br>(its reads are linear combinations<br>with learned coefficients).<br>"
               f"Choose “{CONTRIB_CONTROL}”<br>or the depth weights.",
@@ -572,7 +572,10 @@ def side_by_side(
             out.update_xaxes(row=1, col=i + 1, tickmode="array", tickvals=vals, ticktext=text, tickangle=0, showgrid=False,
                              range=xa.range, **({"type": "category"} if xa.type == "category" else {}))
         else:
-            out.update_xaxes(row=1, col=i + 1, tickmode=xa.tickmode, tickvals=xa.tickvals, ticktext=xa.ticktext, tickangle=xa.tickangle, showgrid=False)
+            # flat labels fit 24 to a page (8 in a third of it): a panel 1/n as wide takes 24/n of them flat
+            n_labels = len(xa.ticktext or xa.tickvals or (f.data[0].x if f.data and f.data[0].x is not None else ()))
+            angle = -90 if xa.tickangle == 0 and n_labels * n > 24 else xa.tickangle
+            out.update_xaxes(row=1, col=i + 1, tickmode=xa.tickmode, tickvals=xa.tickvals, ticktext=xa.ticktext, tickangle=angle, showgrid=False)
     out.update_yaxes(autorange="reversed", showgrid=False)
     out.update_layout(
         shapes=shapes,
@@ -1260,7 +1263,9 @@ def weight_effect_chart(effects: Mapping[str, pd.DataFrame], colors: Mapping[str
                     "line": {"dash": "dash", "color": "#888"}}],
         "annotations": [{"text": "uniform", "x": 1, "y": 1, "yref": "paper", "showarrow": False, "yanchor": "bottom",
                          "font": {"size": 11, "color": "#555"}}],
-        "height": 480, "legend": {"orientation": "h", "y": -0.3, "yanchor": "top"}, "margin": {"b": 160},
+        # the legend on the right, one entry a line: two per model, so five models would wrap a horizontal
+        # legend onto the x axis
+        "height": 480, "legend": {"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1, "yanchor": "top"},
     }
     if not data:
         layout["annotations"].append(_note("no weight-effect results", "paper", "paper"))

@@ -425,7 +425,8 @@ def _profiles() -> html.Section:
             html.H2("Magnitudes and gradients by depth"),
             _help("Every loaded model in one chart, in its own colour. The paper reports that PreNorm's residual stream "
                   "grows with depth while AttnRes keeps magnitudes bounded and spreads gradients more evenly; whether "
-                  "these models do on this text is what the verdicts below say."),
+                  "these models do on this text is what the comparisons below say (verdicts for the AttnRes models; "
+                  "the paper makes no claim about mHC or DenseFormer)."),
             html.Div(
                 [dcc.Graph(id=MAGNITUDES, config=GRAPH_CONFIG, className="graph"),
                  dcc.Graph(id=GRADIENTS, config=GRAPH_CONFIG, className="graph")],
@@ -586,8 +587,9 @@ def _ablation(ex: Explorer) -> html.Section:
     return html.Section(
         [
             html.H2("Routing ablation"),
-            _help("Remove one source from one read (weights renormalised) and measure the change in next-token loss, "
-                  "beside how much routing mass and contribution that source had. Large mass with small Δloss "
+            _help("Remove one source from one read (weights renormalised; for mHC and DenseFormer on the normalised "
+                  "weights c/Σc, scaled back by Σc so the read keeps its gain) and measure the change in next-token "
+                  "loss, beside how much routing mass and contribution that source had. Large mass with small Δloss "
                   "means the mass is not needed."),
             html.Div(
                 [

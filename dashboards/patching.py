@@ -14,6 +14,7 @@ from typing import Any
 
 from dash import Input, Output, State, dcc, html, no_update
 
+from attnres_probe.axis import fixed_routing, rule_title
 from attnres_probe.dashboards.state import Explorer
 from attnres_probe.patching import SamePrediction, patching_bars, patching_heatmap
 
@@ -43,25 +44,36 @@ HELP = ("Run a clean and a corrupted prompt of the same token length, write one 
 
 
 PRENORM_OPTION = "PreNorm: fixed routing, nothing to patch"
+FIXED_OPTION = "{title}: weights the same for every input, nothing to patch"
 
 
 def _live_models(ex: Explorer) -> list[str]:
     return [n for n in ex.names if n in ex.probes]
 
 
+def _fixed(ex: Explorer, name: str) -> bool:
+    """Whether a live model's depth weights are the same for every input (PreNorm, DenseFormer, static HC)."""
+    config = ex.probes[name].spec.meta.get("config") if name in ex.probes else None
+    return fixed_routing(ex.residual_of(name), config)
+
+
 def _patchable(ex: Explorer) -> list[str]:
-    """The live models patching can run on (every rule with depth weights: AttnRes, Hyper-Connections,
-    DenseFormer; not PreNorm)."""
-    return [n for n in _live_models(ex) if ex.residual_of(n) != "prenorm"]
+    """The live models patching can run on: those whose depth weights depend on the input (AttnRes,
+    dynamic Hyper-Connections / mHC); not PreNorm, DenseFormer or static HC, whose clean and corrupted
+    weights are the same."""
+    return [n for n in _live_models(ex) if not _fixed(ex, n)]
 
 
 def _model_options(ex: Explorer, models: list[str]) -> list[dict]:
-    """The model menu: PreNorm models are listed but disabled (their routing is fixed, so patching
-    always refuses them), with the reason in their label."""
+    """The model menu: models with fixed routing are listed but disabled (patching always refuses
+    them), with the reason in their label."""
     options = []
     for m in models:
         if ex.residual_of(m) == "prenorm":
             options.append({"label": f"{m} ({PRENORM_OPTION})", "value": m, "disabled": True})
+        elif _fixed(ex, m):
+            title = rule_title(ex.residual_of(m), ex.probes[m].spec.meta.get("config"))
+            options.append({"label": f"{m} ({FIXED_OPTION.format(title=title)})", "value": m, "disabled": True})
         else:
             options.append({"label": m, "value": m})
     return options
@@ -150,6 +162,10 @@ def patching_view(ex: Explorer, n_clicks: Any, model: Any, clean: Any, corrupted
         return {**refused, "status": f"{model} is a PreNorm model: its routing is fixed (every source enters each read "
                                      "with weight 1), so there are no depth weights to patch. Choose a Full or Block "
                                      "AttnRes model."}
+    if _fixed(ex, model):
+        return {**refused, "status": f"{model}'s depth weights are parameters, the same for every input: the clean and "
+                                     "corrupted prompts route alike, so there is nothing to patch. Choose an AttnRes or "
+                                     "dynamic mHC model."}
     try:
         clean, corrupted = _check_text(ex, clean, "clean"), _check_text(ex, corrupted, "corrupted")
         with ex._model_lock, warnings.catch_warnings(record=True) as caught:

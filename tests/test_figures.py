@@ -281,6 +281,17 @@ def test_side_by_side_has_one_heatmap_per_trace_with_block_lines_on_their_own_su
     assert {s.yref for s in fig.layout.shapes} == {"y2"}
 
 
+def test_side_by_side_turns_source_labels_upright_when_panels_get_narrow():
+    """Block's few source labels lie flat in one or two panels; five panels a fifth of the page wide
+    each would run them together ("embedblock1block2..."), so they stand upright there."""
+    two = figures.side_by_side([make_trace("prenorm"), make_trace("block")], "mean_heatmap", kind="contrib")
+    block = make_trace("block", [[0.2] * 5] * 5, block_starts=[0, 1, 2, 3])  # embed + 4 blocks, as the demo Block has
+    five = figures.side_by_side([make_trace("prenorm"), make_trace("full"), block, make_trace("full"),
+                                 make_trace("prenorm")], "mean_heatmap", kind="contrib", names=list("abcde"))
+    assert two.layout.xaxis2.tickangle == 0
+    assert five.layout.xaxis3.tickangle == -90
+
+
 def test_side_by_side_rejects_unknown_chart_names():
     with pytest.raises(ValueError, match="mean_heatmap"):
         figures.side_by_side([make_trace("full")], "magnitudes")

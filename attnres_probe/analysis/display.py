@@ -405,7 +405,8 @@ def readable(frame: pd.DataFrame) -> pd.DataFrame:
 
 WEIGHT_EFFECT_NOTE = (
     "Weight beside effect: in each deep read (the second half of reads) every source is removed on its own (AttnRes: "
-    "its weight zeroed and the rest renormalised; PreNorm: the source taken out of the sum, rescaled the same way) "
+    "its weight zeroed and the rest renormalised; mHC, DenseFormer: the same on the normalised weights c/Σc, scaled "
+    "back by Σc so the read keeps its gain; PreNorm: the source taken out of the sum, rescaled the same way) "
     "and the change in next-token loss is set beside the source's mean normalised weight. Routing weight is not "
     "causal importance (arXiv 2606.13168): a source with much weight may matter little, and the other way round. "
     "The rank correlation is Spearman's, over a read's sources, of weight against loss change (none where the "

@@ -33,7 +33,7 @@ def test_every_rule_gets_a_panel_a_title_and_a_colour(five):
         if name in ("mhc", "denseformer", "prenorm"):  # coefficients, normalised: rows sum to one
             np.testing.assert_allclose(np.nansum(z, -1), 1.0, rtol=1e-9)
         if name in ("mhc", "denseformer"):
-            assert "normalised coefficient" in fig.layout.title.text
+            assert "normalised weight c/Σc" in fig.layout.title.text
 
 
 def test_cards_compare_every_model_with_the_baseline_and_judge_attnres_only(five):
@@ -52,3 +52,12 @@ def test_ablation_and_patching_offer_the_new_rules(five):
     for name in ("mhc", "denseformer"):
         reads = callbacks.ablation_reads(ex, name)
         assert reads["value"] == "final"
+    # patching: DenseFormer's weights are parameters (the same for every input): listed, disabled, saying why
+    from attnres_probe.dashboards import patching as views
+
+    options = {o["value"]: o for o in views._model_options(ex, list(ex.names))}
+    assert options["denseformer"].get("disabled") and "the same for every input" in options["denseformer"]["label"]
+    assert not options["mhc"].get("disabled") and not options["full"].get("disabled")
+    assert views._patchable(ex) == ["full", "block", "mhc"]
+    refused = views.patching_view(ex, 1, "denseformer", "abc", "xyz")
+    assert "nothing to patch" in refused["status"] and refused["graphs"] == views.HIDDEN
