@@ -29,9 +29,12 @@ import numpy as np
 
 from attnres_probe import figures
 
-__all__ = ["DIGITS", "PATTERN_TOKENS", "explorer_patterns", "pattern_source", "row_exponents"]
+__all__ = ["DIGITS", "PATTERN_BUDGET", "PATTERN_TOKENS", "explorer_patterns", "pattern_source", "row_exponents"]
 
 PATTERN_TOKENS = 64  # tokens with a stored attention pattern (the explorer's first, in sequence 0)
+# tokens x models with stored patterns in one explorer: 64 tokens for up to three models, fewer each
+# beyond (five demo models: 38 each), so a report of every demo model stays under its 8 MB budget
+PATTERN_BUDGET = 3 * PATTERN_TOKENS
 DIGITS = 4  # significant digits of each query row's largest weight (the others share its exponent)
 
 
@@ -115,13 +118,14 @@ def explorer_pattern_items(traces: Sequence[Any], names: Sequence[str], readings
                            positions: Sequence[tuple[int, int]], plots: Any,
                            colors: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """:func:`explorer_patterns` of every trace of one explorer that has patterns to show (its own,
-    or its readings'), in the explorer's order."""
-    out = []
+    or its readings'), in the explorer's order: :data:`PATTERN_TOKENS` tokens each, or an equal
+    share of :data:`PATTERN_BUDGET` when more than three models have patterns."""
+    found = []
     for trace, name in zip(traces, names):
         reading = readings.get(trace.name) if readings else None
         patterns = pattern_source(trace, reading)
-        if patterns is None:
-            continue
-        out.append(explorer_patterns(patterns, name, trace.str_tokens[0], positions, plots,
-                                     color=(colors or {}).get(name)))
-    return out
+        if patterns is not None:
+            found.append((trace, name, patterns))
+    limit = min(PATTERN_TOKENS, PATTERN_BUDGET // max(1, len(found)))
+    return [explorer_patterns(patterns, name, trace.str_tokens[0], positions, plots, color=(colors or {}).get(name),
+                              limit=limit) for trace, name, patterns in found]
