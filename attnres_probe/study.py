@@ -632,9 +632,9 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         "study`, in the repository `docs/study/v3/study.md`) takes five training seeds as the unit, with pre-registered "
         "endpoints.",
         "",
-        "A verdict sets the interval against the paper's direction: **consistent** (the interval excludes no difference, "
-        "on the paper's side), **contrary** (it excludes it, on the other side), **inconclusive** (it does not exclude "
-        "it). *Held in* counts the windows that, taken one at a time, go the paper's way. *Pooled* is the same number "
+        "A verdict sets the interval against the paper's direction: **consistent** (the whole interval lies on the "
+        "paper's side of no difference: zero for a difference, one for a ratio), **contrary** (it lies wholly on the "
+        "other side), **inconclusive** (it contains no difference). *Held in* counts the windows that, taken one at a time, go the paper's way. *Pooled* is the same number "
         "from all windows recorded together as one batch (gradients from one backward pass of their mean loss, as a "
         "single-batch analysis would have it); a finding holds **per window** when its verdict is consistent, **only in "
         "the pool** when the pooled number points the paper's way but the windows do not bear it out, **neither** when "

@@ -440,9 +440,9 @@ def _profiles() -> html.Section:
 VERDICT_HELP = ("Each comparison is the model against the baseline on the same windows: a ratio (×) for spreads, "
                 "growths and peaks, a difference (±) otherwise, with its 95% bootstrap interval (whole documents "
                 "resampled, since windows of one document are alike). The verdict "
-                "sets that interval against the paper's direction: consistent (it excludes no difference, on the paper's "
-                "side), contrary (it excludes it, on the other side), inconclusive (it does not exclude it, or there is "
-                "no interval). The paper's directions are claims about AttnRes: other rules (mHC, DenseFormer) get "
+                "sets that interval against the paper's direction: consistent (the whole interval lies on the paper's side "
+                "of no difference: zero for ±, one for ×), contrary (it lies wholly on the other side), inconclusive "
+                "(it contains no difference, or there is no interval). The paper's directions are claims about AttnRes: other rules (mHC, DenseFormer) get "
                 "estimates and intervals against the same references but \"no verdict\". Hover a metric name for its "
                 "formula.")
 

@@ -578,8 +578,9 @@ COMPARISON_NOTE = (
     "Each model's routing is set against the uniform weights on its own sources (PreNorm's implied weights, "
     "grouped as the model groups them), and every other diagnostic against the PreNorm baseline's same quantity, on the "
     "same windows: a ratio (×) for spreads and growths, a difference (±) otherwise, with its interval. The verdict sets "
-    "that interval against the paper's direction: consistent (it excludes no difference, on the paper's side), contrary "
-    "(it excludes it, on the other side), inconclusive (it does not exclude it, or there is no interval); no verdict "
+    "that interval against the paper's direction: consistent (the whole interval lies on the paper's side of no "
+    "difference: zero for ±, one for ×), contrary (it lies wholly on the other side), inconclusive (it contains no "
+    "difference, or there is no interval); no verdict "
     "where the paper states no direction, nor for Hyper-Connections or DenseFormer models (the paper's claims are about "
     "AttnRes; their estimates and intervals are shown)."
 )

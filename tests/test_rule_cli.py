@@ -62,7 +62,7 @@ def test_the_dashboard_and_the_report_title_a_model_by_rule_title():
 def test_train_builds_a_hyper_connections_model_from_the_flags(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli("train", "--out", str(out), "--residual", "hyper", "--n-streams", "2", "--steps", "2", *TINY_FLAGS) == 0
-    assert "trained 2 steps (hyper)" in capsys.readouterr().out
+    assert "trained 2 steps (Hyper-Connections)" in capsys.readouterr().out
     cfg = AttnResTransformer.load(out).cfg
     assert (cfg.residual, cfg.n_streams, cfg.mhc, cfg.hc_dynamic, cfg.hc_dynamic_input) == ("hyper", 2, False, True, "stream")
     assert (cfg.d_model, cfg.n_layers, cfg.block_size, cfg.dwa_period) == (32, 2, None, None)

@@ -373,7 +373,7 @@ def test_a_page_opens_where_weights_depend_on_the_token(rule_traces):
     pos, why = informative_token([rule_traces["prenorm"], dense])
     assert pos == n - 1 and "last token" in why
     pos, why = informative_token([rule_traces["prenorm"], dense, rule_traces["mhc"]])
-    assert "mhc route furthest" in why and "denseformer" not in why
+    assert "mhc route furthest" in why and "(denseformer: its weights are the same at every token)" in why
 
 
 def test_rows_without_a_direction_say_no_verdict_not_half_a_sentence(rule_traces):

@@ -384,7 +384,7 @@ TINY_FLAGS = ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--n-ctx",
 def test_cli_trains_and_resumes(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert cli("train", "--out", out, "--residual", "block", "--block-size", "2", "--steps", "4", "--backend", "torch", *TINY_FLAGS) == 0
-    assert "trained 4 steps (block)" in capsys.readouterr().out
+    assert "trained 4 steps (Block AttnRes)" in capsys.readouterr().out
     assert json.loads((tmp_path / "run" / LOG_FILE).read_text())["backend"] == "torch"
     cfg = AttnResTransformer.load(out).cfg
     assert (cfg.residual, cfg.block_size, cfg.d_model, cfg.d_head, cfg.d_mlp) == ("block", 2, 32, 16, 128)

@@ -372,7 +372,12 @@ def informative_token(traces, limit: int | None = None) -> tuple[int, str]:
     pos = int(np.argmax(distance))
     tok = first.str_tokens[0][pos] if pos < len(first.str_tokens[0]) else ""
     models = ", ".join(t.name for t in routed)
+    names = {t.name for t in routed}
+    fixed = [t.name for t in traces if t.residual != "prenorm" and t.name not in names and t.depth_weights is not None
+             and int(t.mask[0].sum()) == n_all]  # the same tokens, weights that do not vary by token
+    left_out = (f" ({', '.join(fixed)}: {'its weights are' if len(fixed) == 1 else 'their weights are'} the same at "
+                "every token)") if fixed else ""
     return pos, (f"Opened on token {pos} '{tok}', where {models} route furthest from uniform (mean total-variation "
                  f"distance {distance[pos]:.2f} over reads; 0 = PreNorm's uniform mixture, 1 = no overlap for "
-                 "non-negative weights). "
+                 f"non-negative weights){left_out}. "
                  "Click any token to route it.")

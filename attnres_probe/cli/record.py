@@ -30,7 +30,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", metavar="DIR", help="a model folder: ours (config.json + model.safetensors) or a flash-linear-attention checkpoint")
     src.add_argument("--demo", choices=DEMO_NAMES, help="a bundled demo model (default: block)")
     text = p.add_mutually_exclusive_group()
-    text.add_argument("--text", help="the text to record (default: a short Python function); \\n and \\t stand for a newline and a tab")
+    text.add_argument("--text", help="the text to record (default: a short held-out passage of a play, in the demo models' domain); \\n and \\t stand for a newline and a tab")
     text.add_argument("--file", metavar="PATH", help="read the text from a UTF-8 file")
     p.add_argument("--truncate", action="store_true", help="keep the first n_ctx tokens of a longer text")
 
@@ -144,7 +144,14 @@ def add_record_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 
 
 def add_summary_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("summary", help="print a per-layer summary of a model on a text")
+    p = subparsers.add_parser(
+        "summary", help="print a per-layer summary of a model on a text",
+        description="Print one row per read (L0.attn ... final), averaged over the text's tokens: rms_in, the RMS of "
+                    "the read's mixed input h; grad_in, the norm of the loss gradient at h; embed_weight, the "
+                    "embedding's normalised depth weight (AttnRes: its softmax weight α; mHC, DenseFormer: its "
+                    "coefficient over the read's sum, c/Σc; empty for PreNorm, whose weights are 1/k); embed_share, "
+                    "the embedding's contribution share of h; top_source, the source with the most weight (PreNorm: "
+                    "the largest share).")
     _add_model_args(p)
     p.add_argument("--no-backward", action="store_true", help="skip the backward pass (no gradient norms; allows 1-token texts)")
     p.set_defaults(func=_run_summary)

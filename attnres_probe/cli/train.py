@@ -7,6 +7,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from attnres_probe.axis import rule_title
 from attnres_probe.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError
 from attnres_probe.config import DENSEFORMER_DEFAULTS, DYNAMIC_INPUTS, HYPER_DEFAULTS, RESIDUALS, ConfigError, ModelConfig
 from attnres_probe.data import SPLITS, DataError
@@ -268,7 +269,7 @@ def _run_train(args: argparse.Namespace) -> int:
         )
         return 130
     print(
-        f"trained {result.step} steps ({result.model.cfg.residual}); final validation loss "
+        f"trained {result.step} steps ({rule_title(result.model.cfg.residual, result.model.cfg.to_dict())}); final validation loss "
         f"{result.final_val_loss:.4f}; wrote {result.out_dir}/{{{CONFIG_FILE},{WEIGHTS_FILE},{LOG_FILE}}}"
     )
     return 0
