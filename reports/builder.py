@@ -36,7 +36,7 @@ import plotly.offline
 from markupsafe import Markup
 
 from attnres_probe import figures, metrics
-from attnres_probe.axis import rule_title
+from attnres_probe.axis import rule_settings, rule_title
 from attnres_probe.analysis.windows import informative_token
 from attnres_probe._version import __version__
 from attnres_probe.io import atomic_write
@@ -366,6 +366,8 @@ def _stats_model_row(stats: Any, name: str) -> dict[str, Any]:
     arch = rule_title(residual, cfg)
     if residual == "block" and meta.get("block_starts"):
         arch += f" (blocks start at sublayers {', '.join(map(str, meta['block_starts']))})"
+    if rule_settings(residual, cfg):
+        arch += f" ({rule_settings(residual, cfg)})"
     keys = ("d_model", "n_layers", "n_heads", "n_ctx", "d_vocab")
     loss = metrics.summary(stats.to_trace())["mean_loss"]
     has_grads = bool(np.isfinite(stats.mean("grad_in")).any())
@@ -504,6 +506,8 @@ def _model_row(trace: DepthTrace, name: str) -> dict[str, Any]:
     arch = rule_title(residual, cfg)
     if residual == "block" and trace.block_starts:
         arch += f" (blocks start at sublayers {', '.join(map(str, trace.block_starts))})"
+    if rule_settings(residual, cfg):
+        arch += f" ({rule_settings(residual, cfg)})"
     if meta.get("foreign"):
         arch += f" · {meta.get('model_class', 'external model')}"
     keys = ("d_model", "n_layers", "n_heads", "n_ctx", "d_vocab")
