@@ -182,7 +182,8 @@ def test_hyper_coefficients_rebuild_every_read(name):
     assert torch.equal(coef.triu(1), torch.zeros_like(coef))
     # the random parameters moved the rule well off PreNorm (else the test would prove little)
     prenorm = torch.ones(L + 1, L + 1, dtype=coef.dtype).tril()
-    assert (normalise_coefficients(coef) - normalise_coefficients(prenorm)).abs().max() > 0.05
+    # (a read whose random coefficients cancel has no normalised weights: NaN, left out)
+    assert (normalise_coefficients(coef) - normalise_coefficients(prenorm)).abs().nan_to_num(0.0).max() > 0.05
     if RULES[name]["dynamic"]:  # per-token weights differ between tokens
         assert (coef[0, 0] - coef[1, 2]).abs().max() > 1e-3
     S = L + 1

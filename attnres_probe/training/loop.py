@@ -420,7 +420,8 @@ def _start(
 def _run_steps(session: _Session, end: int, progress: bool) -> None:
     """Update up to step ``end``, validating (and saving resumable state) every ``eval_every`` steps."""
     cfg, history = session.cfg, session.history
-    bar = _progress_bar(progress, history.step, cfg.steps, session.model.cfg.residual)
+    mcfg = session.model.cfg
+    bar = _progress_bar(progress, history.step, cfg.steps, "mhc" if mcfg.residual == "hyper" and mcfg.mhc else mcfg.residual)
     clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     # the estimate leaves out the session's first step: it compiles kernels (Numba, Triton) and warms caches
     start, t_start, estimated = history.step, None, False
