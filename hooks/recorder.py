@@ -58,6 +58,10 @@ class Recorder:
         self._handles: list[tuple[Any, Any]] = []
         self._error: tuple[str, BaseException] | None = None
         self._arrays: dict[str, torch.Tensor] | None = None
+        # shares from the sources' Gram matrix once the last read is known (PreNorm; Hyper-Connections and
+        # DenseFormer, whose reads are linear in the sources with the recorded coefficients): one batched
+        # product instead of a dot product per source and read (what the mixers' share hooks would do)
+        self._gram = bool(contributions) and spec.residual in ("prenorm", "hyper", "denseformer")
         self._reset_stream()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -85,7 +89,7 @@ class Recorder:
         if spec.logit_hooks:
             for r, name in enumerate(spec.logit_hooks):
                 plan.append((name, self._make(self._on_logits, r)))
-        if self.contributions and spec.contrib_hooks:
+        if self.contributions and spec.contrib_hooks and not self._gram:
             for r, name in enumerate(spec.contrib_hooks):
                 plan.append((name, self._make(self._on_contrib, r)))
         try:
@@ -181,6 +185,8 @@ class Recorder:
     def _on_weights(self, r: int, w: torch.Tensor) -> None:
         k = self.counts[r]
         self._arrays["depth_weights"][:, :, r, :k] = w[..., :k].float()
+        if self._gram and r == self.spec.n_sublayers and len(self._sources) == k:
+            self._gram_contributions()  # the final read's coefficients: every source and weight is known
 
     def _on_logits(self, r: int, z: torch.Tensor) -> None:
         k = self.counts[r]
@@ -216,12 +222,16 @@ class Recorder:
             self._gram_contributions()  # every source is known once the final read is reached
 
     def _gram_contributions(self) -> None:
-        """Contribution shares of every PreNorm read at once, from the sources' Gram matrix.
+        """Contribution shares of every read at once, from the sources' Gram matrix (PreNorm,
+        Hyper-Connections, DenseFormer: reads linear in the sources).
 
-        With h_r = sum_j a_rj v_j (a = 1 where source j is visible to read r) and
-        G_ij = <v_i, v_j>, <a_ri v_i, h_r> = a_ri (G a_r)_i and |h_r|^2 = a_r' G a_r. One
-        batched matrix product per chunk of tokens replaces (L+1)(L+2)/2 separate dot products
-        over the model width.
+        With h_r = sum_j a_rj v_j (a the read's coefficients: 1 where source j is visible to a
+        PreNorm read, the recorded coefficients c otherwise) and G_ij = <v_i, v_j>,
+        <a_ri v_i, h_r> = a_ri (G a_r)_i and |h_r|^2 = a_r' G a_r. One batched matrix product per
+        chunk of tokens replaces (L+1)(L+2)/2 separate dot products over the model width (about
+        twice as fast at d=256, 25 sources). In float32: with signed coefficients (HC, DenseFormer)
+        G a_r can cancel, and a share's error is then up to about d u32 (sum_j |c_j| |v_j|)^2 / |h|^2
+        (tests/test_rule_models.py bounds it).
         """
         a = self._arrays
         W = a["depth_weights"]
@@ -232,12 +242,13 @@ class Recorder:
         coef = torch.nan_to_num(w, nan=0.0)
         avail = ~torch.isnan(w)
         out = a["contrib"].view(B * P, R, S)
-        chunk = max(64, (1 << 21) // (S * d))  # ~8 MB of stacked sources at a time
+        dtype = torch.float32
+        chunk = max(64, (1 << 19) // (S * d))  # ~2 MB of stacked sources at a time (a recording keeps to 2x its arrays)
         for start in range(0, B * P, chunk):
             rows = slice(start, start + chunk)
-            V = torch.stack([f[rows].float() for f in flat], dim=1)  # (m, S, d)
+            V = torch.stack([f[rows].to(dtype) for f in flat], dim=1)  # (m, S, d)
             G = torch.bmm(V, V.transpose(1, 2))  # (m, S, S)
-            c = coef[rows]
+            c = coef[rows].to(dtype)
             num = c * torch.bmm(c, G)  # (m, R, S)
             share = num / num.sum(-1, keepdim=True)
             out[rows] = torch.where(avail[rows], share, torch.full_like(share, float("nan")))
@@ -246,10 +257,10 @@ class Recorder:
         self._arrays["rms_out"][:, :, l + 1] = _rms(v)
         self._grad_norm_into("grad_out", l + 1, v)
         spec = self.spec
+        if self._gram:  # sources are kept only for the contribution shares
+            self._sources.append(v)
         if spec.residual != "prenorm":
             return
-        if self.contributions:  # PreNorm sources are kept only for the contribution shares
-            self._sources.append(v)
         if self._final_sum is not None:
             self._final_sum = self._final_sum + v
             if l == spec.n_sublayers - 1:  # no final-read hook: the PreNorm final read is the sum

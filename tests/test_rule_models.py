@@ -484,3 +484,32 @@ def test_a_models_table_names_each_rules_own_settings():
     dense = ModelConfig(residual="denseformer", dwa_period=2).to_dict()
     assert rule_settings("denseformer", dense) == "a DWA after every 2 blocks (dilation 1, period 2)"
     assert rule_settings("full", ModelConfig().to_dict()) == "" and rule_settings("hyper", None) == ""
+
+
+@pytest.mark.parametrize("kw", [dict(residual="hyper", mhc=True, n_streams=3), dict(residual="hyper", n_streams=2),
+                                dict(residual="denseformer", dwa_period=2)], ids=["mhc", "hc", "denseformer"])
+def test_the_recorders_gram_shares_equal_each_reads_own(kw):
+    """The recorder computes these rules' shares from the sources' Gram matrix and the recorded
+    coefficients (one batched product); each read's hook_contrib computes w_i <v_i, h> / |h|^2 from
+    the read h itself. Float64 model; the recorder keeps coefficients in float32 and forms the Gram
+    matrix in float32, so the bound is u32 = 2^-24 times the row's condition K = (sum_j |c_j|
+    |v_j|)^2 / |h|^2 times (3 + 2 d): a relative error u in each coefficient moves a share by at most
+    ~3 u K, and each Gram entry, a float32 dot product of d terms, is off by at most ~d u |v_i||v_j|
+    (twice: in G a_r and in |h|^2); plus u32 for the stored share."""
+    n_layers = 2
+    model = model64(kw, n_layers=n_layers)
+    tokens = sample_tokens(9, batch=2)
+    trace = Probe(model).run(tokens, backward=False)
+    _, cache = model.run_with_cache(tokens)
+    sources, reads = sources_and_reads(cache, n_layers)  # [B, P, S, d], R x [B, P, d]
+    names = [f"blocks.{i}.{w}_res" for i in range(n_layers) for w in ("attn", "mlp")] + ["out_res"]
+    u32 = 2.0**-24
+    for r, (name, h) in enumerate(zip(names, reads)):
+        k = r + 1
+        own = cache[f"{name}.hook_contrib"][..., :k]
+        c = cache[f"{name}.hook_weights"][..., :k]
+        K = (c.abs() * sources[..., :k, :].norm(dim=-1)).sum(-1) ** 2 / (h * h).sum(-1)  # [B, P]
+        got = torch.as_tensor(trace.contrib[:, :, r, :k], dtype=torch.float64)
+        bound = (3 + 2 * model.cfg.d_model) * u32 * K[..., None] + u32
+        assert ((got - own).abs() <= bound).all(), (name, float(((got - own).abs() / bound).max()))
+        assert (got - own).abs().max() > 0 or r == 0  # a float32 record: not the same numbers, so this compares
