@@ -48,21 +48,21 @@ def fixed_routing(residual: str, config: Mapping[str, Any] | None = None) -> boo
 
 
 def rule_settings(residual: str, config: Mapping[str, Any] | None = None) -> str:
-    """A rule's own settings in words, for a models table: "4 streams, dynamic (flat input), Sinkhorn
-    20 rounds" (mHC), "4 streams, static" (HC), "a DWA after every block (dilation 1, period 1)"
-    (DenseFormer); "" for the other rules or without a config."""
+    """A rule's own settings in words, for a models table: "4 streams, dynamic with flat input,
+    Sinkhorn 20 rounds" (mHC), "4 streams, static" (HC), "a DWA after every block, dilation 1,
+    period 1" (DenseFormer); "" for the other rules or without a config."""
     if not isinstance(config, Mapping):
         return ""
     if residual == "hyper" and config.get("n_streams"):
-        dynamic = (f"dynamic ({config.get('hc_dynamic_input') or 'stream'} input"
-                   + (", no tanh" if config.get("hc_tanh") is False and not config.get("mhc") else "") + ")"
+        dynamic = (f"dynamic with {config.get('hc_dynamic_input') or 'stream'} input"
+                   + (", no tanh" if config.get("hc_tanh") is False and not config.get("mhc") else "")
                    if config.get("hc_dynamic", True) else "static")
         sinkhorn = f", Sinkhorn {config.get('sinkhorn_iters')} rounds" if config.get("mhc") and config.get("sinkhorn_iters") else ""
         return f"{config['n_streams']} streams, {dynamic}{sinkhorn}"
     if residual == "denseformer" and config.get("dwa_dilation"):
         period = config.get("dwa_period") or 1
         every = "every block" if period == 1 else f"every {period} blocks"
-        return f"a DWA after {every} (dilation {config['dwa_dilation']}, period {period})"
+        return f"a DWA after {every}, dilation {config['dwa_dilation']}, period {period}"
     return ""
 
 

@@ -32,9 +32,10 @@ from attnres_probe import figures
 __all__ = ["DIGITS", "PATTERN_BUDGET", "PATTERN_TOKENS", "explorer_patterns", "pattern_source", "row_exponents"]
 
 PATTERN_TOKENS = 64  # tokens with a stored attention pattern (the explorer's first, in sequence 0)
-# tokens x models with stored patterns in one explorer: 64 tokens for up to three models, fewer each
-# beyond (five demo models: 38 each), so a report of every demo model stays under its 8 MB budget
-PATTERN_BUDGET = 3 * PATTERN_TOKENS
+# tokens x models with stored patterns in one explorer: 64 tokens for up to two models, fewer each
+# beyond (three: 53, five demo models: 32 each), so a report of every demo model on a text of a
+# whole context (128 tokens) stays under its 8 MB budget
+PATTERN_BUDGET = 160
 DIGITS = 4  # significant digits of each query row's largest weight (the others share its exponent)
 
 
@@ -119,7 +120,7 @@ def explorer_pattern_items(traces: Sequence[Any], names: Sequence[str], readings
                            colors: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """:func:`explorer_patterns` of every trace of one explorer that has patterns to show (its own,
     or its readings'), in the explorer's order: :data:`PATTERN_TOKENS` tokens each, or an equal
-    share of :data:`PATTERN_BUDGET` when more than three models have patterns."""
+    share of :data:`PATTERN_BUDGET` when more models have patterns than that allows."""
     found = []
     for trace, name in zip(traces, names):
         reading = readings.get(trace.name) if readings else None

@@ -56,7 +56,7 @@ def test_the_dashboard_and_the_report_title_a_model_by_rule_title():
     ex = Explorer({"m": model}, text="abcdef")
     assert ex.describe("m").startswith("mHC · 2 layers")
     trace = ex.traces(ex.run("abcdefgh"))["m"]
-    assert _model_row(trace, "m")["architecture"] == "mHC (2 streams, dynamic (flat input), Sinkhorn 20 rounds)"
+    assert _model_row(trace, "m")["architecture"] == "mHC (2 streams, dynamic with flat input, Sinkhorn 20 rounds)"
 
 
 def test_train_builds_a_hyper_connections_model_from_the_flags(tmp_path, capsys):

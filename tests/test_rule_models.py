@@ -478,11 +478,11 @@ def test_a_models_table_names_each_rules_own_settings():
     from attnres_probe.axis import rule_settings
 
     mhc = ModelConfig(residual="hyper", mhc=True, n_streams=4).to_dict()
-    assert rule_settings("hyper", mhc) == "4 streams, dynamic (flat input), Sinkhorn 20 rounds"
+    assert rule_settings("hyper", mhc) == "4 streams, dynamic with flat input, Sinkhorn 20 rounds"
     hc = ModelConfig(residual="hyper", n_streams=2, hc_dynamic=False).to_dict()
     assert rule_settings("hyper", hc) == "2 streams, static"
     dense = ModelConfig(residual="denseformer", dwa_period=2).to_dict()
-    assert rule_settings("denseformer", dense) == "a DWA after every 2 blocks (dilation 1, period 2)"
+    assert rule_settings("denseformer", dense) == "a DWA after every 2 blocks, dilation 1, period 2"
     assert rule_settings("full", ModelConfig().to_dict()) == "" and rule_settings("hyper", None) == ""
 
 

@@ -190,7 +190,7 @@ def _note_value(item: Windows, metric: str, n_ok: int, n_docs: int, pooled: floa
         if "grad" in metric:
             return "not available: recorded without gradients (record with backward=True; `attnres-probe corpus` does unless --no-backward)"
         return "not available"
-    fixed = CATALOG[metric].reference == UNIFORM and item.residual != "prenorm" and _constant(values)
+    fixed = CATALOG[metric].reference == UNIFORM and _constant(values)  # PreNorm's 1/k too
     return "; ".join(x for x in (_note_interval(n_ok, n_docs), CONSTANT if fixed else "") if x)
 
 

@@ -107,7 +107,8 @@ def _fixed(row: pd.Series | dict) -> bool:
     input (DenseFormer's coefficients): its zero-width interval is no evidence, so none is shown."""
     from attnres_probe.analysis.compare import CONSTANT
 
-    return CONSTANT in str(row.get("note") or "")
+    # only where an interval would be shown: without one (one window, one document) the usual reason stands
+    return CONSTANT in str(row.get("note") or "") and _finite(row.get("low")) and _finite(row.get("high"))
 
 
 def fmt_interval(row: pd.Series | dict, digits: int = 3) -> str:
@@ -179,7 +180,7 @@ def documents_warning(frame: pd.DataFrame) -> str:
                 "no interval; every verdict is inconclusive. Record several documents (attnres-probe corpus) for intervals.")
     if n < FEW_DOCUMENTS:
         return (f"Only {n} documents{each}: intervals are rough. The bootstrap resamples whole documents (windows of "
-                f"one document are alike), so every interval rests on {n} independent texts; {FEW_DOCUMENTS} or more "
+                f"one document are alike), so every interval rests on {n} documents (fewer independent texts where a corpus holds a text twice); {FEW_DOCUMENTS} or more "
                 "give firmer ones.")
     return ""
 

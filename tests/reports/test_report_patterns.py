@@ -229,7 +229,7 @@ def test_past_the_stored_tokens_the_charts_are_blank_and_a_note_says_why(report,
 
 def test_more_than_three_models_share_the_pattern_budget():
     """Five models with patterns (the five demo models) store fewer tokens each, so the report keeps to
-    its size budget; up to three keep PATTERN_TOKENS."""
+    its size budget; two keep PATTERN_TOKENS."""
     from types import SimpleNamespace
 
     from attnres_probe.reports.patterns import PATTERN_BUDGET, explorer_pattern_items
@@ -247,8 +247,8 @@ def test_more_than_three_models_share_the_pattern_budget():
         return SimpleNamespace(name=name, patterns=pat, mask=np.ones((1, n), bool), str_tokens=[list("x" * n)])
 
     positions = [(0, p) for p in range(n)]
-    three = explorer_pattern_items([trace(f"m{i}") for i in range(3)], [f"m{i}" for i in range(3)], None, positions, Plots())
+    two = explorer_pattern_items([trace(f"m{i}") for i in range(2)], [f"m{i}" for i in range(2)], None, positions, Plots())
     five = explorer_pattern_items([trace(f"m{i}") for i in range(5)], [f"m{i}" for i in range(5)], None, positions, Plots())
-    assert [x["n"] for x in three] == [PATTERN_TOKENS] * 3
+    assert [x["n"] for x in two] == [PATTERN_TOKENS] * 2
     assert [x["n"] for x in five] == [PATTERN_BUDGET // 5] * 5 and PATTERN_BUDGET // 5 < PATTERN_TOKENS
     assert json.loads(five[0]["data"])["n"] == PATTERN_BUDGET // 5
