@@ -125,7 +125,7 @@ def opening_head(ex: Explorer) -> tuple[int, int, str]:
         return 0, 0, ""
     tok = figures.show_token(str(result.str_tokens[pos])) if pos < len(result.str_tokens) else ""
     return layer, head, (
-        f"Opened on layer {layer} head {head}, the most concentrated pattern at this token ({pos} '{tok}'): the "
+        f"Opened on layer {layer} head {head}, the most concentrated pattern at the token the page opened on ({pos} '{tok}'): the "
         f"lowest entropy of its weights, {entropy[layer, head]:.2f} nats averaged over {', '.join(chosen)} "
         f"({math.log(pos + 1):.2f} would be an even spread over the {pos + 1} tokens it sees).")
 
