@@ -30,12 +30,7 @@ def over_sum(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """``x / sum(x)`` along ``axis`` (NaN entries ignored in the sums and kept NaN), in float64; a row
     whose sum is below :data:`CANCELLED` of its absolute sum, or that has no finite entry, is all NaN."""
     x = np.asarray(x, np.float64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        total = np.nansum(x, axis=axis, keepdims=True)
-        size = np.nansum(np.abs(x), axis=axis, keepdims=True)
-        ok = (np.abs(total) >= CANCELLED * size) & (size > 0)
-        return np.where(ok, x / np.where(ok, total, 1.0), np.nan)
+    return x / np.expand_dims(row_sum(x, axis), axis)  # a NaN sum (the row cancels) makes the row NaN
 
 
 def row_sum(x: np.ndarray, axis: int = -1) -> np.ndarray:

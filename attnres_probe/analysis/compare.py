@@ -327,12 +327,11 @@ def _row(m: str, it: Windows, against: str, est: float, lo: float, hi: float, po
                      if np.isfinite(pooled) else "not available for both models")
     elif _note_interval(n_used, n_docs):
         notes.append(_note_interval(n_used, n_docs))
-    direction = d.direction
-    if direction is None:
+    direction = judged_direction(m, it.residual) or None
+    if d.direction is None:
         notes.append("the paper states no direction: no verdict")
-    elif it.residual not in ATTNRES_RULES:  # HC, DenseFormer: the AttnRes paper makes no claim about them
+    elif direction is None:  # HC, DenseFormer: the AttnRes paper makes no claim about them
         notes.append(f"the paper's direction is a claim about AttnRes, not {rule_title(it.residual)}: no verdict")
-        direction = None
     kind = d.compare
     return {
         "metric": m, "model": it.name, "baseline": against, "comparison": kind, "basis": basis(m),
