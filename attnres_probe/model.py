@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformer_lens import ActivationCache, HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
-import attnres_probe.kernels as kernels  # the top-level kernels/ folder (pyproject's package-dir map)
+import attnres_probe.kernels as kernels  # the top-level kernels/ folder (setup.py's folder map)
 from attnres_probe import generation, text_api
 from attnres_probe.activation_cache import AttnResCache, accumulated_bias, residual_directions
 from attnres_probe.axis import SourceAxis

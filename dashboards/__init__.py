@@ -12,18 +12,23 @@ folders, waitress); the command is :mod:`attnres_probe.cli.dash`.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+if not __name__.startswith("attnres_probe."):  # imported from the repository root under its bare name
+    import runpy as _runpy
+    from pathlib import Path as _Path
 
-__all__ = ["Explorer", "PromptError", "create_app", "create_server", "run_demo", "serve"]
+    _runpy.run_path(str(_Path(__file__).resolve().parents[1] / "attnres_probe" / "_shadow.py"))["hand_over"](__name__, __file__)
+else:
+    import importlib
+    from typing import Any
 
-# imported on first use (PEP 562): Dash and torch cost seconds, and the command line reads
-# attnres_probe.dashboards.defaults before it knows whether it will serve anything
-_HOMES = {"create_app": "app", "create_server": "app", "run_demo": "serving", "serve": "serving",
-          "Explorer": "state", "PromptError": "state"}
+    __all__ = ["Explorer", "PromptError", "create_app", "create_server", "run_demo", "serve"]
 
+    # imported on first use (PEP 562): Dash and torch cost seconds, and the command line reads
+    # attnres_probe.dashboards.defaults before it knows whether it will serve anything
+    _HOMES = {"create_app": "app", "create_server": "app", "run_demo": "serving", "serve": "serving",
+              "Explorer": "state", "PromptError": "state"}
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(importlib.import_module(f"attnres_probe.dashboards.{_HOMES[name]}"), name)
-    raise AttributeError(f"module 'attnres_probe.dashboards' has no attribute {name!r}")
+    def __getattr__(name: str) -> Any:
+        if name in _HOMES:
+            return getattr(importlib.import_module(f"attnres_probe.dashboards.{_HOMES[name]}"), name)
+        raise AttributeError(f"module 'attnres_probe.dashboards' has no attribute {name!r}")

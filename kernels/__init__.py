@@ -1,7 +1,8 @@
 """Depth-attention ops, their backends and the dispatch between them.
 
 This folder (``kernels/`` at the repository root) is imported as ``attnres_probe.kernels``,
-through the ``package-dir`` map of pyproject.toml. It imports nothing from the rest of
+through the folder map of setup.py (never as a top-level ``kernels``: see
+``attnres_probe/_shadow.py``). It imports nothing from the rest of
 ``attnres_probe``.
 
 Ops (``ops/<op>/``; the public function checks its arguments, then dispatches):
@@ -28,35 +29,41 @@ argument, else ``ATTNRES_BACKEND``, else ``auto``):
 ``triton_utils.py`` what the implementations share.
 """
 
-from .backends import BACKENDS, Backend, numba_available, requested_backend, resolve_backend, triton_available
-from .dispatch import TABLE, implementation
-from .ops.depth_attn import depth_attn
-from .ops.depth_attn.reference import depth_attn as depth_attn_reference
-from .ops.mixture import contribution_shares, weighted_sum
-from .ops.phase1 import phase1
-from .ops.phase2 import phase2
-from .ops.rms import inv_rms, rms_norm
-from .ops.sinkhorn import sinkhorn
-from .utils import Sources, compute_dtype
+if not __name__.startswith("attnres_probe."):  # imported from the repository root under its bare name
+    import runpy as _runpy
+    from pathlib import Path as _Path
 
-__all__ = [
-    "BACKENDS",
-    "Backend",
-    "Sources",
-    "TABLE",
-    "compute_dtype",
-    "contribution_shares",
-    "depth_attn",
-    "depth_attn_reference",
-    "implementation",
-    "inv_rms",
-    "numba_available",
-    "phase1",
-    "phase2",
-    "requested_backend",
-    "resolve_backend",
-    "rms_norm",
-    "sinkhorn",
-    "triton_available",
-    "weighted_sum",
-]
+    _runpy.run_path(str(_Path(__file__).resolve().parents[1] / "attnres_probe" / "_shadow.py"))["hand_over"](__name__, __file__)
+else:
+    from .backends import BACKENDS, Backend, numba_available, requested_backend, resolve_backend, triton_available
+    from .dispatch import TABLE, implementation
+    from .ops.depth_attn import depth_attn
+    from .ops.depth_attn.reference import depth_attn as depth_attn_reference
+    from .ops.mixture import contribution_shares, weighted_sum
+    from .ops.phase1 import phase1
+    from .ops.phase2 import phase2
+    from .ops.rms import inv_rms, rms_norm
+    from .ops.sinkhorn import sinkhorn
+    from .utils import Sources, compute_dtype
+
+    __all__ = [
+        "BACKENDS",
+        "Backend",
+        "Sources",
+        "TABLE",
+        "compute_dtype",
+        "contribution_shares",
+        "depth_attn",
+        "depth_attn_reference",
+        "implementation",
+        "inv_rms",
+        "numba_available",
+        "phase1",
+        "phase2",
+        "requested_backend",
+        "resolve_backend",
+        "rms_norm",
+        "sinkhorn",
+        "triton_available",
+        "weighted_sum",
+    ]

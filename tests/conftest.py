@@ -20,34 +20,6 @@ torch.set_num_threads(1)
 import pytest  # noqa: E402
 
 
-def _import_installed_kernels() -> None:
-    """The repository's top-level ``kernels/`` folder (the package's ``attnres_probe.kernels``) shadows
-    an installed distribution named ``kernels`` (Hugging Face's, which transformers >= 5.25 requires and
-    imports) whenever the repository root is on ``sys.path``, as ``python -m pytest`` puts it. Import
-    the installed one first, without the root, so ``sys.modules["kernels"]`` is the distribution."""
-    import importlib
-    import importlib.metadata
-    import sys
-    from pathlib import Path
-
-    try:
-        importlib.metadata.distribution("kernels")
-    except importlib.metadata.PackageNotFoundError:
-        return
-    root = Path(__file__).resolve().parents[1]
-    saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
-    try:
-        if "kernels" in sys.modules and Path(getattr(sys.modules["kernels"], "__file__", "") or "").resolve().parent == root / "kernels":
-            del sys.modules["kernels"]
-        importlib.import_module("kernels")
-    finally:
-        sys.path[:] = saved
-
-
-_import_installed_kernels()
-
-
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# import name of each top-level folder (pyproject.toml's package-dir map)
+# import name of each top-level folder (setup.py's folder map)
 FOLDERS = {
     "attnres_probe": ROOT / "attnres_probe",
     "attnres_probe.kernels": ROOT / "kernels",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,6 +229,15 @@ def test_resume_equals_the_uninterrupted_run(reference_run, tmp_path, stop_at):
     assert done.train_losses == reference_run.train_losses
     assert done.val_losses == reference_run.val_losses
     assert done.log["resumed_at"] == [stop_at]
+    # every session records the code it ran: the commit of this checkout and whether it was dirty
+    import subprocess
+
+    from attnres_probe.training.state import code_version
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parents[1]).stdout.strip()
+    assert [c["step"] for c in done.log["code"]] == [0, stop_at]
+    assert {c["commit"] for c in done.log["code"]} == {code_version()["commit"]} == {head or None}
+    assert all(c["dirty"] in (True, False) for c in done.log["code"]) or head == ""
 
 
 def test_resume_with_explicit_equal_configs_and_more_steps(tmp_path):

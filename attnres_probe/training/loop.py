@@ -41,6 +41,7 @@ from attnres_probe.training.state import (
     LOG_FORMAT,
     STATE_FILE,
     History,
+    code_version,
     check_same,
     load_verified,
     read_run_configs,
@@ -404,7 +405,7 @@ def _start(
         model.backend = backend
     model.train()
     opt = make_optimizer(model, cfg)
-    history = History()
+    history = History(code=[{"step": 0, **code_version()}])
     if state is not None:
         restore_state(out_dir, opt, batch_gen)
         history = History.resumed(state)
@@ -522,6 +523,7 @@ def _finish(session: _Session, used_backend: str) -> TrainResult:
         "n_params": model.n_params(),
         "wall_time_s": wall,
         "resumed_at": history.resumed_at,
+        "code": history.code,
         "probes": _probe_log(session),
         "device": str(session.device),
         "backend": used_backend,

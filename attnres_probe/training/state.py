@@ -80,6 +80,8 @@ class History:
         resumed_at: the step at which each later session started.
         probes: the summary of every routing probe so far (``train --probe-every``; see
             :func:`attnres_probe.training.probes.summarize`).
+        code: the code each session ran: ``{"step": first step, "commit": git commit or None,
+            "dirty": uncommitted changes or None}`` (:func:`code_version`), one per session.
     """
 
     step: int = 0
@@ -90,6 +92,7 @@ class History:
     wall_before: float = 0.0
     resumed_at: list[int] = field(default_factory=list)
     probes: list[dict[str, Any]] = field(default_factory=list)
+    code: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def resumed(cls, state: dict[str, Any]) -> History:
@@ -104,6 +107,7 @@ class History:
             wall_before=float(state["wall_time_s"]),
             resumed_at=[*state["resumed_at"], step],
             probes=list(state.get("probes", [])),
+            code=[*state.get("code", []), {"step": step, **code_version()}],
         )
 
     def state_doc(self, base: dict[str, Any], wall_time_s: float) -> dict[str, Any]:
@@ -126,7 +130,28 @@ class History:
             "wall_time_s": wall_time_s,
             "resumed_at": self.resumed_at,
             "probes": self.probes,
+            "code": self.code,
         }
+
+
+def code_version() -> dict[str, Any]:
+    """The git commit of the package's checkout and whether it has uncommitted changes (both None
+    outside a git checkout, e.g. an installed wheel): train logs record it for every session."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    if git("rev-parse", "--show-toplevel") is None or Path(git("rev-parse", "--show-toplevel") or "").resolve() != root:
+        return {"commit": None, "dirty": None}
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
 
 
 def read_run_configs(out_dir: str | Path) -> tuple[ModelConfig, TrainConfig]:
