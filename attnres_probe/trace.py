@@ -23,6 +23,9 @@ mixer_grad      [R]                norm of each depth mixer's parameter gradient
 patterns        [B, n_layers, H,   optional (None unless recorded: ``Probe.run(..., patterns=True)``):
                 P, P] float32      every layer's attention pattern, query positions x key positions
                                    (softmax over keys; 0 above the diagonal); 4 B n_layers H P^2 bytes
+native          {name: [B, P, ..]} optional: a model family's own weights beside the common axis
+                                   (e.g. Qwen3-AttnRes's softmax over its cumulative states, mHC's
+                                   pre/post/comb); ``meta["native"]`` says what each one is
 ==============  =================  ==========================================================
 
 ``meta`` holds the model description (name, residual, config, read/source/sublayer labels,
@@ -84,6 +87,9 @@ class DepthTrace:
     mixer_grad: np.ndarray
     meta: dict[str, Any]
     patterns: np.ndarray | None = None  # [B, n_layers, H, P, P] attention patterns, recorded on request
+    # a model family's own weights beside the common axis (models from elsewhere: the softmax over its
+    # own sources, mHC's pre/post/comb ...): name -> [B, P, ...] float32; meta["native"] describes them
+    native: dict[str, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         for name in ALL_ARRAYS:
@@ -91,6 +97,8 @@ class DepthTrace:
             setattr(self, name, arr.astype(DTYPES.get(name, np.float32), copy=False))
         if self.patterns is not None:
             self.patterns = np.asarray(self.patterns).astype(np.float32, copy=False)
+        if self.native is not None:
+            self.native = {str(k): np.asarray(v).astype(np.float32, copy=False) for k, v in self.native.items()}
         self._check_shapes()
         if "flags" not in self.meta:
             self.meta["flags"] = self.nonfinite_flags()
@@ -110,6 +118,9 @@ class DepthTrace:
             if got != shape:
                 raise TraceError(f"trace array 'patterns' has shape {got}; expected {shape} ([batch, layer, head, "
                                  "query_pos, key_pos]) from the tokens and labels")
+        for name, arr in (self.native or {}).items():
+            if arr.shape[:2] != (B, P):
+                raise TraceError(f"native array {name!r} has shape {arr.shape}; it must start with [batch, pos] = {[B, P]}")
 
     @property
     def read_labels(self) -> list[str]:
@@ -401,6 +412,8 @@ class DepthTrace:
         arrays = {n: getattr(self, n) for n in ALL_ARRAYS}
         if self.patterns is not None:
             arrays["patterns"] = self.patterns
+        if self.native:
+            arrays["native"] = self.native
         return save_trace(directory, arrays, self.meta, overwrite=overwrite)
 
     @classmethod

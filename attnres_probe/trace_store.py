@@ -40,7 +40,9 @@ __all__ = [
     "save_trace",
 ]
 
-SCHEMA_VERSION = 3  # 2: grad_out (a version-1 trace loads with grad_out all NaN); 3: optional attention patterns
+SCHEMA_VERSION = 4  # 2: grad_out (a version-1 trace loads with grad_out all NaN); 3: optional attention patterns;
+# 4: optional native weights of models from elsewhere (native.safetensors)
+NATIVE_FILE = "native.safetensors"
 META_FILE = "trace.json"
 MAX_META_BYTES = 256 * 2**20
 
@@ -125,7 +127,7 @@ def check_save_target(directory: str | Path, overwrite: bool = False) -> Path:
         )
     # hidden files (a save's leftover temporary file, a desktop's index file) do not count
     entries = [p for p in directory.iterdir() if not p.name.startswith(".")] if directory.is_dir() else []
-    if any(p.name not in {META_FILE, *FILES, *OPTIONAL_FILES} for p in entries):
+    if any(p.name not in {META_FILE, *FILES, *OPTIONAL_FILES, NATIVE_FILE} for p in entries):
         raise FileExistsError(
             f"{directory} is not empty and does not hold a saved DepthTrace; "
             "save into a new or empty folder (nothing was written)"
@@ -162,9 +164,15 @@ def save_trace(directory: str | Path, arrays: Mapping[str, np.ndarray], meta: di
     json.dumps(meta, default=_json_default)  # an unstorable value fails before anything is written
     optional = {n: arrays[n] for n in OPTIONAL_ARRAYS if arrays.get(n) is not None}
     files = {**FILES, **{f: names for f, names in OPTIONAL_FILES.items() if all(n in optional for n in names)}}
+    native = {str(k): np.ascontiguousarray(v, np.float32) for k, v in (arrays.get("native") or {}).items()}
 
     def write(folder: Path) -> None:
         hashes = {}
+        if native:
+            from safetensors.numpy import save_file
+
+            save_file(native, str(folder / NATIVE_FILE))
+            hashes[NATIVE_FILE] = sha256_file(folder / NATIVE_FILE)
         for fname, names in files.items():
             path = folder / fname
             columns = {n: pattern_triangle(np.asarray(arrays[n], np.float32)) if n == "patterns" else np.asarray(arrays[n]).ravel()
@@ -173,9 +181,10 @@ def save_trace(directory: str | Path, arrays: Mapping[str, np.ndarray], meta: di
             fault_point(f"trace.save:{fname}")
             hashes[fname] = sha256_file(path)
         doc = {
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": SCHEMA_VERSION if native else 3,  # without native arrays, older readers read it
             "attnres_probe": __version__,
             "shapes": {n: list(np.shape(arrays[n])) for n in (*ALL_ARRAYS, *optional)},
+            **({"native_shapes": {k: list(v.shape) for k, v in native.items()}} if native else {}),
             "files": hashes,
             "meta": meta,
         }
@@ -183,7 +192,7 @@ def save_trace(directory: str | Path, arrays: Mapping[str, np.ndarray], meta: di
         fault_point("trace.save:written")
 
     try:
-        write_directory(directory, write, is_trace_folder, [*files, META_FILE],
+        write_directory(directory, write, is_trace_folder, [*files, *([NATIVE_FILE] if native else []), META_FILE],
                         check=lambda target: check_save_target(target, overwrite))  # again, now that no one else writes here
     except (FileExistsError, NotADirectoryError):
         raise
@@ -246,12 +255,42 @@ def load_trace(directory: str | Path) -> tuple[dict[str, np.ndarray], dict[str, 
             if values.size != need:
                 raise TraceError(f"{path}: column {n!r} has {values.size} values; shape {shape} needs {need}")
             arrays[n] = pattern_from_triangle(values, shape)
+    if "native_shapes" in doc:
+        arrays["native"] = _native_arrays(directory, doc, shapes["depth_weights"][:2])
     full = array_shapes(*shapes["depth_weights"])
     for n in ADDED_IN:
         if n not in arrays:
             arrays[n] = np.full(full[n], np.nan, np.float32)
     _check_meta_against_arrays(doc["meta"], arrays, meta_path)
     return arrays, doc["meta"], directory
+
+
+def _native_arrays(directory: Path, doc: dict[str, Any], lead: list[int]) -> dict[str, np.ndarray]:
+    """The native weights of ``native.safetensors`` (schema 4), checked against the hash and the shapes
+    that ``trace.json`` lists before anything is read (float32 only, each starting with [batch, pos])."""
+    from safetensors import SafetensorError, safe_open
+
+    path = directory / NATIVE_FILE
+    want = doc["native_shapes"]
+    if not isinstance(want, dict) or not all(isinstance(k, str) and isinstance(v, list) and len(v) >= 2 and v[:2] == list(lead)
+                                             and all(_is_int(d) and d >= 0 for d in v) for k, v in want.items()):
+        raise TraceError(f"{directory / META_FILE}: native_shapes must map names to shapes starting with {list(lead)}; got {want!r:.200}")
+    if not path.is_file():
+        raise TraceError(f"{path} is missing ({META_FILE} lists native arrays)")
+    if doc["files"].get(NATIVE_FILE) != sha256_file(path):
+        raise TraceError(f"{path} does not match the sha256 in {META_FILE}: the trace is corrupt")
+    out = {}
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            if set(f.keys()) != set(want):
+                raise TraceError(f"{path} holds {sorted(f.keys())}; {META_FILE} lists {sorted(want)}")
+            for name, shape in want.items():
+                if list(f.get_slice(name).get_shape()) != shape or f.get_slice(name).get_dtype() != "F32":
+                    raise TraceError(f"{path}: {name!r} is not float32 of shape {shape}")
+                out[name] = f.get_tensor(name)
+    except SafetensorError as exc:
+        raise TraceError(f"{path} is not a readable safetensors file ({exc})") from None
+    return out
 
 
 # -- the schema of trace.json ----------------------------------------------------------------

@@ -47,8 +47,9 @@ class WatchError(RuntimeError):
 
 
 WATCH_ACCEPTS = (
-    "watch() records a live flash-linear-attention AttnRes model: an fla ...ForCausalLM or its base model "
-    "(a torch.nn.Module whose .config has attnres_block_size and num_hidden_layers)"
+    "watch() records a live flash-linear-attention AttnRes model (an fla ...ForCausalLM or its base model: a "
+    "torch.nn.Module whose .config has attnres_block_size and num_hidden_layers) or a transformers model with "
+    "DeepSeek-V4's hyper-connections (DeepseekV4ForCausalLM: layers with attn_hc/ffn_hc and an hc_head)"
 )
 
 
@@ -317,11 +318,13 @@ class WatchSession:
 
 @contextlib.contextmanager
 def watch(model: Any, tokenizer: Any = None, name: str | None = None) -> Iterator[WatchSession]:
-    """Record a live fla AttnRes model (any family) while the context is open.
+    """Record a live fla AttnRes model (any family), or a transformers model with DeepSeek-V4's
+    hyper-connections (:mod:`attnres_probe.depth_rules.watch_streams`), while the context is open.
 
     Args:
         model: an fla model (``...ForCausalLM`` or its base model) whose config has
-            ``attnres_block_size`` and ``num_hidden_layers``.
+            ``attnres_block_size`` and ``num_hidden_layers``; or a ``DeepseekV4ForCausalLM`` (any
+            model whose layers have ``attn_hc``/``ffn_hc`` and whose base model has ``hc_head``).
         tokenizer: optional, for the trace's token strings.
         name: the trace's name (default ``fla-<model_type>``).
 
@@ -334,6 +337,12 @@ def watch(model: Any, tokenizer: Any = None, name: str | None = None) -> Iterato
         WatchError: the model has no AttnRes, or fla is not installed.
     """
     check_watchable(model)
+    from attnres_probe.depth_rules.watch_streams import is_stream_model, watch_streams
+
+    if is_stream_model(model):  # DeepSeek-V4's mHC (transformers): recorded at its own modules
+        with watch_streams(model, tokenizer, name) as streams:
+            yield streams
+        return
     try:
         import fla.ops.attnres as ops  # noqa: F401
         from fla.ops.attnres import fused_attnres, naive_attnres

@@ -54,7 +54,7 @@ from torch import nn
 
 from .hyper import StreamWeights, hyper_read_coefficients
 
-__all__ = ["HCCall", "HCWatch", "watch_hyper_connections"]
+__all__ = ["HCCall", "HCWatch", "coefficient_trace", "watch_hyper_connections"]
 
 
 @dataclass
@@ -211,12 +211,6 @@ def watch_trace(watch: HCWatch, tokens: Any = None, logits: torch.Tensor | None 
     recorded (NaN); ``tokens`` [batch, pos] and ``logits`` [batch, pos, vocab] give the per-token
     loss, else it is NaN.
     """
-    import numpy as np
-
-    from attnres_probe.axis import SourceAxis
-    from attnres_probe.losses import trace_loss
-    from attnres_probe.trace import DepthTrace
-
     calls = watch._checked_calls()
     L = len(calls)
     if L % 2:
@@ -224,49 +218,72 @@ def watch_trace(watch: HCWatch, tokens: Any = None, logits: torch.Tensor | None 
             f"the watched forward made {L} hyper-connection calls; a trace needs an even number (L / 2 layers of two "
             f"sublayers on the common axis): {', '.join(watch.call_names)}"
         )
-    # a trace holds numpy arrays: everything moves to the CPU first (the model may run on a GPU)
-    coef = watch.read_coefficients(final=final).detach().double().cpu()  # [B, P, R, S]
-    V = watch.sources().detach().double().cpu()  # [B, P, S, d]
     state = watch.final_state().detach().double().cpu()
     fin = torch.ones(state.shape[-2], dtype=state.dtype) if final is None else final.detach().double().cpu()
     reads = torch.cat([watch.branch_inputs().detach().double().cpu(), torch.einsum("...s,...sd->...d", fin, state).unsqueeze(-2)], -2)
+    n = calls[0].state_in.shape[-2]
+    config = {"residual": "hyper", "n_layers": L // 2, "n_streams": int(n), "mhc": any("Manifold" in c for c in watch.module_classes)}
+    meta = {
+        "model_class": "watched hyper-connections model",
+        "source": "hyper-connections package, watched (depth_rules.watch_hyper_connections)",
+        "call_names": watch.call_names,
+    }
+    return coefficient_trace(watch.read_coefficients(final=final), watch.sources(), reads, tokens=tokens, logits=logits,
+                             name=name, str_tokens=str_tokens, config=config, meta=meta)
+
+
+def coefficient_trace(coef: torch.Tensor, sources: torch.Tensor, reads: torch.Tensor, *, tokens: Any = None,
+                      logits: torch.Tensor | None = None, name: str, str_tokens: list[list[str]] | None = None,
+                      config: dict[str, Any], meta: dict[str, Any], grad_in: torch.Tensor | None = None,
+                      grad_out: torch.Tensor | None = None, native: dict[str, Any] | None = None):
+    """A :class:`~attnres_probe.DepthTrace` of a watched forward of a rule whose reads are linear in
+    the sources (Hyper-Connections / mHC): ``coef`` [B, P, R, S] every read's coefficients,
+    ``sources`` [B, P, S, d] the embedding and the sublayer outputs, ``reads`` [B, P, R, d] what
+    every read gave its sublayer (and the final read). Shares ``<c_j v_j, h> / |h|^2`` and RMS
+    values come from them; ``grad_in`` [B, P, R] / ``grad_out`` [B, P, S] are per-token gradient
+    norms when a backward ran (else NaN); ``config`` the model's (``residual`` and ``n_layers`` at
+    least), ``meta`` more of the trace's metadata; ``native`` the family's own weights
+    (:attr:`DepthTrace.native`)."""
+    import numpy as np
+
+    from attnres_probe.axis import SourceAxis
+    from attnres_probe.losses import trace_loss
+    from attnres_probe.trace import DepthTrace
+
+    # a trace holds numpy arrays: everything moves to the CPU first (the model may run on a GPU)
+    coef, V, reads = (t.detach().double().cpu() for t in (coef, sources, reads))
     B, P, R, S = coef.shape
     seen = torch.ones(R, S, dtype=torch.bool).tril()
     dots = torch.einsum("bpsd,bprd->bprs", V, reads)
     shares = coef * dots / reads.pow(2).sum(-1, keepdim=True)
     nan = torch.tensor(float("nan"), dtype=torch.float64)
     rms = lambda x: x.pow(2).mean(-1).sqrt()  # noqa: E731
-    if tokens is None:
-        tok = torch.zeros(B, P, dtype=torch.int64)
-    else:
-        tok = torch.as_tensor(tokens).reshape(B, P).long().cpu()
+    tok = torch.zeros(B, P, dtype=torch.int64) if tokens is None else torch.as_tensor(tokens).reshape(B, P).long().cpu()
     mask = torch.ones(B, P, dtype=torch.bool)
     loss = torch.full((B, P), float("nan"))
     mean_loss = float("nan")
     if logits is not None and tokens is not None:
         per, m = trace_loss(logits.detach().float().cpu(), tok, mask)
         loss, mean_loss = per, float(m)
-    axis = SourceAxis("hyper", L // 2)
-    n = calls[0].state_in.shape[-2]
+    axis = SourceAxis(config["residual"], int(config["n_layers"]))
+    nanf = lambda *shape: np.full(shape, np.nan, np.float32)  # noqa: E731
     meta = {
         "name": name,
         **axis.to_meta(),
-        "config": {"residual": "hyper", "n_layers": L // 2, "n_streams": int(n),
-                   "d_model": int(V.shape[-1]), "mhc": any("Manifold" in c for c in watch.module_classes)},
-        "model_class": "watched hyper-connections model",
-        "source": "hyper-connections package, watched (depth_rules.watch_hyper_connections)",
-        "call_names": watch.call_names,
+        "config": {"d_model": int(V.shape[-1]), **config},
         "logits_available": False,
         "str_tokens": str_tokens or [[str(int(t)) for t in row] for row in tok.tolist()],
-        "backward": False,
+        "backward": grad_out is not None,
         "mean_loss": mean_loss,
+        **meta,
     }
-    nanf = lambda *shape: np.full(shape, np.nan, np.float32)  # noqa: E731
     return DepthTrace(
         tokens=tok.numpy(), mask=mask.numpy(), loss=loss.numpy(),
         depth_weights=torch.where(seen, coef, nan).numpy(), logits=nanf(B, P, R, S),
-        contrib=torch.where(seen, shares, nan).numpy(), rms_in=rms(reads).numpy(), grad_in=nanf(B, P, R),
-        rms_out=rms(V).numpy(), grad_out=nanf(B, P, S), param_grad=nanf(L), mixer_grad=nanf(R), meta=meta,
+        contrib=torch.where(seen, shares, nan).numpy(), rms_in=rms(reads).numpy(),
+        grad_in=nanf(B, P, R) if grad_in is None else grad_in.float().cpu().numpy(),
+        rms_out=rms(V).numpy(), grad_out=nanf(B, P, S) if grad_out is None else grad_out.float().cpu().numpy(),
+        param_grad=nanf(R - 1), mixer_grad=nanf(R), meta=meta, native=native,
     )
 
 
