@@ -21,13 +21,16 @@ from typing import Any
 
 __all__ = ["ATTNRES_RULES", "COEFFICIENT_RULES", "RESIDUALS", "RULE_TITLES", "SourceAxis", "fixed_routing", "rule_settings", "rule_title"]
 
-# every residual rule; "hyper" (Hyper-Connections / mHC) and "denseformer" use the Full/PreNorm axis
-RESIDUALS = ("prenorm", "full", "block", "hyper", "denseformer")
+from attnres_probe.rules import RULES
+
+# every residual rule; "hyper" (Hyper-Connections / mHC), "denseformer" and the rules of attnres_probe.rules
+# (unless their RuleInfo says block_axis) use the Full/PreNorm axis
+RESIDUALS = ("prenorm", "full", "block", "hyper", "denseformer", *RULES)
 # the rules whose reads are softmax mixtures scored by a learned query (depth attention, logits)
 ATTNRES_RULES = ("full", "block")
 # the rules whose recorded weights are coefficients c of h = sum_j c_j v_j that need not sum to one
 # (PreNorm's all one; HC's and DenseFormer's may be negative): pages show them as c / sum(c)
-COEFFICIENT_RULES = ("prenorm", "hyper", "denseformer")
+COEFFICIENT_RULES = ("prenorm", "hyper", "denseformer", *(n for n, r in RULES.items() if r.coefficients))
 # the human title of each rule, as pages and reports name a model (see rule_title: "hyper" is mHC or HC)
 RULE_TITLES = {
     "prenorm": "PreNorm baseline",
@@ -35,6 +38,7 @@ RULE_TITLES = {
     "block": "Block AttnRes",
     "hyper": "Hyper-Connections",
     "denseformer": "DenseFormer",
+    **{n: r.title for n, r in RULES.items()},
 }
 
 
@@ -44,6 +48,10 @@ def fixed_routing(residual: str, config: Mapping[str, Any] | None = None) -> boo
     nothing to patch in them, and their routing is the same in every window."""
     if residual in ("prenorm", "denseformer"):
         return True
+    if residual == "block" and isinstance(config, Mapping) and config.get("static_routing"):
+        return True  # attnres4babylm's static-routing control: learned logits, no query
+    if residual in RULES:
+        return RULES[residual].fixed(config if isinstance(config, Mapping) else {})
     return residual == "hyper" and isinstance(config, Mapping) and config.get("hc_dynamic") is False
 
 
@@ -53,6 +61,8 @@ def rule_settings(residual: str, config: Mapping[str, Any] | None = None) -> str
     period 1" (DenseFormer); "" for the other rules or without a config."""
     if not isinstance(config, Mapping):
         return ""
+    if residual in RULES:
+        return RULES[residual].settings(config)
     if residual == "hyper" and config.get("n_streams"):
         dynamic = (f"dynamic with {config.get('hc_dynamic_input') or 'stream'} input"
                    + (", no tanh" if config.get("hc_tanh") is False and not config.get("mhc") else "")
@@ -76,6 +86,8 @@ def rule_title(residual: str, config: Mapping[str, Any] | None = None) -> str:
     """
     if residual == "hyper" and isinstance(config, Mapping) and config.get("mhc"):
         return "mHC"
+    if residual == "block" and isinstance(config, Mapping) and config.get("static_routing"):
+        return "Block AttnRes (static routing)"
     return RULE_TITLES.get(residual, residual)
 
 

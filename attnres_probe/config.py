@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from attnres_probe.axis import RESIDUALS
+from attnres_probe.rules import RULES
 
-Residual = Literal["prenorm", "full", "block", "hyper", "denseformer"]
+Residual = Literal["prenorm", "full", "block", "hyper", "denseformer", "cumulative"]
 POSITIONALS = ("learned", "sinusoidal", "rope")
 MLPS = ("gelu", "swiglu")
+NORMS = ("rms", "layernorm")
 DEFAULT_BLOCK_SIZE = 4
 DYNAMIC_INPUTS = ("stream", "flat")
 # each rule's own fields and their defaults (None in the dataclass: "not this rule's")
@@ -44,6 +46,7 @@ class ModelConfig:
     residual: Residual = "full"  # "prenorm" | "full" | "block" | "hyper" | "denseformer"
     block_size: int | None = None  # block mode: sublayers per block (None and no boundaries: 4)
     block_boundaries: list[int] | None = None  # block mode: sublayer indices where blocks 2..N start
+    static_routing: bool = False  # block mode: every read's weights are softmax(learned logits), the same for every input
     # residual="hyper" (Hyper-Connections, arXiv 2409.19606; mHC, arXiv 2512.24880); None elsewhere
     n_streams: int | None = None  # n residual streams (hyper: default 4)
     hc_dynamic: bool | None = None  # per-token weights from the state (DHC) rather than static (SHC); default true
@@ -54,6 +57,9 @@ class ModelConfig:
     # residual="denseformer" (depth-weighted averaging, arXiv 2402.02622); None elsewhere
     dwa_dilation: int | None = None  # a DWA averages the block outputs j = i+1 (mod dilation) (default 1)
     dwa_period: int | None = None  # a DWA follows every period-th block (default 1: every block)
+    # the options of a rule built by a file of attnres_probe.rules (e.g. "cumulative": mode, layers_per_block,
+    # gate); None for every other rule
+    rule_options: dict[str, Any] | None = None
     norm_eps: float = 1e-6  # shared by every RMSNorm, the depth keys' included (not the q/k norm)
     positional: str = "learned"  # "learned" | "sinusoidal" (added to the embedding) | "rope" (rotary q, k)
     # Llama-style parts (models from flash-linear-attention; the byte-level demo uses none of them)
@@ -64,6 +70,10 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the query, key and value projections
     rope_theta: float = 10000.0  # rotary base (positional="rope")
     tie_embeddings: bool = False  # the unembedding is W_E transposed
+    norm: str = "rms"  # the pre-norms and the final norm: "rms" (RMSNorm) | "layernorm" (nanoGPT-style models)
+    norm_bias: bool = False  # norm="layernorm": with a bias
+    bias: bool | None = None  # None: GELU MLP biased, the rest not; True/False: every attention and MLP Linear
+    attn_gate: bool = False  # attention output gate: z * sigmoid(W_G x) before W_O
     seed: int = 0  # parameter initialisation seed
     init_std: float = 0.02  # std of the attention, MLP and unembedding weights
     embed_std: float = 1.0  # std of the token and learned position embeddings (unit-scale source 0)
@@ -88,6 +98,8 @@ class ModelConfig:
             self.d_mlp = 4 * self.d_model
         if self.n_kv_heads is None and _is_pos_int(self.n_heads):
             self.n_kv_heads = self.n_heads
+        if self.residual in RULES and isinstance(self.rule_options, dict | type(None)):
+            self.rule_options = {**RULES[self.residual].options, **(self.rule_options or {})}
         own = {"hyper": HYPER_DEFAULTS, "denseformer": DENSEFORMER_DEFAULTS}.get(self.residual, {})
         for name, default in own.items():
             if getattr(self, name) is None:
@@ -134,8 +146,9 @@ class ModelConfig:
     # what TransformerLens's ActivationCache helpers read off a model's config
     @property
     def normalization_type(self) -> str:
-        """``"RMS"``: every norm is an RMSNorm with a learned gain, not folded into the weights."""
-        return "RMS"
+        """``"RMS"``: every norm is an RMSNorm with a learned gain, not folded into the weights (``"LN"``
+        for ``norm="layernorm"``)."""
+        return "LN" if self.norm == "layernorm" else "RMS"
 
     @property
     def attn_only(self) -> bool:
@@ -161,7 +174,15 @@ class ModelConfig:
             raise ConfigError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (each key/value head serves a group)")
         if self.mlp not in MLPS:
             raise ConfigError(f"mlp is {self.mlp!r}; accepted values are {', '.join(MLPS)}")
-        for name in ("qk_norm", "qkv_bias", "tie_embeddings"):
+        if self.norm not in NORMS:
+            raise ConfigError(f"norm is {self.norm!r}; accepted values are {', '.join(NORMS)}")
+        if self.bias is not None and not isinstance(self.bias, bool):
+            raise ConfigError(f"bias must be true, false or null; got {self.bias!r}")
+        if self.norm_bias and self.norm != "layernorm":
+            raise ConfigError("norm_bias applies to norm='layernorm' only (an RMSNorm has no bias)")
+        if self.static_routing is not False and self.residual != "block":
+            raise ConfigError(f"static_routing applies to residual='block' only; this config has residual={self.residual!r}")
+        for name in ("qk_norm", "qkv_bias", "tie_embeddings", "norm_bias", "attn_gate", "static_routing"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false; got {getattr(self, name)!r}")
         for name in ("qk_norm_eps",):
@@ -242,6 +263,15 @@ class ModelConfig:
             for name in ("dwa_dilation", "dwa_period"):
                 if not _is_pos_int(getattr(self, name)):
                     raise ConfigError(f"{name} must be a positive integer; got {getattr(self, name)!r}")
+        if self.residual in RULES:
+            if not isinstance(self.rule_options, dict):
+                raise ConfigError(f"rule_options must be a dict of the {self.residual!r} rule's options; got {self.rule_options!r}")
+            problem = RULES[self.residual].check(self.rule_options, self.n_layers)
+            if problem:
+                raise ConfigError(problem)
+        elif self.rule_options is not None:
+            raise ConfigError(f"rule_options apply only to the rules {', '.join(RULES)}; this config has residual={self.residual!r} "
+                              "(leave them unset)")
 
     @property
     def rule_label(self) -> str:
@@ -254,6 +284,11 @@ class ModelConfig:
         if self.residual == "denseformer":
             opts = [f"{k} {v}" for k, v in (("dilation", self.dwa_dilation), ("period", self.dwa_period)) if v != 1]
             return "DenseFormer" + (f" ({', '.join(opts)})" if opts else "")
+        if self.residual in RULES:
+            settings = RULES[self.residual].settings(self.to_dict())
+            return RULES[self.residual].title + (f" ({settings})" if settings else "")
+        if self.static_routing:
+            return "Block AttnRes (static routing)"
         return {"prenorm": "PreNorm", "full": "Full AttnRes", "block": "Block AttnRes"}[self.residual]
 
     # -- (de)serialisation ---------------------------------------------------------------
@@ -290,7 +325,7 @@ class ModelConfig:
 
 
 # what a model's residual rule sets (and its seed): everything else is the model's shape
-RULE_FIELDS = frozenset({"residual", "block_size", "block_boundaries", *HYPER_DEFAULTS, *DENSEFORMER_DEFAULTS})
+RULE_FIELDS = frozenset({"residual", "block_size", "block_boundaries", "rule_options", "static_routing", *HYPER_DEFAULTS, *DENSEFORMER_DEFAULTS})
 
 
 def shape_of(config: Any) -> dict[str, Any]:

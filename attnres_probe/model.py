@@ -16,7 +16,6 @@ is the forward that trains. Speed comes from the depth-attention kernels
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,7 +33,9 @@ from attnres_probe.checkpoint_store import load_checkpoint_as, save_checkpoint
 from attnres_probe.config import ModelConfig
 from attnres_probe.depth_rules import DepthWeightedAverage, HyperConnection, expand_streams, reduce_streams
 from attnres_probe.hook_checks import warn_if_non_finite
+from attnres_probe.layers import MLP, Attention, CoefficientRead, DepthMixer, DepthRead, GatedMLP, RMSNorm, Rotary, StaticMixer, make_norm
 from attnres_probe.losses import next_token_loss
+from attnres_probe.rules import implementation
 
 __all__ = [
     "AttnResCache",
@@ -50,333 +51,6 @@ __all__ = [
 
 ReturnType = Literal["logits", "loss", "both", None]
 RETURN_TYPES = ("logits", "loss", "both", None)
-
-
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, computed in float32."""
-
-    def __init__(self, d: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
-
-
-class Rotary(nn.Module):
-    """Rotary position embedding, GPT-NeoX layout (the two halves of each head rotate
-    together, as fla's ``RotaryEmbedding(interleaved=False)``); angles computed in float32."""
-
-    def __init__(self, d_head: int, n_ctx: int, theta: float):
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, dtype=torch.float32) / d_head))
-        angles = torch.outer(torch.arange(n_ctx, dtype=torch.float32), inv_freq)  # (n_ctx, d_head / 2)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [batch, pos, head, d_head] rotated by its position."""
-        P = x.shape[1]
-        cos = self.cos[:P].to(x.dtype).repeat(1, 2)[None, :, None, :]  # (1, P, 1, d_head)
-        sin = self.sin[:P].to(x.dtype).repeat(1, 2)[None, :, None, :]
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class Attention(nn.Module):
-    """Causal multi-head attention through ``F.scaled_dot_product_attention``.
-
-    One projection ``W_QKV`` gives the queries (n_heads), keys and values (n_kv_heads each:
-    grouped-query attention when fewer); optional per-head q/k RMSNorm and rotary positions.
-
-    ``hook_attn_scores`` and ``hook_pattern`` follow TransformerLens: [batch, head, query_pos,
-    key_pos], the scaled scores q.k/sqrt(d_head) (``-inf`` above the diagonal) and their softmax
-    over key positions (0 there; float32 for half-precision inputs). They are computed only while
-    a hook is attached to either (forward or backward); without one the forward is SDPA's and
-    costs nothing more. With one, :meth:`explicit_attention` computes them:
-
-    - hooks that only look (``run_with_cache``, a recorder) leave the output SDPA's, bit for bit
-      the forward without hooks;
-    - a hook that returns changed scores or a changed pattern (or changes them in place) is an
-      intervention: the output is ``pattern @ v`` from what it returns;
-    - a backward hook at either point (``run_with_cache(incl_bwd=True)``) needs the pattern in
-      the graph: the output is ``pattern @ v``, equal to SDPA's within rounding (a test bounds it).
-    """
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-        inner, kv = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
-        self.W_QKV = nn.Linear(cfg.d_model, inner + 2 * kv, bias=cfg.qkv_bias)
-        self.W_O = nn.Linear(inner, cfg.d_model, bias=False)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.d_head, cfg.qk_norm_eps)
-            self.k_norm = RMSNorm(cfg.d_head, cfg.qk_norm_eps)
-        self.rotary = Rotary(cfg.d_head, cfg.n_ctx, cfg.rope_theta) if cfg.positional == "rope" else None
-        self.hook_q = HookPoint()  # [batch, pos, head, d_head] (after the q/k norm, before rotary)
-        self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
-        self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
-        self.hook_attn_scores = HookPoint()  # [batch, head, query_pos, key_pos] scaled q.k (-inf where masked; computed only when hooked)
-        self.hook_pattern = HookPoint()  # [batch, head, query_pos, key_pos] softmax over key positions (0 where masked; only when hooked)
-        self.hook_z = HookPoint()  # [batch, pos, head, d_head] attention output per head, before W_O
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, P, _ = x.shape
-        H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
-        q, k, v = self.W_QKV(x).split([H * dh, Hkv * dh, Hkv * dh], dim=-1)
-        q, k, v = q.view(B, P, H, dh), k.view(B, P, Hkv, dh), v.view(B, P, Hkv, dh)  # (B, P, heads, dh)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, P, dh)
-        z = self.explicit_attention(q, k, v, sdpa_unless_changed=True) if self.patterns_hooked else None
-        if z is None:
-            z = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
-        z = self.hook_z(z.transpose(1, 2))  # (B, P, H, dh)
-        return self.W_O(z.reshape(B, P, H * dh))
-
-    @property
-    def patterns_hooked(self) -> bool:
-        """Whether a hook (forward or backward) is attached to ``hook_attn_scores`` or ``hook_pattern``."""
-        return any(bool(hp._forward_hooks or hp._backward_hooks) for hp in (self.hook_attn_scores, self.hook_pattern))
-
-    def explicit_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_unless_changed: bool = False
-    ) -> torch.Tensor | None:
-        """Causal attention computed step by step through ``hook_attn_scores`` and ``hook_pattern``.
-
-        q [batch, head, pos, d_head], k and v [batch, kv_head, pos, d_head] (after rotary);
-        returns z [batch, head, pos, d_head] from the pattern the hooks return. With
-        ``sdpa_unless_changed`` it returns None instead when the hooks changed neither the scores
-        nor the pattern and no backward hook is attached to either (the caller then uses SDPA).
-        """
-        B, H, P, dh = q.shape
-        Hkv = k.shape[1]
-        if Hkv != H:  # grouped-query attention: query head h reads kv head h // (H / Hkv), as SDPA's enable_gqa
-            k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
-        dtype = kernels.compute_dtype(q)  # float32 (float64 for float64 inputs)
-        causal = torch.full((P, P), float("-inf"), dtype=dtype, device=q.device).triu(1)  # 0 on and below the diagonal
-        # scores = q.k / sqrt(d_head) + causal, in one op ([batch * head, query, key])
-        scores = torch.baddbmm(causal.expand(B * H, P, P), q.to(dtype).flatten(0, 1), k.to(dtype).flatten(0, 1).transpose(1, 2),
-                               alpha=1.0 / math.sqrt(dh)).view(B, H, P, P)
-        version = scores._version
-        scores_h = self.hook_attn_scores(scores)
-        changed = scores_h is not scores or scores._version != version
-        pattern = torch.softmax(scores_h, dim=-1)
-        if changed:  # a hook's scores may mask a whole row: 0 there, not NaN
-            pattern = torch.where(torch.isnan(pattern), torch.zeros_like(pattern), pattern)
-        version = pattern._version
-        pattern_h = self.hook_pattern(pattern)
-        changed = changed or pattern_h is not pattern or pattern._version != version
-        graph = self.hook_attn_scores._backward_hooks or self.hook_pattern._backward_hooks
-        if sdpa_unless_changed and not changed and not graph:
-            return None  # the hooks only looked: the output stays SDPA's, bit for bit
-        return torch.matmul(pattern_h.to(v.dtype), v)
-
-
-class MLP(nn.Module):
-    """d_model -> d_mlp -> GELU -> d_model, with biases."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.W_in = nn.Linear(cfg.d_model, cfg.d_mlp)
-        self.W_out = nn.Linear(cfg.d_mlp, cfg.d_model)
-        self.hook_post = HookPoint()  # [batch, pos, d_mlp] after the GELU
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.W_out(self.hook_post(F.gelu(self.W_in(x))))
-
-
-class GatedMLP(nn.Module):
-    """SwiGLU: ``W_out(silu(W_gate x) * W_in x)``, no biases (Llama's, fla's ``GatedMLP``)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.W_gate = nn.Linear(cfg.d_model, cfg.d_mlp, bias=False)
-        self.W_in = nn.Linear(cfg.d_model, cfg.d_mlp, bias=False)
-        self.W_out = nn.Linear(cfg.d_mlp, cfg.d_model, bias=False)
-        self.hook_post = HookPoint()  # [batch, pos, d_mlp] after the gate
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.W_out(self.hook_post(F.silu(self.W_gate(x)) * self.W_in(x)))
-
-
-class DepthRead(nn.Module):
-    """What every read of a depth-mixing rule shows its hooks: the read's weights over the common
-    source axis (``hook_weights``, [batch, pos, n_sources], 0 in the columns the read cannot see)
-    and the contribution shares of the mixture (``hook_contrib``, computed only while a hook is
-    attached there). :attr:`visible` is the number of columns the read sees (the first ``visible``).
-
-    A hook that returns changed weights (or changes them in place) is an intervention: the read
-    becomes ``sum_i w_i v_i`` over the visible columns, with the weights **as given** (not
-    renormalised). Values written into unseen columns are ignored.
-    """
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.n_src = cfg.n_sources
-        self.visible = self.n_src  # columns this read sees (the model sets it per read)
-        self.hook_weights = HookPoint()  # [batch, pos, n_sources] depth weights (0 where unavailable)
-        self.hook_contrib = HookPoint()  # [batch, pos, n_sources] contribution shares (0 where unavailable; computed only when hooked)
-
-    @property
-    def hooked(self) -> bool:
-        """Whether a hook (forward or backward) is attached to this read's weights or shares."""
-        return any(bool(hp._forward_hooks or hp._backward_hooks) for hp in (self.hook_weights, self.hook_contrib))
-
-    def on_axis(self, t: torch.Tensor, fill: float) -> torch.Tensor:
-        """A read's [..., k] weights, logits or shares on the common source axis [..., n_src]:
-        the columns past k hold ``fill`` (0; -inf for logits)."""
-        return F.pad(t, (0, self.n_src - t.shape[-1]), value=fill)
-
-    def observe_weights(
-        self,
-        sources: Sequence[torch.Tensor],
-        mix: torch.Tensor,
-        weights: torch.Tensor,
-        contrib: torch.Tensor | None = None,
-        changed: bool = False,
-    ) -> torch.Tensor:
-        """Show ``weights`` [batch, pos, n_src] to ``hook_weights``; return the mixture the read
-        uses: ``mix`` unless a hook changed the weights (or ``changed``), then ``sum_i w_i v_i``
-        over the k = len(sources) visible columns. Shares go to ``hook_contrib`` when it is hooked
-        (``contrib``, if given and still valid, else computed here)."""
-        k = len(sources)
-        version = weights._version
-        weights_h = self.hook_weights(weights)
-        changed = changed or weights_h is not weights or weights._version != version
-        if changed:
-            w = weights_h[..., :k]
-            w = w.to(kernels.compute_dtype(sources[0], w))
-            mix = kernels.weighted_sum(w, list(sources), w.dtype).to(mix.dtype)
-            contrib = None  # shares computed before the intervention describe the old mixture
-        if self.hook_contrib._forward_hooks:
-            if contrib is None:
-                contrib = self.on_axis(kernels.contribution_shares(sources, mix, weights_h[..., :k]), 0.0)
-            self.hook_contrib(contrib)
-        return mix
-
-
-class CoefficientRead(DepthRead):
-    """One read of a rule whose reads are linear in the sources with coefficients that are not a
-    softmax (Hyper-Connections / mHC, DenseFormer): ``hook_weights`` shows the **coefficients**
-    c_i of ``h = sum_i c_i v_i`` (docs/depth_rules.md: they need not be non-negative nor sum to
-    one; PreNorm's would all be one). The model computes them only while a hook is attached to a
-    read's weights or shares; the read itself is computed by the rule (streams, averages), and a
-    hook that changes the weights rebuilds it from them (:meth:`DepthRead.observe_weights`).
-
-    Hyper-Connections keep the sublayer's :class:`~attnres_probe.depth_rules.HyperConnection`
-    here (``hc``); the final read and DenseFormer's reads have no parameters.
-    """
-
-    def __init__(self, cfg: ModelConfig, hc: nn.Module | None = None):
-        super().__init__(cfg)
-        if hc is not None:
-            self.hc = hc
-
-    def observe(self, sources: Sequence[torch.Tensor], mix: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
-        """``coefficients`` [batch, pos, n_src] (0 past the visible columns) to the hooks; the read."""
-        return self.observe_weights(sources, mix, coefficients)
-
-
-class DepthMixer(DepthRead):
-    """One AttnRes read: softmax over depth sources scored by a learned pseudo-query.
-
-    Parameters: ``query`` [d_model], zero-initialised (uniform weights at init), and
-    ``norm.weight`` [d_model], the key RMSNorm gain (ones). The gain is folded into the query
-    inside the op: ``(w * gain) . v / rms(v)``.
-
-    Hooks, all [batch, pos, n_src] on the common source axis, masked as TransformerLens masks an
-    attention pattern: ``hook_logits`` (the op's own logits; ``-inf`` in the columns this read
-    cannot see), ``hook_weights`` and ``hook_contrib`` (0 there). :attr:`visible` is the number
-    of columns the read sees (the first ``visible``); traces and charts show the unseen columns
-    as NaN ("unavailable"), not 0.
-
-    A hook that returns changed logits or weights is an intervention: the mixture is recomputed
-    from them (changed logits are softmaxed first, over the visible columns). Weights a hook
-    returns are used **as given**: the mixture is ``sum_i w_i v_i`` over the visible columns,
-    not renormalised, so a hook that zeroes a source and wants a distribution divides by the
-    row's sum itself (``w / w.sum(-1, keepdim=True)``: the masked zeros do not disturb it), and
-    one that scales every weight by 2 doubles the read. Values a hook writes into unseen
-    columns are ignored. ``hook_contrib`` shows each source's share of the mixture the read
-    finally used, ``w_i <v_i, h> / |h|^2``; the op computes the shares only while a hook is
-    attached there (an observation: its return value is ignored).
-    """
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        self.eps = cfg.norm_eps
-        self.query = nn.Parameter(torch.zeros(cfg.d_model))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)  # only .weight is used: the key gain
-        self.hook_logits = HookPoint()  # [batch, pos, n_sources] depth scores (-inf where unavailable)
-        # hook_weights: the softmax depth weights; hook_contrib: the shares (DepthRead)
-
-    @property
-    def folded_query(self) -> torch.Tensor:
-        """query * gain, [d_model]."""
-        return self.query * self.norm.weight
-
-    def forward(
-        self,
-        sources: Sequence[torch.Tensor],
-        inv_rms_cache: Sequence[torch.Tensor] | None = None,
-        backend: str | None = None,
-    ) -> torch.Tensor:
-        """Mix ``sources`` (k tensors [batch, pos, d], columns 0..k-1) into [batch, pos, d].
-
-        ``inv_rms_cache``: each source's 1/rms, reused across reads by the reference backend.
-        ``backend``: the backend the model resolved for this forward (None: resolve here).
-        """
-        want_contrib = bool(self.hook_contrib._forward_hooks)
-        # a backend the model resolved for this forward (its sources match): its implementation, unchecked
-        op = kernels.depth_attn if backend is None else kernels.implementation("depth_attn", backend)
-        mix, lse, weights, logits, *contrib = op(
-            sources,
-            self.query,
-            self.norm.weight,
-            self.eps,
-            return_weights=True,
-            inv_rms_cache=inv_rms_cache,
-            return_logits=True,
-            return_contrib=want_contrib,
-            width=self.n_src,  # rows of the common source axis, as the hooks show them
-        )
-        return self.observe(sources, mix, logits, weights, contrib[0] if contrib else None)
-
-    def observe(
-        self,
-        sources: Sequence[torch.Tensor],
-        mix: torch.Tensor,
-        logits: torch.Tensor,
-        weights: torch.Tensor,
-        contrib: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Show the op's logits and weights to the hooks; recompute the mixture if they changed them.
-
-        Args:
-            sources: the k sources the op mixed.
-            mix: [batch, pos, d] the op's mixture.
-            logits: [batch, pos, n_src] the op's logits on the common source axis (-inf past k).
-            weights: [batch, pos, n_src] the op's weights (0 past k).
-            contrib: [batch, pos, n_src] the op's contribution shares, if it computed them
-                (else they are computed here when ``hook_contrib`` has a hook).
-
-        Returns:
-            The mixture the read uses, [batch, pos, d].
-        """
-        k = len(sources)
-        version = logits._version
-        logits_h = self.hook_logits(logits)
-        changed = logits_h is not logits or logits._version != version
-        if changed:
-            z = logits_h[..., :k]
-            w = torch.softmax(z.to(kernels.compute_dtype(z)), dim=-1).to(weights.dtype)
-            weights = self.on_axis(w, 0.0)
-            contrib = None
-        return self.observe_weights(sources, mix, weights, contrib, changed=changed)
 
 
 def hyper_connection(cfg: ModelConfig, sublayer: int) -> HyperConnection:
@@ -405,13 +79,18 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
-        self.ln1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ln1 = make_norm(cfg, cfg.d_model)
         self.attn = Attention(cfg)
-        self.ln2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ln2 = make_norm(cfg, cfg.d_model)
         self.mlp = GatedMLP(cfg) if cfg.mlp == "swiglu" else MLP(cfg)
-        if cfg.residual in ("full", "block"):
-            self.attn_res = DepthMixer(cfg)
-            self.mlp_res = DepthMixer(cfg)
+        rule = implementation(cfg.residual)
+        if rule is not None:  # a rule of attnres_probe.rules builds its own reads
+            self.attn_res = rule.make_read(cfg, 2 * index)
+            self.mlp_res = rule.make_read(cfg, 2 * index + 1)
+        elif cfg.residual in ("full", "block"):
+            mixer = StaticMixer if cfg.static_routing else DepthMixer
+            self.attn_res = mixer(cfg)
+            self.mlp_res = mixer(cfg)
         elif cfg.residual == "hyper":
             self.attn_res = CoefficientRead(cfg, hyper_connection(cfg, 2 * index))
             self.mlp_res = CoefficientRead(cfg, hyper_connection(cfg, 2 * index + 1))
@@ -480,6 +159,8 @@ class AttnResTransformer(HookedRootModule):
             kernels.requested_backend(backend)  # an unknown name is refused here, not at the first forward
         if schedule is not None and schedule not in SCHEDULES:
             raise ValueError(f"schedule is {schedule!r}; accepted values are {', '.join(SCHEDULES)} (or None)")
+        if schedule == "two_phase" and cfg.static_routing:
+            raise ValueError("schedule='two_phase' scores queries against keys; a static-routing model has none (pass None)")
         if schedule is not None and cfg.residual != "block":
             raise ValueError(f"schedule={schedule!r} applies to Block AttnRes only; this model's residual is {cfg.residual!r} (pass None)")
         self.cfg = cfg
@@ -496,14 +177,17 @@ class AttnResTransformer(HookedRootModule):
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
         self.blocks = nn.ModuleList([TransformerBlock(cfg, i) for i in range(cfg.n_layers)])
-        if cfg.residual in ("full", "block"):
-            self.out_res = DepthMixer(cfg)
+        self._rule = implementation(cfg.residual)
+        if self._rule is not None:
+            self.out_res = self._rule.make_final(cfg)
+        elif cfg.residual in ("full", "block"):
+            self.out_res = StaticMixer(cfg) if cfg.static_routing else DepthMixer(cfg)
         elif cfg.residual in ("hyper", "denseformer"):
             self.out_res = CoefficientRead(cfg)  # hyper: the sum of the streams; denseformer: z_n
         if cfg.residual == "denseformer":
             self.dwa = DepthWeightedAverage(cfg.n_layers, cfg.dwa_dilation, cfg.dwa_period)
         self.hook_resid_final = HookPoint()  # [batch, pos, d_model] the final mixed input, before ln_final
-        self.ln_final = RMSNorm(d, cfg.norm_eps)
+        self.ln_final = make_norm(cfg, d)
         if not cfg.tie_embeddings:
             self.W_U = nn.Parameter(torch.empty(d, cfg.d_vocab))
         for mixer, k in zip(self.mixers, self.axis.counts):
@@ -528,7 +212,10 @@ class AttnResTransformer(HookedRootModule):
                     nn.init.normal_(block.mlp.W_gate.weight, 0.0, std, generator=g)
                 nn.init.normal_(block.mlp.W_in.weight, 0.0, std, generator=g)
                 nn.init.normal_(block.mlp.W_out.weight, 0.0, out_std, generator=g)
-                for bias in (block.attn.W_QKV.bias, block.mlp.W_in.bias, block.mlp.W_out.bias):
+                if hasattr(block.attn, "W_G"):
+                    nn.init.normal_(block.attn.W_G.weight, 0.0, std, generator=g)
+                for bias in (block.attn.W_QKV.bias, block.attn.W_O.bias, getattr(block.attn, "W_G", block.attn.W_O).bias,
+                             getattr(block.mlp, "W_gate", block.mlp.W_in).bias, block.mlp.W_in.bias, block.mlp.W_out.bias):
                     if bias is not None:
                         nn.init.zeros_(bias)
             if not cfg.tie_embeddings:
@@ -537,7 +224,7 @@ class AttnResTransformer(HookedRootModule):
                 if isinstance(m, RMSNorm):
                     m.weight.fill_(1.0)
                 if isinstance(m, DepthMixer):
-                    m.query.zero_()
+                    m.reset_depth()
 
     # -- labels and bookkeeping (the source axis answers) ---------------------------------
     @property
@@ -583,6 +270,12 @@ class AttnResTransformer(HookedRootModule):
         if self.cfg.residual == "prenorm":
             return []
         return [*(b.mixer(w) for b in self.blocks for w in (0, 1)), self.out_res]
+
+    def native_source_labels(self) -> list[list[str]] | None:
+        """Per read, the labels of the rule's own sources (rules of :mod:`attnres_probe.rules` that keep
+        native weights), else None."""
+        labels = getattr(self._rule, "native_source_labels", None)
+        return labels(self.cfg) if labels is not None else None
 
     @property
     def device(self) -> torch.device:
@@ -672,9 +365,9 @@ class AttnResTransformer(HookedRootModule):
     def resolve(self, v0: torch.Tensor) -> tuple[str, str]:
         """(backend, schedule) for a forward on tensors like ``v0``: the backend as
         :func:`~attnres_probe.kernels.resolve_backend` picks it for their device and dtype,
-        and the Block schedule (None: two-phase on Triton, else sequential)."""
+        and the Block schedule (None: two-phase on Triton, else sequential; static routing: sequential)."""
         backend = kernels.resolve_backend(v0.device, self.backend, dtypes=(v0.dtype,), d=self.cfg.d_model)
-        schedule = self.schedule or ("two_phase" if backend == "triton" else "sequential")
+        schedule = self.schedule or ("two_phase" if backend == "triton" and not self.cfg.static_routing else "sequential")
         return backend, schedule
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -704,7 +397,9 @@ class AttnResTransformer(HookedRootModule):
         if return_type in ("loss", "both") and tokens.shape[1] < 2:
             raise ValueError("the loss needs at least two tokens (it predicts token t+1 from tokens <= t)")
         v0 = self.embed(tokens)  # (B, P, d)
-        if self.cfg.residual == "prenorm":
+        if self._rule is not None:
+            h = self._rule.forward(self, v0)
+        elif self.cfg.residual == "prenorm":
             h = self._forward_prenorm(v0)
         elif self.cfg.residual == "hyper":
             h = self._forward_hyper(v0)
@@ -950,7 +645,7 @@ class AttnResTransformer(HookedRootModule):
     def extra_repr(self) -> str:
         c = self.cfg
         extra = f", blocks={c.block_starts}" if c.residual == "block" else ""
-        if c.residual in ("hyper", "denseformer"):
+        if c.residual in ("hyper", "denseformer") or self._rule is not None:
             extra = f", rule={c.rule_label!r}"
         if c.positional == "rope" or c.mlp != "gelu" or c.n_kv_heads != c.n_heads or c.tie_embeddings:
             extra += f", positional={c.positional!r}, mlp={c.mlp!r}, n_kv_heads={c.n_kv_heads}, tied={c.tie_embeddings}"

@@ -178,6 +178,7 @@ class Probe:
                 grads = {id(p): g for p, g in zip(params, got) if g is not None}
         rec.finish()
         arrays = {k: v.detach().cpu().numpy() for k, v in rec.arrays().items()}
+        native = {k: v.cpu().numpy() for k, v in rec.native_arrays().items()}
         L = spec.n_sublayers
         param_grad = np.full(L, np.nan, np.float32)
         mixer_grad = np.full(L + 1, np.nan, np.float32)
@@ -203,6 +204,7 @@ class Probe:
             mixer_grad=mixer_grad,
             meta=meta,
             patterns=pat.result().numpy() if patterns else None,
+            native=native or None,
             **arrays,
         )
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from attnres_probe.axis import COEFFICIENT_RULES
 from attnres_probe.hooks.spec import ModelSpec
 
 __all__ = ["Recorder", "RecorderError"]
@@ -61,7 +62,8 @@ class Recorder:
         # shares from the sources' Gram matrix once the last read is known (PreNorm; Hyper-Connections and
         # DenseFormer, whose reads are linear in the sources with the recorded coefficients): one batched
         # product instead of a dot product per source and read (what the mixers' share hooks would do)
-        self._gram = bool(contributions) and spec.residual in ("prenorm", "hyper", "denseformer")
+        self._gram = bool(contributions) and spec.residual in COEFFICIENT_RULES
+        self._native: dict[str, dict[int, torch.Tensor]] = {}
         self._reset_stream()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -89,6 +91,10 @@ class Recorder:
         if spec.logit_hooks:
             for r, name in enumerate(spec.logit_hooks):
                 plan.append((name, self._make(self._on_logits, r)))
+        for key, names in spec.native_hooks.items():
+            for r, name in enumerate(names):
+                if name is not None:
+                    plan.append((name, self._make(self._native_into(key), r)))
         if self.contributions and spec.contrib_hooks and not self._gram:
             for r, name in enumerate(spec.contrib_hooks):
                 plan.append((name, self._make(self._on_contrib, r)))
@@ -167,6 +173,7 @@ class Recorder:
     # -- hooks ---------------------------------------------------------------------------
     def _on_embed(self, x: torch.Tensor) -> None:
         self._reset_stream()
+        self._native = {}
         self._alloc(x)
         self._tok = x
         self._grad_norm_into("grad_out", 0, x)  # source 0 is tok (+ pos): the same gradient
@@ -187,6 +194,26 @@ class Recorder:
         self._arrays["depth_weights"][:, :, r, :k] = w[..., :k].float()
         if self._gram and r == self.spec.n_sublayers and len(self._sources) == k:
             self._gram_contributions()  # the final read's coefficients: every source and weight is known
+
+    def _native_into(self, key: str):
+        def store(r: int, t: torch.Tensor) -> None:
+            self._native.setdefault(key, {})[r] = t.detach().float().clone()
+        return store
+
+    def native_arrays(self) -> dict[str, torch.Tensor]:
+        """The rule's own weights per name, [batch, pos, reads, width] with NaN past each read's sources
+        (reads without them are NaN rows); empty when the rule keeps none."""
+        self.raise_if_failed()
+        out = {}
+        for key, per_read in self._native.items():
+            R = len(self.spec.native_hooks[key])
+            first = next(iter(per_read.values()))
+            width = max(t.shape[-1] for t in per_read.values())
+            arr = torch.full((*first.shape[:2], R, width), float("nan"), device=first.device)
+            for r, t in per_read.items():
+                arr[:, :, r, : t.shape[-1]] = t
+            out[key] = arr
+        return out
 
     def _on_logits(self, r: int, z: torch.Tensor) -> None:
         k = self.counts[r]

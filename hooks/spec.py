@@ -62,6 +62,9 @@ class ModelSpec:
     contrib_hooks: list[str] | None = None
     pos_embed: bool = True  # source 0 = hook_embed + hook_pos_embed (False: hook_embed alone, rotary models)
     pattern_hooks: list[str] | None = None
+    # a rule's own weights kept beside the common axis (rules of attnres_probe.rules): name -> per read,
+    # the read's hook_native_<name> (None where a read has none)
+    native_hooks: dict[str, list[str | None]] = field(default_factory=dict)
 
     @property
     def residual(self) -> str:
@@ -126,9 +129,31 @@ def _spec_attnres(model, name: str | None) -> ModelSpec:
         d_vocab=cfg.d_vocab,
         pos_embed=cfg.positional != "rope",
         pattern_hooks=[b.attn.hook_pattern.name for b in blocks],
+        native_hooks=_native_hooks(cfg.residual, mixers),
     )
     spec.meta = _meta(spec, name or cfg.residual, cfg.to_dict(), model)
+    if spec.native_hooks:
+        from attnres_probe.rules import RULES
+
+        spec.meta["native"] = dict(RULES[cfg.residual].native)
+        labels = getattr(model, "native_source_labels", None)
+        if callable(labels):
+            spec.meta["native_sources"] = labels()
     return spec
+
+
+def _native_hooks(residual: str, mixers: list[nn.Module]) -> dict[str, list[str | None]]:
+    from attnres_probe.rules import RULES
+
+    info = RULES.get(residual)
+    if info is None:
+        return {}
+    out = {}
+    for key in info.native:
+        hooks = [getattr(getattr(m, f"hook_native_{key}", None), "name", None) for m in mixers]
+        if any(hooks):
+            out[key] = hooks
+    return out
 
 
 def _spec_foreign(model: nn.Module, name: str | None) -> ModelSpec:

@@ -160,7 +160,9 @@ def fuzz_checkpoint(src: Path, data, work: Path):
 def fuzz_fla_config(src: Path, data, work: Path):
     import warnings
 
-    from attnres_probe.pretrained import PretrainedError, _expected, config_from_fla
+    from attnres_probe.families.fla import config as config_from_fla
+    from attnres_probe.families.fla import expected as _expected
+    from attnres_probe.pretrained import PretrainedError
 
     doc = mutate_json(json.loads((src / "config.json").read_text()), data)
     try:

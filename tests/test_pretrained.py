@@ -159,7 +159,7 @@ def _edit_config(directory, **changes):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"model_type": "gated_deltanet"}, "model_type is 'gated_deltanet'; load_pretrained reads fla 'transformer' checkpoints"),
+        ({"model_type": "gated_deltanet"}, "model_type is 'gated_deltanet' .*, which attnres-probe does not build; supported families: flash-linear-attention 'transformer' .*Qwen3-AttnRes .*nanogpt"),
         ({"attnres_block_size": 3}, "'attnres_block_size' = 3; fla accepts None .* or an even number"),
         ({"window_size": 8}, "'window_size' = 8 .* not supported"),
         ({"hidden_size": 32}, "config/weights mismatch"),

@@ -25,9 +25,15 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    """Built from a copy of the tree (setuptools' build/ folder in a checkout could hold stale modules)."""
+    import shutil
+
     out = tmp_path_factory.mktemp("wheel")
+    src = tmp_path_factory.mktemp("tree") / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
+                                                              ".pytest_cache", "study_models", ".demo-work", "out"))
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           "-w", str(out), str(ROOT)], capture_output=True, text=True, timeout=600)
+                           "-w", str(out), str(src)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (path,) = out.glob("attnres_probe-*.whl")
     return path
