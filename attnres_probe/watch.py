@@ -37,13 +37,12 @@ import torch
 import torch.nn.functional as F
 
 from attnres_probe.axis import SourceAxis
+from attnres_probe.depth_rules.watch_streams import WatchError, is_stream_model, watch_streams  # WatchError lives there: both raise it
 from attnres_probe.model import AttnResTransformer
 
 __all__ = ["WatchError", "WatchSession", "watch"]
 
 
-class WatchError(RuntimeError):
-    """The watched model did something the recorder could not follow (the message says what)."""
 
 
 WATCH_ACCEPTS = (
@@ -337,7 +336,6 @@ def watch(model: Any, tokenizer: Any = None, name: str | None = None) -> Iterato
         WatchError: the model has no AttnRes, or fla is not installed.
     """
     check_watchable(model)
-    from attnres_probe.depth_rules.watch_streams import is_stream_model, watch_streams
 
     if is_stream_model(model):  # DeepSeek-V4's mHC (transformers): recorded at its own modules
         with watch_streams(model, tokenizer, name) as streams:

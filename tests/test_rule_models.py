@@ -378,7 +378,7 @@ def test_a_page_opens_where_weights_depend_on_the_token(rule_traces):
 
 def test_rows_without_a_direction_say_no_verdict_not_half_a_sentence(rule_traces):
     from attnres_probe.analysis.display import comparison_rows, expected_text, held_text
-    from dashboards.cards import glance_table, headline_cards
+    from attnres_probe.dashboards.cards import glance_table, headline_cards
 
     frame = metrics.compare(*rule_traces.values(), n_resamples=50)
     rows = frame[(frame["comparison"] != "value") & frame["model"].isin(["mhc", "denseformer"])]
@@ -416,7 +416,7 @@ def test_the_corpus_heatmap_puts_the_sd_on_the_scale_of_its_colours(rule_traces)
 
 def test_models_of_different_shapes_are_compared_under_a_warning(rule_traces):
     from attnres_probe.analysis.display import readable
-    from reports.builder import render_report
+    from attnres_probe.reports.builder import render_report
 
     text = "Now is the winter of our"
     deeper = Probe(tiny_model(residual="full", n_layers=3), name="deep").run(text, backward=True)

@@ -51,7 +51,12 @@ from torch import nn
 
 from .hyper import StreamWeights, hyper_read_coefficients
 
-__all__ = ["StreamsWatch", "is_stream_model", "watch_streams"]
+__all__ = ["StreamsWatch", "WatchError", "is_stream_model", "watch_streams"]
+
+
+class WatchError(RuntimeError):
+    """The watched model did something the recorder could not follow (the message says what);
+    :func:`attnres_probe.watch` raises it for every family it records."""
 
 HC_PARTS = ("hc_mult", "fn", "base", "scale", "input_norm", "hc_eps", "hc_sinkhorn_iters")
 HEAD_PARTS = ("hc_fn", "hc_base", "hc_scale", "input_norm", "eps")
@@ -181,8 +186,6 @@ class StreamsWatch:
 
     # -- results -----------------------------------------------------------------------------
     def _checked(self) -> None:
-        from attnres_probe.watch import WatchError
-
         if self.error is not None:
             raise WatchError(self.error)
         L = 2 * self.n_layers
@@ -280,8 +283,6 @@ def watch_streams(model: nn.Module, tokenizer: Any = None, name: str | None = No
     Raises:
         WatchError: the model does not follow the contract (the message names what is missing).
     """
-    from attnres_probe.watch import WatchError
-
     missing = check_stream_model(model)
     if missing:
         raise WatchError(f"{type(model).__name__} does not follow DeepSeek-V4's hyper-connection contract; it lacks "
