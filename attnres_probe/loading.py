@@ -63,16 +63,20 @@ def folder_source(directory: str | Path, flag: str, error: type[Exception] = Not
     return str(check_model_folder(directory, flag, error).resolve())
 
 
-def load_model_folder(directory: str | Path, device: Any = "cpu"):
+def load_model_folder(directory: str | Path, device: Any = "cpu", dtype: Any = None):
     """(model, tokenizer) from a model folder of either kind: one of ours (written by
-    ``AttnResTransformer.save`` or ``attnres-probe train``; tokenizer None, so bytes) or an fla
-    checkpoint (:func:`~attnres_probe.load_pretrained`, with its tokenizer)."""
+    ``AttnResTransformer.save`` or ``attnres-probe train``; tokenizer None, so bytes) or a checkpoint
+    of a family from elsewhere (:func:`~attnres_probe.load_pretrained`, with its tokenizer). ``dtype``
+    None: float32."""
+    import torch
+
     from attnres_probe.model import AttnResTransformer
     from attnres_probe.pretrained import is_fla_folder, load_pretrained
 
     if is_fla_folder(directory):
-        return load_pretrained(directory, device=device)
-    return AttnResTransformer.load(directory, device=device).eval(), None
+        return load_pretrained(directory, device=device, dtype=dtype or torch.float32)
+    model = AttnResTransformer.load(directory, device=device).eval()
+    return (model if dtype is None else model.to(dtype)), None
 
 
 @dataclass
@@ -104,7 +108,7 @@ class LoadedModel:
         return Probe(self.model, tokenizer=self.tokenizer, name=name or self.name)
 
 
-def load_model(source: str | Path, *, flag: str | None = None, device: Any = "cpu") -> LoadedModel:
+def load_model(source: str | Path, *, flag: str | None = None, device: Any = None, dtype: Any = None) -> LoadedModel:
     """Load the model ``source`` names: ``demo:<name>`` or a model folder (ours or an fla checkpoint).
 
     Args:
@@ -112,20 +116,26 @@ def load_model(source: str | Path, *, flag: str | None = None, device: Any = "cp
         flag: the command-line flag that gave a folder (``--model``, ``--models``): a path that is
             not a folder is refused with :func:`not_a_model_folder`'s message (NotADirectoryError)
             before anything is read. Without it, the loaders' own errors stand.
-        device: where to put the weights.
+        device, dtype: where and in which dtype to put the weights (None: the placement the command
+            set with ``--device`` / ``--dtype``, :func:`attnres_probe.placement.current`; by default
+            the CPU and the model's own float32).
 
     Raises:
         ValueError: an unknown demo name; a folder that is not a model (the loaders' messages).
         FileNotFoundError: a demo model missing from this installation.
         NotADirectoryError: with ``flag``, a path that is not a folder.
     """
+    from attnres_probe.placement import current
+
+    device = current().device if device is None else device
+    dtype = current().dtype if dtype is None else dtype
     if isinstance(source, str) and source.startswith(DEMO_SOURCE):
         from attnres_probe.demo import load_demo
 
         name = source[len(DEMO_SOURCE):]
         model, _ = load_demo(name, device=device)
-        return LoadedModel(model, None, name, source)
+        return LoadedModel(model if dtype is None else model.to(dtype), None, name, source)
     if flag is not None:
         check_model_folder(source, flag)
-    model, tokenizer = load_model_folder(source, device=device)
+    model, tokenizer = load_model_folder(source, device=device, dtype=dtype)
     return LoadedModel(model, tokenizer, Path(source).name or model.cfg.residual, str(source))

@@ -147,9 +147,12 @@ def measure_run(folder: str | Path, model_name: str, windows: torch.Tensor, play
         ``window`` column: each row's index into ``windows``).
     """
     from attnres_probe.model import AttnResTransformer
+    from attnres_probe.placement import current
     from attnres_probe.probe import Probe
 
-    model = AttnResTransformer.load(folder, backend=backend).eval()
+    model = AttnResTransformer.load(folder, backend=backend, device=current().device).eval()  # study --device
+    if current().dtype is not None:
+        model = model.to(current().dtype)
     probe = Probe(model, name=model_name)
     by_play: dict[str, Any] = {}
     order = list(dict.fromkeys(plays))

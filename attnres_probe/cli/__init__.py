@@ -73,6 +73,16 @@ def build_parser(command: str | None = None, *, every: bool = True) -> argparse.
     return parser
 
 
+def add_placement_args(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype`` for a command that loads models (:mod:`attnres_probe.placement`)."""
+    from attnres_probe.placement import DTYPES
+
+    group = parser.add_argument_group("placement")
+    group.add_argument("--device", default=None, help="torch device to load the models on: cpu (default), cuda, cuda:1 ...")
+    group.add_argument("--dtype", default=None, choices=list(DTYPES),
+                       help="dtype of the weights and the computation (default float32; bfloat16 halves a large model's memory)")
+
+
 def arg_range(kind: str, lo: float, hi: float):
     """An argparse ``type`` for a number flag: ``kind`` "int" or "float", finite, in ``lo``..``hi``;
     a bad value is refused by argparse with the accepted range in the message
@@ -205,7 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        status = int(args.func(args) or 0)
+        from attnres_probe import placement
+
+        with placement.use(getattr(args, "device", None), getattr(args, "dtype", None)):  # --device / --dtype
+            status = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at exit
         return status
     except (UserError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as exc:

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from attnres_probe.cli import arg_range
+from attnres_probe.cli import add_placement_args, arg_range
 from attnres_probe.corpus.run import COMPARISON_FILE, DOCUMENTS_FILE
 from attnres_probe.demo_recipe import DEMO_NAMES
 from attnres_probe.validate import MAX_RESAMPLES
@@ -63,6 +63,7 @@ def add_corpus_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out (running the same command again does too; this flag also refuses to start a new one)")
+    add_placement_args(p)
     p.set_defaults(func=_run_corpus)
     return p
 

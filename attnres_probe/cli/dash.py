@@ -14,8 +14,13 @@ import argparse
 import sys
 import time
 
-from attnres_probe.cli import arg_range, unescape_text
-from attnres_probe.dashboards.defaults import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_THREADS, DEFAULT_TORCH_THREADS
+from attnres_probe.cli import add_placement_args, arg_range, unescape_text
+from attnres_probe.dashboards.defaults import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    DEFAULT_THREADS,
+    DEFAULT_TORCH_THREADS,
+)
 
 __all__ = ["add_dash_parser"]
 
@@ -42,12 +47,15 @@ def add_dash_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--torch-threads", type=arg_range("int", 1, 256), default=DEFAULT_TORCH_THREADS,
                    help="torch intra-op threads (default: %(default)s; more only helps large models on an idle CPU)")
     p.add_argument("--open", action="store_true", help="open a browser tab")
+    add_placement_args(p)
     p.set_defaults(func=_run_dash)
     return p
 
 
 def _run_dash(args: argparse.Namespace) -> int:
-    from attnres_probe.dashboards import serving  # Dash and torch: seconds, so only once the arguments parsed
+    from attnres_probe.dashboards import (
+        serving,  # Dash and torch: seconds, so only once the arguments parsed
+    )
     from attnres_probe.dashboards.app import allowed_hosts_for, create_app
 
     if not 0 < args.port < 65536:

@@ -104,7 +104,10 @@ def _built_steps(folder: Path) -> int | None:
 
 
 def _run_demo_models(args: argparse.Namespace) -> int:
-    from attnres_probe.demo import build_demo_models, ship_run  # torch: only once the arguments parsed
+    from attnres_probe.demo import (  # torch: only once the arguments parsed
+        build_demo_models,
+        ship_run,
+    )
 
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps is {args.steps}; it must be a positive step count")

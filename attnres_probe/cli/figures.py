@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from attnres_probe.cli import UserError, arg_range
+from attnres_probe.cli import UserError, add_placement_args, arg_range
 from attnres_probe.demo_recipe import DEMO_NAMES
 
 __all__ = ["add_figures_parser"]
@@ -60,6 +60,7 @@ def add_figures_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--no-title", action="store_true", help="leave each figure's title out (for a caption instead)")
     p.add_argument("--out", required=True, metavar="DIR", help="the folder to write into (created if missing)")
     p.add_argument("--force", action="store_true", help="replace figures already in --out (default: refuse)")
+    add_placement_args(p)
     p.set_defaults(func=run_figures)
     return p
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from attnres_probe.cli import unescape_text
+from attnres_probe.cli import add_placement_args, unescape_text
 from attnres_probe.demo_recipe import DEMO_NAMES
 from attnres_probe.texts import SHORT_TEXT
 
@@ -139,6 +139,7 @@ def add_record_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder for the trace (Parquet + JSON)")
     p.add_argument("--force", action="store_true", help="replace the trace already saved in --out")
     p.add_argument("--no-backward", action="store_true", help="skip the backward pass (no gradient norms)")
+    add_placement_args(p)
     p.set_defaults(func=_run_record)
     return p
 
@@ -154,5 +155,6 @@ def add_summary_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                     "the largest share).")
     _add_model_args(p)
     p.add_argument("--no-backward", action="store_true", help="skip the backward pass (no gradient norms; allows 1-token texts)")
+    add_placement_args(p)
     p.set_defaults(func=_run_summary)
     return p

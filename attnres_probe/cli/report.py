@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from attnres_probe.cli import UserError, arg_range, unescape_text
+from attnres_probe.cli import UserError, add_placement_args, arg_range, unescape_text
 from attnres_probe.demo_recipe import DEMO_NAMES
 from attnres_probe.validate import MAX_RESAMPLES
 
@@ -72,6 +72,7 @@ def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                    help="also remove each source from each deep read of every model (PreNorm too) and show the loss "
                         "change beside the routing weight (one forward pass per source and read)")
     p.add_argument("--explorer-tokens", type=arg_range("int", 1, 10**6), default=1024, metavar="N", help="tokens in the per-token explorer (default: %(default)s)")
+    add_placement_args(p)
     p.set_defaults(func=run_report)
     return p
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnres_probe.cli import UserError, arg_range
+from attnres_probe.cli import UserError, add_placement_args, arg_range
 from attnres_probe.demo_recipe import DEMO_RULES
 from attnres_probe.study import N_RESAMPLES, N_WINDOWS, SEED, run_seed_study, run_study
 from attnres_probe.validate import MAX_RESAMPLES
@@ -49,6 +49,7 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "than Full and Block get estimates and intervals against PreNorm, no verdict")
     p.add_argument("--seeds", nargs="+", metavar="FOLDER", help="combine the study folders of several seeds of one recipe "
                    "(each the --out of `study --models`) into seeds.md: intervals over seeds and windows")
+    add_placement_args(p)
     p.set_defaults(func=lambda a: _run(a))
     return p
 

@@ -188,3 +188,25 @@ def test_expected_files_name_their_upstream_commit():
         assert f.metadata()["commit"].startswith("7fa43ed")
     with safe_open(str(FIX / "nanogpt" / "dynamic_bs4" / "expected.safetensors"), "pt") as f:
         assert f.metadata()["upstream"].endswith("785492ad3dbb8d4195583e82cc2aed303f2e058a")
+
+
+@pytest.mark.parametrize("variant", ["dynamic_bs4", "dynamic_bs4_l8", "dynamic_bs2_ln_bias_gelu_learned"])
+def test_attnres4babylm_masking_is_reproduced(variant):
+    """The kept sources per read and the masked logits equal what attnres4babylm's masking code gave."""
+    from attnres_probe.masking import masking_hooks, masking_plan
+
+    folder = FIX / "nanogpt" / variant
+    with safe_open(str(folder / "expected.safetensors"), "pt") as f:
+        masks = json.loads(f.metadata()["masks"])
+    exp = load_file(str(folder / "expected.safetensors"))
+    model = _load("nanogpt", variant)
+    modes = {"nonrecent": ("nonrecent", None), "embed": ("embed", None),
+             "random_count_matched.s20260718": ("random", 20260718), "random_count_matched.s20260722": ("random", 20260722)}
+    for key, (which, seed) in modes.items():
+        plan = masking_plan(model.axis, which, **({"seed": seed} if seed else {}))
+        assert [[int(c in kept) for c in range(k)] for kept, k in zip(plan, model.axis.counts)] == masks[key], key
+        with torch.no_grad():
+            ours = model.run_with_hooks(exp["input_ids"], fwd_hooks=masking_hooks(model, which, **({"seed": seed} if seed else {}))).double()
+        ref = exp[f"mask.{key}.logits"].double()
+        bound = 2 * C * U32 * _G(model) * float(ref.abs().max())
+        assert float((ours - ref).abs().max()) <= bound, key
