@@ -17,6 +17,7 @@ Residual = Literal["prenorm", "full", "block", "hyper", "denseformer", "cumulati
 POSITIONALS = ("learned", "sinusoidal", "rope")
 MLPS = ("gelu", "swiglu")
 NORMS = ("rms", "layernorm")
+ROPE_LAYOUTS = ("neox", "interleaved")
 DEFAULT_BLOCK_SIZE = 4
 DYNAMIC_INPUTS = ("stream", "flat")
 # each rule's own fields and their defaults (None in the dataclass: "not this rule's")
@@ -74,6 +75,14 @@ class ModelConfig:
     norm_bias: bool = False  # norm="layernorm": with a bias
     bias: bool | None = None  # None: GELU MLP biased, the rest not; True/False: every attention and MLP Linear
     attn_gate: bool = False  # attention output gate: z * sigmoid(W_G x) before W_O
+    norm_gain: bool = True  # False: the pre-norms, the final norm and the q/k norms are RMSNorms without a gain (no parameters)
+    # True: every RMSNorm (pre-norms, final, q/k, the depth keys) uses torch's default eps, finfo(compute dtype).eps
+    # (F.rms_norm(eps=None): 1.19e-7 in float32/bf16/fp16, 2.2e-16 in float64); norm_eps and qk_norm_eps are then unused
+    eps_from_dtype: bool = False
+    rope_layout: str = "neox"  # rotary pairs: "neox" (the two halves of a head) | "interleaved" (GPT-J: dims 2i, 2i+1)
+    # True: each attention rotates with cos/sin tables kept as buffers of the state dict (blocks.{i}.attn.rotary.cos|sin,
+    # [n_ctx, d_head / 2]) that a checkpoint provides (LR-AttnRes stores bf16-rounded tables and rotates with them)
+    rope_stored_tables: bool = False
     seed: int = 0  # parameter initialisation seed
     init_std: float = 0.02  # std of the attention, MLP and unembedding weights
     embed_std: float = 1.0  # std of the token and learned position embeddings (unit-scale source 0)
@@ -147,8 +156,10 @@ class ModelConfig:
     @property
     def normalization_type(self) -> str:
         """``"RMS"``: every norm is an RMSNorm with a learned gain, not folded into the weights (``"LN"``
-        for ``norm="layernorm"``)."""
-        return "LN" if self.norm == "layernorm" else "RMS"
+        for ``norm="layernorm"``; ``"RMSPre"``, TransformerLens's RMSNorm without a gain, for ``norm_gain=False``)."""
+        if self.norm == "layernorm":
+            return "LN"
+        return "RMS" if self.norm_gain else "RMSPre"
 
     @property
     def attn_only(self) -> bool:
@@ -180,6 +191,19 @@ class ModelConfig:
             raise ConfigError(f"bias must be true, false or null; got {self.bias!r}")
         if self.norm_bias and self.norm != "layernorm":
             raise ConfigError("norm_bias applies to norm='layernorm' only (an RMSNorm has no bias)")
+        for name in ("norm_gain", "eps_from_dtype", "rope_stored_tables"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false; got {getattr(self, name)!r}")
+        if not self.norm_gain and self.norm != "rms":
+            raise ConfigError(f"norm_gain=False applies to norm='rms' only (an RMSNorm without a gain); this config has norm={self.norm!r}")
+        if self.eps_from_dtype and (self.norm != "rms" or self.residual not in ("prenorm", "full", "block")):
+            raise ConfigError(f"eps_from_dtype=True applies to norm='rms' with residual 'prenorm', 'full' or 'block'; this config has "
+                              f"norm={self.norm!r}, residual={self.residual!r}")
+        if self.rope_layout not in ROPE_LAYOUTS:
+            raise ConfigError(f"rope_layout is {self.rope_layout!r}; accepted values are {', '.join(ROPE_LAYOUTS)}")
+        if (self.rope_layout != "neox" or self.rope_stored_tables) and self.positional != "rope":
+            raise ConfigError(f"rope_layout={self.rope_layout!r} / rope_stored_tables={self.rope_stored_tables!r} apply to "
+                              f"positional='rope' only; this config has positional={self.positional!r}")
         if self.static_routing is not False and self.residual != "block":
             raise ConfigError(f"static_routing applies to residual='block' only; this config has residual={self.residual!r}")
         for name in ("qk_norm", "qkv_bias", "tie_embeddings", "norm_bias", "attn_gate", "static_routing"):

@@ -19,53 +19,113 @@ from transformer_lens.hook_points import HookPoint
 import attnres_probe.kernels as kernels  # the top-level kernels/ folder (setup.py's folder map)
 from attnres_probe.config import ModelConfig
 
-__all__ = ["Attention", "CoefficientRead", "DepthMixer", "DepthRead", "GatedMLP", "MLP", "RMSNorm", "Rotary", "StaticMixer", "make_norm"]
+__all__ = ["Attention", "CoefficientRead", "DepthMixer", "DepthRead", "GainlessRMSNorm", "GatedMLP", "MLP", "RMSNorm", "Rotary",
+           "StaticMixer", "dtype_eps", "make_norm", "rms_norm_module"]
+
+
+def dtype_eps(x: torch.Tensor) -> float:
+    """torch's default RMSNorm eps for ``x`` (``F.rms_norm(eps=None)``): ``finfo(compute dtype).eps``,
+    1.19e-7 for float32 and the half types (computed in float32), 2.2e-16 for float64."""
+    return torch.finfo(kernels.compute_dtype(x)).eps
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, computed in float32."""
+    """x / sqrt(mean(x^2) + eps) * weight, computed in float32. ``eps`` None: :func:`dtype_eps` of
+    each input (``cfg.eps_from_dtype``); :attr:`eps` then reads the gain's dtype."""
 
-    def __init__(self, d: int, eps: float):
+    def __init__(self, d: int, eps: float | None):
         super().__init__()
-        self.eps = eps
+        self._eps = eps
         self.weight = nn.Parameter(torch.ones(d))
 
+    @property
+    def eps(self) -> float:
+        return self._eps if self._eps is not None else dtype_eps(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.rms_norm(x, self.weight, self._eps if self._eps is not None else dtype_eps(x))
+
+
+class GainlessRMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) with no learned gain: ``F.rms_norm(x, (d,), eps=eps)`` (``cfg.norm_gain=False``,
+    LR-AttnRes's ``norm``). ``eps`` None is torch's default, :func:`dtype_eps`. No parameters; ``weight`` is a
+    non-persistent buffer of ones (not in the state dict) so that what reads a norm's gain (the logit lens,
+    ``apply_ln_to_stack``) reads 1, and :attr:`eps` is the eps of the model's dtype."""
+
+    def __init__(self, d: int, eps: float | None):
+        super().__init__()
+        self.d, self._eps = d, eps
+        self.register_buffer("weight", torch.ones(d, device="cpu"), persistent=False)  # CPU: real even in a meta-built model
+
+    @property
+    def eps(self) -> float:
+        return self._eps if self._eps is not None else dtype_eps(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (self.d,), eps=self._eps)
+
+
+def rms_norm_module(cfg: ModelConfig, d: int, eps: float) -> nn.Module:
+    """An RMSNorm of width ``d`` as ``cfg`` says: with a gain (:class:`RMSNorm`) unless ``cfg.norm_gain`` is
+    False (:class:`GainlessRMSNorm`), eps ``eps`` unless ``cfg.eps_from_dtype`` (then torch's default)."""
+    e = None if cfg.eps_from_dtype else eps
+    return RMSNorm(d, e) if cfg.norm_gain else GainlessRMSNorm(d, e)
 
 
 def make_norm(cfg: ModelConfig, d: int) -> nn.Module:
-    """The model's pre-norms and final norm: :class:`RMSNorm` (``cfg.norm="rms"``) or a LayerNorm with a
-    gain and, with ``cfg.norm_bias``, a bias (``"layernorm"``), eps ``cfg.norm_eps``."""
+    """The model's pre-norms and final norm: an RMSNorm (``cfg.norm="rms"``: :func:`rms_norm_module`, eps
+    ``cfg.norm_eps``) or a LayerNorm with a gain and, with ``cfg.norm_bias``, a bias (``"layernorm"``)."""
     if cfg.norm == "layernorm":
         return nn.LayerNorm(d, eps=cfg.norm_eps, bias=cfg.norm_bias)
-    return RMSNorm(d, cfg.norm_eps)
+    return rms_norm_module(cfg, d, cfg.norm_eps)
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding, GPT-NeoX layout (the two halves of each head rotate
-    together, as fla's ``RotaryEmbedding(interleaved=False)``). The angles' cosines and sines are
-    computed once in float64 and kept out of the module's buffers (so ``model.to(dtype)`` never
-    rounds them): each forward takes them rounded once to its own dtype, so a float64 model rotates
-    in float64 and a float32 one within an ulp of a float32 table."""
+    """Rotary position embedding. ``layout="neox"`` (the default): GPT-NeoX's, the two halves of each
+    head rotate together, as fla's ``RotaryEmbedding(interleaved=False)``; ``"interleaved"``: GPT-J's,
+    dims (2i, 2i+1) form pair i (LR-AttnRes).
 
-    def __init__(self, d_head: int, n_ctx: int, theta: float):
+    By default the angles' cosines and sines are computed once in float64 and kept out of the
+    module's buffers (so ``model.to(dtype)`` never rounds them): each forward takes them rounded
+    once to its own dtype, so a float64 model rotates in float64 and a float32 one within an ulp of
+    a float32 table. With ``stored=True`` the tables are persistent buffers ``cos`` and ``sin``
+    [n_ctx, d_head / 2] that a checkpoint fills (``cfg.rope_stored_tables``): LR-AttnRes keeps its
+    tables as buffers of its state dict, saved in bf16, and rotates with those rounded values, so
+    matching its logits needs its tables, not exact ones (bf16 rounds them by up to 2^-9, far more
+    than float32 rounding). Stored bf16 values are exact in float32 and float64, so ``model.to`` keeps them."""
+
+    def __init__(self, d_head: int, n_ctx: int, theta: float, layout: str = "neox", stored: bool = False):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, dtype=torch.float64) / d_head))
-        angles = torch.outer(torch.arange(n_ctx, dtype=torch.float64), inv_freq)  # (n_ctx, d_head / 2)
-        self._table = (angles.cos(), angles.sin())
+        self.layout, self.stored = layout, stored
+        # on the CPU explicitly: a model built under torch.device("meta") (load_pretrained) still has its tables
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, dtype=torch.float64, device="cpu") / d_head))
+        angles = torch.outer(torch.arange(n_ctx, dtype=torch.float64, device="cpu"), inv_freq)  # (n_ctx, d_head / 2)
+        if stored:
+            self.register_buffer("cos", angles.cos().float())
+            self.register_buffer("sin", angles.sin().float())
+        else:
+            self._table = (angles.cos(), angles.sin())
         self._cast: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _cos_sin(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n_ctx, d_head / 2] in x's dtype (neox: each repeated over the two halves, [n_ctx, d_head])."""
+        if self.stored:  # the buffers (a checkpoint's, on the model's device): cast per call, never cached
+            cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
+            return (cos.repeat(1, 2), sin.repeat(1, 2)) if self.layout == "neox" else (cos, sin)
         key = (x.device, x.dtype)
         if key not in self._cast:
-            self._cast[key] = tuple(t.to(device=x.device, dtype=x.dtype).repeat(1, 2) for t in self._table)
+            self._cast[key] = tuple(t.to(device=x.device, dtype=x.dtype) for t in self._table)
+            if self.layout == "neox":
+                self._cast[key] = tuple(t.repeat(1, 2) for t in self._cast[key])
         return self._cast[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [batch, pos, head, d_head] rotated by its position."""
         P = x.shape[1]
-        cos, sin = (t[:P][None, :, None, :] for t in self._cos_sin(x))  # (1, P, 1, d_head)
+        cos, sin = (t[:P][None, :, None, :] for t in self._cos_sin(x))  # (1, P, 1, d_head or d_head / 2)
+        if self.layout == "interleaved":
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.stack([cos * x1 - sin * x2, sin * x1 + cos * x2], dim=-1).flatten(-2)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -99,9 +159,10 @@ class Attention(nn.Module):
         if cfg.attn_gate:  # an output gate, z * sigmoid(W_G x) before W_O (x: the attention's normed input)
             self.W_G = nn.Linear(cfg.d_model, inner, bias=bool(cfg.bias))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.d_head, cfg.qk_norm_eps)
-            self.k_norm = RMSNorm(cfg.d_head, cfg.qk_norm_eps)
-        self.rotary = Rotary(cfg.d_head, cfg.n_ctx, cfg.rope_theta) if cfg.positional == "rope" else None
+            self.q_norm = rms_norm_module(cfg, cfg.d_head, cfg.qk_norm_eps)
+            self.k_norm = rms_norm_module(cfg, cfg.d_head, cfg.qk_norm_eps)
+        self.rotary = (Rotary(cfg.d_head, cfg.n_ctx, cfg.rope_theta, cfg.rope_layout, cfg.rope_stored_tables)
+                       if cfg.positional == "rope" else None)
         self.hook_q = HookPoint()  # [batch, pos, head, d_head] (after the q/k norm, before rotary)
         self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
         self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
@@ -279,7 +340,8 @@ class DepthMixer(DepthRead):
 
     Parameters: ``query`` [d_model], zero-initialised (uniform weights at init), and
     ``norm.weight`` [d_model], the key RMSNorm gain (ones). The gain is folded into the query
-    inside the op: ``(w * gain) . v / rms(v)``.
+    inside the op: ``(w * gain) . v / rms(v)``, ``rms(v) = sqrt(mean(v^2) + eps)`` with eps ``cfg.norm_eps``,
+    or with ``cfg.eps_from_dtype`` torch's default for the sources' dtype (:meth:`key_eps`).
 
     Hooks, all [batch, pos, n_src] on the common source axis, masked as TransformerLens masks an
     attention pattern: ``hook_logits`` (the op's own logits; ``-inf`` in the columns this read
@@ -301,6 +363,7 @@ class DepthMixer(DepthRead):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.eps = cfg.norm_eps
+        self.eps_from_dtype = cfg.eps_from_dtype
         self.query = nn.Parameter(torch.zeros(cfg.d_model))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)  # only .weight is used: the key gain
         self.hook_logits = HookPoint()  # [batch, pos, n_sources] depth scores (-inf where unavailable)
@@ -314,6 +377,10 @@ class DepthMixer(DepthRead):
     def folded_query(self) -> torch.Tensor:
         """query * gain, [d_model]."""
         return self.query * self.norm.weight
+
+    def key_eps(self, source: torch.Tensor) -> float:
+        """The keys' RMS eps for sources like ``source``: ``cfg.norm_eps``, or :func:`dtype_eps` with ``cfg.eps_from_dtype``."""
+        return dtype_eps(source) if self.eps_from_dtype else self.eps
 
     def forward(
         self,
@@ -333,7 +400,7 @@ class DepthMixer(DepthRead):
             sources,
             self.query,
             self.norm.weight,
-            self.eps,
+            self.key_eps(sources[0]),
             return_weights=True,
             inv_rms_cache=inv_rms_cache,
             return_logits=True,

@@ -33,7 +33,8 @@ from attnres_probe.checkpoint_store import load_checkpoint_as, save_checkpoint
 from attnres_probe.config import ModelConfig
 from attnres_probe.depth_rules import DepthWeightedAverage, HyperConnection, expand_streams, reduce_streams
 from attnres_probe.hook_checks import warn_if_non_finite
-from attnres_probe.layers import MLP, Attention, CoefficientRead, DepthMixer, DepthRead, GatedMLP, RMSNorm, Rotary, StaticMixer, make_norm
+from attnres_probe.layers import (MLP, Attention, CoefficientRead, DepthMixer, DepthRead, GatedMLP, RMSNorm, Rotary, StaticMixer,
+                                   dtype_eps, make_norm)
 from attnres_probe.losses import next_token_loss
 from attnres_probe.rules import implementation
 
@@ -119,9 +120,10 @@ class TransformerBlock(nn.Module):
 
 
 def _sinusoidal(n_ctx: int, d: int) -> torch.Tensor:
-    pos = torch.arange(n_ctx, dtype=torch.float32)[:, None]
-    freq = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(10000.0) / d))
-    pe = torch.zeros(n_ctx, d)
+    """The sinusoidal position table, made on the CPU (also when the model is built on the meta device)."""
+    pos = torch.arange(n_ctx, dtype=torch.float32, device="cpu")[:, None]
+    freq = torch.exp(torch.arange(0, d, 2, dtype=torch.float32, device="cpu") * (-math.log(10000.0) / d))
+    pe = torch.zeros(n_ctx, d, device="cpu")
     pe[:, 0::2] = torch.sin(pos * freq)
     pe[:, 1::2] = torch.cos(pos * freq)
     return pe
@@ -526,7 +528,12 @@ class AttnResTransformer(HookedRootModule):
         fused kernels normalise inside the kernel at no extra memory traffic)."""
         if backend != "torch":
             return None
-        return kernels.inv_rms(v, self.cfg.norm_eps, kernels.compute_dtype(v))
+        return kernels.inv_rms(v, self._key_eps(v), kernels.compute_dtype(v))
+
+    def _key_eps(self, v: torch.Tensor) -> float:
+        """The depth keys' RMS eps for sources like ``v``: ``cfg.norm_eps``, or torch's default for v's dtype
+        with ``cfg.eps_from_dtype`` (:func:`~attnres_probe.layers.dtype_eps`)."""
+        return dtype_eps(v) if self.cfg.eps_from_dtype else self.cfg.norm_eps
 
     def _forward_full(self, v0: torch.Tensor, backend: str) -> torch.Tensor:
         """Full AttnRes: read l mixes [v0, ..., v_l]; the final read mixes all L+1."""
@@ -566,7 +573,7 @@ class AttnResTransformer(HookedRootModule):
         """Block AttnRes, two-phase (docs/design.md): at each block start, phase 1 scores all the
         block's reads against the completed blocks at once; each read then merges the
         partial block into its phase-1 result (phase 2). Exact: equals the sequential form."""
-        axis, eps = self.axis, self.cfg.norm_eps
+        axis, eps = self.axis, self._key_eps(v0)
         blocks = [v0]
         partial: torch.Tensor | None = None
         mixers = self.mixers
@@ -592,7 +599,8 @@ class AttnResTransformer(HookedRootModule):
         o_bar, lse, z = ph  # (B, P, d), (B, P), (B, P, n_completed)
         sources = blocks
         if partial is not None:  # after the block's first read: merge the partial block in
-            o_bar, lse, z_p = kernels.phase2(o_bar, lse, partial, mixer.query, mixer.norm.weight, self.cfg.norm_eps, backend=backend)
+            o_bar, lse, z_p = kernels.phase2(o_bar, lse, partial, mixer.query, mixer.norm.weight, self._key_eps(partial),
+                                             backend=backend)
             sources, z = [*blocks, partial], torch.cat([z, z_p.unsqueeze(-1)], dim=-1)
         weights = torch.exp(z - lse.unsqueeze(-1))  # (B, P, k)
         return mixer.observe(sources, o_bar, mixer.on_axis(z, float("-inf")), mixer.on_axis(weights, 0.0))

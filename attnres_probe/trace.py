@@ -264,10 +264,25 @@ class DepthTrace:
             raise ValueError(f"kind is {kind!r}; accepted values are {', '.join(KINDS)}")
         return getattr(self, KINDS[kind])
 
+    def normalised_weights(self) -> np.ndarray:
+        """[B, P, R, S] the depth weights every page shows: AttnRes's softmax weights as recorded; for the
+        rules whose recorded weights are coefficients (PreNorm's ones, Hyper-Connections', DenseFormer's,
+        the cumulative-state rule's) each read's coefficients over their sum, c / sum(c) (PreNorm: 1/k).
+        Every consumer of a read is a norm, so this normalised mixture is the read's input as its
+        sublayer sees it. A read whose signed coefficients cancel has none (NaN)."""
+        from attnres_probe.axis import COEFFICIENT_RULES
+        from attnres_probe.numeric import over_sum
+
+        if self.residual in COEFFICIENT_RULES:
+            return over_sum(self.depth_weights).astype(np.float32)
+        return self.depth_weights
+
     def weights(
-        self, token: int | None = None, read: int | str | None = None, batch: int = 0, kind: str = "weights"
+        self, token: int | None = None, read: int | str | None = None, batch: int = 0, kind: str = "weights",
+        normalised: bool = True,
     ) -> pd.DataFrame:
-        """Depth weights as a labelled DataFrame, reads x sources.
+        """Depth weights as a labelled DataFrame, reads x sources: by default the normalised weights
+        every page shows (:meth:`normalised_weights`: each read's row sums to one under every rule).
 
         Args:
             token: position in sequence ``batch``; None averages over every real token
@@ -275,11 +290,14 @@ class DepthTrace:
             read: keep one read (label like ``"L3.mlp"`` or index); None keeps all.
             batch: which sequence of the batch (ignored when averaging over tokens: all are used).
             kind: ``"weights"`` | ``"logits"`` | ``"contrib"``.
+            normalised: ``kind="weights"`` only: False gives the recorded coefficients c of
+                h = sum_i c_i v_i (PreNorm: all one; mHC: they need not sum to one), as
+                :meth:`coefficients` does.
 
         Returns:
             DataFrame indexed by read label, one column per source label.
         """
-        arr = self.cube(kind)
+        arr = self.normalised_weights() if kind == "weights" and normalised else self.cube(kind)
         if token is None:
             data = token_mean(arr[self.mask])  # (R, S)
         else:
@@ -288,6 +306,12 @@ class DepthTrace:
         if read is not None:
             df = df.iloc[[self.read_index(read)]]
         return df
+
+    def coefficients(self, token: int | None = None, read: int | str | None = None, batch: int = 0) -> pd.DataFrame:
+        """The recorded coefficients c of each read, h = sum_i c_i v_i (AttnRes: its softmax weights;
+        PreNorm: all one; Hyper-Connections, DenseFormer, the cumulative-state rule: the effective
+        coefficients), reads x sources (``weights(..., normalised=False)``)."""
+        return self.weights(token, read, batch, normalised=False)
 
     def expanded(self, kind: str = "weights") -> tuple[np.ndarray, list[str]]:
         """Block traces on the L+1 sublayer axis: every sublayer gets its block's column value.
@@ -311,7 +335,8 @@ class DepthTrace:
         """Tidy long format of the weight cube: one row per (batch, pos, read, source).
 
         Columns: batch, pos, token, str_token, read, read_index, source, source_index,
-        weight, logit, contrib. With ``dropna`` (default), unavailable cells are left out.
+        weight (the normalised weight every page shows, :meth:`normalised_weights`), coefficient (the
+        recorded coefficient), logit, contrib. With ``dropna`` (default), unavailable cells are left out.
         """
         B, P, R, S = self.depth_weights.shape
         b, p, r, s = (a.ravel() for a in np.meshgrid(np.arange(B), np.arange(P), np.arange(R), np.arange(S), indexing="ij"))
@@ -326,14 +351,15 @@ class DepthTrace:
                 "read_index": r,
                 "source": np.asarray(self.source_labels, dtype=object)[s],
                 "source_index": s,
-                "weight": self.depth_weights.ravel(),
+                "weight": self.normalised_weights().ravel(),
+                "coefficient": self.depth_weights.ravel(),
                 "logit": self.logits.ravel(),
                 "contrib": self.contrib.ravel(),
             }
         )
         keep = self.mask[b, p]
         if dropna:
-            keep &= ~np.isnan(df["weight"].to_numpy())
+            keep &= ~np.isnan(df["coefficient"].to_numpy())
         return df[keep].reset_index(drop=True)
 
     def reads_frame(self) -> pd.DataFrame:

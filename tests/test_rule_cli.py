@@ -36,7 +36,9 @@ def test_rule_title_names_every_rule_once():
         "block": "Block AttnRes",
         "hyper": "Hyper-Connections",
         "denseformer": "DenseFormer",
+        "cumulative": "AttnRes over cumulative states",
     }
+    assert rule_title("block", {"static_routing": True}) == "Block AttnRes (static routing)"
     # a config says which Hyper-Connections: mHC when its mhc is true
     assert rule_title("hyper", {"mhc": True, "n_streams": 4}) == "mHC"
     assert rule_title("hyper", {"mhc": False}) == "Hyper-Connections"
@@ -132,7 +134,7 @@ def test_summary_shows_denseformer_coefficients_as_shares_that_sum_to_one():
         for p in model.dwa.alphas.values():
             p.copy_(torch.rand(p.shape, generator=g) + 0.2)
     trace = Probe(model.eval()).run("abcdefghij", backward=False)
-    raw = trace.weights().to_numpy()
+    raw = trace.coefficients().to_numpy()
     assert not np.allclose(np.nansum(raw, axis=1), 1.0)  # the raw coefficients are not shares
     table = layer_summary(trace)
     from attnres_probe.analysis.windows import normalised_weights
@@ -150,7 +152,7 @@ def test_summary_shows_denseformer_coefficients_as_shares_that_sum_to_one():
     assert ((embed[1:] < 1) & (embed[1:] > 0)).all()  # later reads share it (raw: a coefficient of 1 or more)
 
 
-def test_summary_keeps_the_attnres_weights_and_prenorms_blank_embed_weight():
+def test_summary_keeps_the_attnres_weights_and_prenorms_implied_embed_weight():
     from attnres_probe import Probe
     from attnres_probe.cli.record import layer_summary
     from helpers import tiny_model
@@ -158,7 +160,6 @@ def test_summary_keeps_the_attnres_weights_and_prenorms_blank_embed_weight():
     for residual in ("full", "prenorm"):
         trace = Probe(tiny_model(residual)).run("abcdefghij", backward=False)
         table = layer_summary(trace)
-        if residual == "full":
-            np.testing.assert_allclose(table["embed_weight"].to_numpy(), trace.weights().to_numpy()[:, 0])
-        else:
-            assert table["embed_weight"].isna().all()
+        np.testing.assert_allclose(table["embed_weight"].to_numpy(), trace.weights().to_numpy()[:, 0])
+        if residual == "prenorm":  # its implied weight: 1/k for the k sources a read sees
+            np.testing.assert_allclose(table["embed_weight"].to_numpy(), 1.0 / np.arange(1, len(table) + 1), rtol=1e-6)

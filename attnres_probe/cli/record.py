@@ -78,13 +78,7 @@ def layer_summary(trace) -> pd.DataFrame:
     The weights are the depth weights averaged over the real tokens; for Hyper-Connections and
     DenseFormer, whose coefficients need not sum to one, each token's coefficients are first
     normalised to shares of its read (so every read's weights sum to one)."""
-    if trace.residual in COEFFICIENT_RULES:
-        from attnres_probe.analysis.windows import normalised_weights
-        from attnres_probe.numeric import token_mean
-
-        w = token_mean(normalised_weights(trace, trace.depth_weights)[trace.mask])  # (R, S)
-    else:
-        w = trace.weights().to_numpy()  # (R, S) mean over tokens
+    w = trace.weights().to_numpy()  # (R, S) the normalised weights (c / sum c for coefficients), mean over tokens
     c = trace.weights(kind="contrib").to_numpy()
     use = c if trace.residual == "prenorm" else w
     top = [trace.source_labels[int(np.nanargmax(row))] if np.isfinite(row).any() else "" for row in use]
@@ -93,7 +87,7 @@ def layer_summary(trace) -> pd.DataFrame:
         {
             "rms_in": np.nanmean(np.where(m[..., None], trace.rms_in, np.nan), axis=(0, 1)),
             "grad_in": np.nanmean(np.where(m[..., None], trace.grad_in, np.nan), axis=(0, 1)) if trace.has_gradients else np.nan,
-            "embed_weight": w[:, 0] if trace.residual != "prenorm" else np.nan,
+            "embed_weight": w[:, 0],  # the normalised weight every page shows (PreNorm: its implied 1/k)
             "embed_share": c[:, 0],
             "top_source": top,
         },

@@ -3,7 +3,8 @@
 Each family is one module with ``NAME``, ``TITLE``, ``SOURCE`` (the upstream repository and commit it
 was read from), ``recognises(config) -> bool``, ``config(config, where) -> ModelConfig``,
 ``expected(cfg) -> {tensor name: shape}`` and ``state_dict(cfg, weights) -> our state dict``; a family
-whose weights are not safetensors has ``read_folder(directory)`` instead of a config.json. No code
+whose folders have no config.json (LR-AttnRes: a pickled training checkpoint, read weights-only) has
+``recognises_folder(directory)`` and ``read_folder(directory) -> (config, weights)`` besides. No code
 shipped in a folder ever runs. The README's "Model families" table lists them with what each maps and
 refuses.
 """
@@ -13,12 +14,21 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from attnres_probe.families import fla, nanogpt, qwen3
+from attnres_probe.families import fla, lr_attnres, nanogpt, qwen3
 from attnres_probe.families.common import PretrainedError
 
-__all__ = ["FAMILIES", "family_of"]
+__all__ = ["FAMILIES", "family_of", "folder_family"]
 
-FAMILIES: tuple[ModuleType, ...] = (fla, qwen3, nanogpt)
+FAMILIES: tuple[ModuleType, ...] = (fla, qwen3, nanogpt, lr_attnres)
+
+
+def folder_family(directory: Any) -> ModuleType | None:
+    """The family that reads this folder from its own checkpoint file (no config.json: ``recognises_folder``),
+    else None (the folder's config.json decides, :func:`family_of`)."""
+    for family in FAMILIES:
+        if hasattr(family, "recognises_folder") and family.recognises_folder(directory):
+            return family
+    return None
 
 
 def supported() -> str:
