@@ -356,11 +356,12 @@ class AttnResTransformer(HookedRootModule):
         return accumulated_bias(self, layer, mlp_input, include_mlp_biases)
 
     def check_tokens(self, tokens: Any, truncate: bool = False) -> torch.Tensor:
-        """Validate tokens ([pos] or [batch, pos] integer ids, or a str) and return [batch, pos] on device."""
+        """Validate tokens ([pos] or [batch, pos] integer ids, a str, or a list of texts of equal token
+        length, as TransformerLens takes them) and return [batch, pos] on device."""
         from attnres_probe.tokenizer import check_token_ids
 
-        if isinstance(tokens, str):
-            return self.to_tokens(tokens, truncate=truncate)
+        if isinstance(tokens, str) or text_api.is_text_list(tokens):
+            return self.to_tokens(tokens if isinstance(tokens, str) else list(tokens), truncate=truncate)
         return check_token_ids(tokens, self.cfg.n_ctx, self.cfg.d_vocab, truncate).to(self.device)
 
     # -- forward -------------------------------------------------------------------------

@@ -72,6 +72,18 @@ class Probe:
             ValueError: empty input, more tokens than the model's context (unless
                 ``truncate``), ids outside the vocabulary.
         """
+        from attnres_probe.text_api import is_text_list
+
+        if is_text_list(text_or_tokens) and len(text_or_tokens) > 1:  # a batch of texts of equal token length
+            rows = [self.tokenize(t, truncate)[0] for t in text_or_tokens]
+            lengths = [int(r.shape[1]) for r in rows]
+            if len(set(lengths)) > 1:
+                raise ValueError(f"the texts are {lengths} tokens long; a batch needs texts of equal token length "
+                                 "(no padding: the forward takes no attention mask); run them one by one")
+            tokens = torch.cat(rows)
+            return tokens, [self._str_tokens(row) for row in tokens]
+        if is_text_list(text_or_tokens):
+            text_or_tokens = text_or_tokens[0]
         if isinstance(text_or_tokens, str):
             if not text_or_tokens:
                 raise ValueError("text is empty: need at least one character")
@@ -448,9 +460,27 @@ class Probe:
         none differs). PreNorm models are refused (fixed routing). Sanity checks: patching
         nothing recovers 0, the final read's whole input (``what="input", reads=["final"]``) 1. See
         :func:`attnres_probe.patching.patch` for every argument and the conventions.
+
+        Lists of prompts (``clean`` and ``corrupted`` of the same length, pairs of equal token length)
+        patch pair by pair: one frame with a ``pair`` column (its index), each pair's metrics and
+        position in ``frame.attrs["pairs"]``.
         """
         from attnres_probe.patching import patch
+        from attnres_probe.text_api import is_text_list
 
+        if is_text_list(clean) or is_text_list(corrupted):
+            if not (is_text_list(clean) and is_text_list(corrupted)) or len(clean) != len(corrupted):
+                raise ValueError("clean and corrupted must both be texts, or lists of texts of the same length (pairs); got "
+                                 f"{type(clean).__name__} of {len(clean) if isinstance(clean, (list, tuple)) else 1} and "
+                                 f"{type(corrupted).__name__} of {len(corrupted) if isinstance(corrupted, (list, tuple)) else 1}")
+            import pandas as pd
+
+            frames = [self.patch(c, x, metric, position=position, reads=reads, per_source=per_source, what=what,
+                                 positions=positions, joint=joint, batch_size=batch_size, truncate=truncate)
+                      for c, x in zip(clean, corrupted)]
+            out = pd.concat([f.assign(pair=i) for i, f in enumerate(frames)], ignore_index=True)
+            out.attrs = {**frames[0].attrs, "pairs": [dict(f.attrs) for f in frames]}
+            return out
         return patch(self, clean, corrupted, metric, position=position, reads=reads, per_source=per_source, what=what,
                      positions=positions, joint=joint, batch_size=batch_size, truncate=truncate)
 

@@ -197,6 +197,11 @@ def equal_lengths(rows: list[list[int]], what: str) -> None:
         )
 
 
+def is_text_list(x: Any) -> bool:
+    """Whether ``x`` is a non-empty list (or tuple) of texts: a batch of prompts."""
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, str) for t in x)
+
+
 def to_tokens(
     model: Any,
     input: str | list[str],
