@@ -18,7 +18,10 @@ def test_forward_cache_and_hooks_take_a_list_of_texts(full):
     model, _ = full
     batch = model(["ab", "cd"])
     assert batch.shape[:2] == (2, 2)
-    torch.testing.assert_close(batch[1:], model("cd"), rtol=0, atol=0)
+    single = model("cd")
+    cfg = model.cfg  # two float32 runs of one function: within 2 C u G max|logit| of each other (docs/design.md)
+    bound = 2 * 8 * 2.0**-24 * cfg.n_reads * (cfg.d_model**0.5 + cfg.n_sources) * float(single.abs().max())
+    assert float((batch[1:] - single).abs().max()) <= bound
     _, cache = model.run_with_cache(["ab", "cd"])
     assert cache["hook_embed"].shape[:2] == (2, 2)
     seen = []
