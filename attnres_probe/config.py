@@ -17,6 +17,8 @@ Residual = Literal["prenorm", "full", "block", "hyper", "denseformer", "cumulati
 POSITIONALS = ("learned", "sinusoidal", "rope")
 MLPS = ("gelu", "swiglu")
 NORMS = ("rms", "layernorm")
+MAX_STREAMS = 64  # Hyper-Connections' streams: the papers use 2 to 8; memory and time grow with n^2 per token
+MAX_SINKHORN_ITERS = 1000  # mHC uses 20; each round is two normalisations of every n x n matrix
 ROPE_LAYOUTS = ("neox", "interleaved")
 DEFAULT_BLOCK_SIZE = 4
 DYNAMIC_INPUTS = ("stream", "flat")
@@ -267,9 +269,11 @@ class ModelConfig:
                     f"(leave them unset)"
                 )
         if self.residual == "hyper":
-            for name in ("n_streams", "sinkhorn_iters"):
-                if not _is_pos_int(getattr(self, name)):
-                    raise ConfigError(f"{name} must be a positive integer; got {getattr(self, name)!r}")
+            for name, top, why in (("n_streams", MAX_STREAMS, "the state is n_streams copies of every token's residual"),
+                                   ("sinkhorn_iters", MAX_SINKHORN_ITERS, "every read runs them, forward and backward")):
+                value = getattr(self, name)
+                if not _is_pos_int(value) or value > top:
+                    raise ConfigError(f"{name} must be an integer in 1..{top} ({why}); got {value!r}")
             for name in ("hc_dynamic", "mhc", "hc_tanh"):
                 if not isinstance(getattr(self, name), bool):
                     raise ConfigError(f"{name} must be true or false; got {getattr(self, name)!r}")

@@ -34,9 +34,15 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+# the most tokens one generate() call writes: each new token is one forward over the model's context, so a call
+# past this runs for hours on a CPU (and its token list alone grows without bound); call again to continue
+MAX_NEW_TOKENS = 100_000
+
+
 def _check(max_new_tokens, temperature, top_k, top_p, seed, do_sample, return_type, eos_token_id, prepend_bos, padding_side):
-    if not _is_int(max_new_tokens) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens is {max_new_tokens!r}; accepted values are integers >= 0")
+    if not _is_int(max_new_tokens) or not 0 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise ValueError(f"max_new_tokens is {max_new_tokens!r}; accepted values are integers in 0..{MAX_NEW_TOKENS:,} "
+                         "(each token is one forward; call generate again on its output to continue)")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature is {temperature!r}; accepted values are finite numbers >= 0 (0: greedy)")
     if top_k is not None and (not _is_int(top_k) or top_k < 1):

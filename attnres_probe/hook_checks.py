@@ -16,8 +16,34 @@ import warnings
 from typing import Any
 
 import torch
+from transformer_lens.hook_points import HookPoint
 
-__all__ = ["NonFiniteWarning", "first_non_finite_hook", "hooks_attached", "warn_if_non_finite"]
+__all__ = ["CheckedHookPoint", "HookReturnError", "NonFiniteWarning", "first_non_finite_hook", "hooks_attached",
+           "warn_if_non_finite"]
+
+
+class HookReturnError(ValueError):
+    """A hook returned a value its hook point cannot use (the message names the point and the shapes)."""
+
+
+class CheckedHookPoint(HookPoint):
+    """TransformerLens's ``HookPoint`` whose hooks' return values are checked where they are returned: a
+    hook may return None (it only looked) or a tensor of exactly the shape, dtype and device it received;
+    anything else is refused in one line naming the hook point, what it received and what it returned,
+    instead of a broadcast, an ignored value or an error deep inside torch."""
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        out = super().__call__(x, *args, **kwargs)
+        if out is x or not isinstance(x, torch.Tensor):
+            return out
+        if not isinstance(out, torch.Tensor):
+            raise HookReturnError(f"a hook at {self.name} returned {type(out).__name__}; it must return None or a tensor "
+                                  f"like the one it received: {list(x.shape)} {x.dtype} on {x.device}")
+        if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+            raise HookReturnError(f"a hook at {self.name} returned {list(out.shape)} {out.dtype} on {out.device}; it received "
+                                  f"{list(x.shape)} {x.dtype} on {x.device} and must return the same shape, dtype and device "
+                                  "(or None)")
+        return out
 
 
 # hook points whose values hold -inf by convention (TransformerLens's masked scores): only NaN and +inf count there

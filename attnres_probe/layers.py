@@ -14,10 +14,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformer_lens.hook_points import HookPoint
-
 import attnres_probe.kernels as kernels  # the top-level kernels/ folder (setup.py's folder map)
 from attnres_probe.config import ModelConfig
+from attnres_probe.hook_checks import CheckedHookPoint
 
 __all__ = ["Attention", "CoefficientRead", "DepthMixer", "DepthRead", "GainlessRMSNorm", "GatedMLP", "MLP", "RMSNorm", "Rotary",
            "StaticMixer", "dtype_eps", "make_norm", "rms_norm_module"]
@@ -163,12 +162,12 @@ class Attention(nn.Module):
             self.k_norm = rms_norm_module(cfg, cfg.d_head, cfg.qk_norm_eps)
         self.rotary = (Rotary(cfg.d_head, cfg.n_ctx, cfg.rope_theta, cfg.rope_layout, cfg.rope_stored_tables)
                        if cfg.positional == "rope" else None)
-        self.hook_q = HookPoint()  # [batch, pos, head, d_head] (after the q/k norm, before rotary)
-        self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
-        self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
-        self.hook_attn_scores = HookPoint()  # [batch, head, query_pos, key_pos] scaled q.k (-inf where masked; computed only when hooked)
-        self.hook_pattern = HookPoint()  # [batch, head, query_pos, key_pos] softmax over key positions (0 where masked; only when hooked)
-        self.hook_z = HookPoint()  # [batch, pos, head, d_head] attention output per head, before W_O
+        self.hook_q = CheckedHookPoint()  # [batch, pos, head, d_head] (after the q/k norm, before rotary)
+        self.hook_k = CheckedHookPoint()  # [batch, pos, kv_head, d_head]
+        self.hook_v = CheckedHookPoint()  # [batch, pos, kv_head, d_head]
+        self.hook_attn_scores = CheckedHookPoint()  # [batch, head, query_pos, key_pos] scaled q.k (-inf where masked; computed only when hooked)
+        self.hook_pattern = CheckedHookPoint()  # [batch, head, query_pos, key_pos] softmax over key positions (0 where masked; only when hooked)
+        self.hook_z = CheckedHookPoint()  # [batch, pos, head, d_head] attention output per head, before W_O
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, P, _ = x.shape
@@ -236,7 +235,7 @@ class MLP(nn.Module):
         bias = cfg.bias is not False
         self.W_in = nn.Linear(cfg.d_model, cfg.d_mlp, bias=bias)
         self.W_out = nn.Linear(cfg.d_mlp, cfg.d_model, bias=bias)
-        self.hook_post = HookPoint()  # [batch, pos, d_mlp] after the GELU
+        self.hook_post = CheckedHookPoint()  # [batch, pos, d_mlp] after the GELU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.W_out(self.hook_post(F.gelu(self.W_in(x))))
@@ -251,7 +250,7 @@ class GatedMLP(nn.Module):
         self.W_gate = nn.Linear(cfg.d_model, cfg.d_mlp, bias=bias)
         self.W_in = nn.Linear(cfg.d_model, cfg.d_mlp, bias=bias)
         self.W_out = nn.Linear(cfg.d_mlp, cfg.d_model, bias=bias)
-        self.hook_post = HookPoint()  # [batch, pos, d_mlp] after the gate
+        self.hook_post = CheckedHookPoint()  # [batch, pos, d_mlp] after the gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.W_out(self.hook_post(F.silu(self.W_gate(x)) * self.W_in(x)))
@@ -272,8 +271,8 @@ class DepthRead(nn.Module):
         super().__init__()
         self.n_src = cfg.n_sources
         self.visible = self.n_src  # columns this read sees (the model sets it per read)
-        self.hook_weights = HookPoint()  # [batch, pos, n_sources] depth weights (0 where unavailable)
-        self.hook_contrib = HookPoint()  # [batch, pos, n_sources] contribution shares (0 where unavailable; computed only when hooked)
+        self.hook_weights = CheckedHookPoint()  # [batch, pos, n_sources] depth weights (0 where unavailable)
+        self.hook_contrib = CheckedHookPoint()  # [batch, pos, n_sources] contribution shares (0 where unavailable; computed only when hooked)
 
     @property
     def hooked(self) -> bool:
@@ -366,7 +365,7 @@ class DepthMixer(DepthRead):
         self.eps_from_dtype = cfg.eps_from_dtype
         self.query = nn.Parameter(torch.zeros(cfg.d_model))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)  # only .weight is used: the key gain
-        self.hook_logits = HookPoint()  # [batch, pos, n_sources] depth scores (-inf where unavailable)
+        self.hook_logits = CheckedHookPoint()  # [batch, pos, n_sources] depth scores (-inf where unavailable)
         # hook_weights: the softmax depth weights; hook_contrib: the shares (DepthRead)
 
     def reset_depth(self) -> None:
@@ -451,7 +450,7 @@ class StaticMixer(DepthMixer):
     def __init__(self, cfg: ModelConfig):
         DepthRead.__init__(self, cfg)
         self.logits = nn.Parameter(torch.zeros(cfg.n_sources))
-        self.hook_logits = HookPoint()  # [batch, pos, n_sources] the static logits (-inf where unavailable)
+        self.hook_logits = CheckedHookPoint()  # [batch, pos, n_sources] the static logits (-inf where unavailable)
 
     def reset_depth(self) -> None:
         self.logits.data.zero_()

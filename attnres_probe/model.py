@@ -32,7 +32,7 @@ from attnres_probe.axis import SourceAxis
 from attnres_probe.checkpoint_store import load_checkpoint_as, save_checkpoint
 from attnres_probe.config import ModelConfig
 from attnres_probe.depth_rules import DepthWeightedAverage, HyperConnection, expand_streams, reduce_streams
-from attnres_probe.hook_checks import warn_if_non_finite
+from attnres_probe.hook_checks import CheckedHookPoint, warn_if_non_finite
 from attnres_probe.layers import (MLP, Attention, CoefficientRead, DepthMixer, DepthRead, GatedMLP, RMSNorm, Rotary, StaticMixer,
                                    dtype_eps, make_norm)
 from attnres_probe.losses import next_token_loss
@@ -95,18 +95,18 @@ class TransformerBlock(nn.Module):
         elif cfg.residual == "hyper":
             self.attn_res = CoefficientRead(cfg, hyper_connection(cfg, 2 * index))
             self.mlp_res = CoefficientRead(cfg, hyper_connection(cfg, 2 * index + 1))
-            self.hook_streams_pre = HookPoint()  # [batch, pos, n_streams, d_model]
-            self.hook_streams_mid = HookPoint()
-            self.hook_streams_post = HookPoint()
+            self.hook_streams_pre = CheckedHookPoint()  # [batch, pos, n_streams, d_model]
+            self.hook_streams_mid = CheckedHookPoint()
+            self.hook_streams_post = CheckedHookPoint()
         elif cfg.residual == "denseformer":
             self.attn_res = CoefficientRead(cfg)
             self.mlp_res = CoefficientRead(cfg)
         if cfg.residual in ("prenorm", "denseformer"):
-            self.hook_resid_post = HookPoint()  # [batch, pos, d_model]
-        self.hook_resid_pre = HookPoint()  # [batch, pos, d_model] the attention sublayer's input
-        self.hook_attn_out = HookPoint()  # [batch, pos, d_model]
-        self.hook_resid_mid = HookPoint()  # [batch, pos, d_model] the MLP sublayer's input
-        self.hook_mlp_out = HookPoint()  # [batch, pos, d_model]
+            self.hook_resid_post = CheckedHookPoint()  # [batch, pos, d_model]
+        self.hook_resid_pre = CheckedHookPoint()  # [batch, pos, d_model] the attention sublayer's input
+        self.hook_attn_out = CheckedHookPoint()  # [batch, pos, d_model]
+        self.hook_resid_mid = CheckedHookPoint()  # [batch, pos, d_model] the MLP sublayer's input
+        self.hook_mlp_out = CheckedHookPoint()  # [batch, pos, d_model]
 
     def sublayer(self, which: int, h: torch.Tensor) -> torch.Tensor:
         """Run sublayer ``which`` (0 = attention, 1 = MLP) on the mixed input h; return its output."""
@@ -176,8 +176,8 @@ class AttnResTransformer(HookedRootModule):
         elif cfg.positional == "sinusoidal":
             self.register_buffer("W_pos", _sinusoidal(cfg.n_ctx, d), persistent=False)
         # positional == "rope": positions enter each attention's queries and keys, source 0 is the token embedding
-        self.hook_embed = HookPoint()  # [batch, pos, d_model]
-        self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
+        self.hook_embed = CheckedHookPoint()  # [batch, pos, d_model]
+        self.hook_pos_embed = CheckedHookPoint()  # [batch, pos, d_model]
         self.blocks = nn.ModuleList([TransformerBlock(cfg, i) for i in range(cfg.n_layers)])
         self._rule = implementation(cfg.residual)
         if self._rule is not None:
@@ -188,7 +188,7 @@ class AttnResTransformer(HookedRootModule):
             self.out_res = CoefficientRead(cfg)  # hyper: the sum of the streams; denseformer: z_n
         if cfg.residual == "denseformer":
             self.dwa = DepthWeightedAverage(cfg.n_layers, cfg.dwa_dilation, cfg.dwa_period)
-        self.hook_resid_final = HookPoint()  # [batch, pos, d_model] the final mixed input, before ln_final
+        self.hook_resid_final = CheckedHookPoint()  # [batch, pos, d_model] the final mixed input, before ln_final
         self.ln_final = make_norm(cfg, d)
         if not cfg.tie_embeddings:
             self.W_U = nn.Parameter(torch.empty(d, cfg.d_vocab))

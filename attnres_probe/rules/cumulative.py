@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from transformer_lens.hook_points import HookPoint
+
+from attnres_probe.hook_checks import CheckedHookPoint
 
 from attnres_probe.layers import CoefficientRead, RMSNorm
 
@@ -78,8 +79,8 @@ class CumulativeRead(CoefficientRead):
             self.gate_logit = nn.Parameter(torch.zeros(()))
         elif self.gate == "learnable_alpha":
             self.alpha = nn.Parameter(torch.ones(()))  # 1: the read alone (upstream starts at 0, PreNorm)
-        self.hook_native_logits = HookPoint()  # [batch, pos, n_native] scores over the read's own sources
-        self.hook_native_weights = HookPoint()  # [batch, pos, n_native] their softmax
+        self.hook_native_logits = CheckedHookPoint()  # [batch, pos, n_native] scores over the read's own sources
+        self.hook_native_weights = CheckedHookPoint()  # [batch, pos, n_native] their softmax
 
     def gate_value(self) -> torch.Tensor | None:
         """g of x = (1 - g) P + g h, or None for ``gate="bias"`` (x = h)."""
