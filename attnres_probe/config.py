@@ -360,7 +360,11 @@ def shape_of(config: Any) -> dict[str, Any]:
     """A model config (a :class:`ModelConfig` or its dict) without its residual rule's fields and
     its seed: what two models must share for their difference to be the rule's alone."""
     d = config.to_dict() if isinstance(config, ModelConfig) else dict(config or {})
-    return {k: v for k, v in d.items() if k not in RULE_FIELDS and k != "seed"}
+    out = {k: v for k, v in d.items() if k not in RULE_FIELDS and k not in ("seed", "extra")}
+    extra = d.get("extra") if isinstance(d.get("extra"), dict) else {}
+    if extra.get("family"):  # free-form metadata, but for the family a model was built from (its rule's keys differ)
+        out["family"] = extra["family"]
+    return out
 
 
 def shape_difference(configs: dict[str, Any]) -> str:

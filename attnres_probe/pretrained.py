@@ -52,8 +52,8 @@ def load_pretrained(
     Args:
         directory: the folder ``save_pretrained`` wrote (config.json, model.safetensors or a
             sharded index, tokenizer files), of a family :mod:`attnres_probe.families` builds; or an
-            LR-AttnRes folder (``final_model.pt``, no config.json; its tokenizer is None unless the
-            folder has tokenizer files: upstream reads text with tiktoken's cl100k_base).
+            LR-AttnRes folder (``final_model.pt``, no config.json; upstream reads text with tiktoken's
+            cl100k_base, which its folders do not hold: save a tokenizer beside it, or pass tokenizer=False).
         device, dtype: where and in which dtype to put the weights (float32 by default, so
             that the CPU kernels run; the checkpoint may be bf16).
         backend: the depth-attention backend (see :class:`~attnres_probe.AttnResTransformer`).
@@ -71,6 +71,12 @@ def load_pretrained(
     """
     from attnres_probe.model import AttnResTransformer
 
+    from attnres_probe.placement import parse_device, parse_dtype
+
+    device = device if isinstance(device, torch.device) else parse_device(str(device))  # one line, not torch's assertion
+    dtype = dtype if isinstance(dtype, torch.dtype) else parse_dtype(str(dtype).removeprefix("torch."))
+    if not dtype.is_floating_point:
+        raise PretrainedError(f"dtype {dtype} is not a floating-point dtype; accepted: float32, bfloat16, float16, float64")
     directory = Path(directory)
     if not directory.is_dir():
         raise PretrainedError(f"{directory} is not a folder")
@@ -96,7 +102,7 @@ def load_pretrained(
     if own is not None:
         weights = {name: t.to(dtype) for name, t in tensors.items()}
         del tensors
-        tok = own.tokenizer(directory) if tokenizer else None  # None when the folder has no tokenizer files
+        tok = own.tokenizer(directory) if tokenizer else None
     else:
         weights = read_weights(files, expected, dtype, mapping)  # headers checked first
         tok = read_tokenizer(directory) if tokenizer else None

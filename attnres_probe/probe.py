@@ -199,9 +199,12 @@ class Probe:
             param_grad[:] = [_group_norm(ps, sq) for ps in spec.sublayer_params]
             if spec.mixer_params:
                 mixer_grad[:] = [_group_norm(ps, sq) for ps in spec.mixer_params]
+        param = next(iter(self.model.parameters()), None)
         meta = {
             **spec.meta,
             **self.kernels(),
+            "device": str(self.device),  # where and in which dtype it ran (--device / --dtype)
+            "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
             "str_tokens": [row[: int(m.sum())] for row, m in zip(str_tokens, mask.cpu())],
             "backward": bool(backward),
             "mean_loss": float(loss.detach()),

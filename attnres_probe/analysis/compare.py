@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from attnres_probe.axis import ATTNRES_RULES, rule_title
+from attnres_probe.axis import ATTNRES_RULES, fixed_routing, rule_title
 from attnres_probe.analysis import bootstrap
 from attnres_probe.analysis.catalog import CATALOG, UNIFORM
 from attnres_probe.config import shape_difference
@@ -327,11 +327,11 @@ def _row(m: str, it: Windows, against: str, est: float, lo: float, hi: float, po
                      if np.isfinite(pooled) else "not available for both models")
     elif _note_interval(n_used, n_docs):
         notes.append(_note_interval(n_used, n_docs))
-    direction = judged_direction(m, it.residual) or None
+    direction = judged_direction(m, it.residual, it.config) or None
     if d.direction is None:
         notes.append("the paper states no direction: no verdict")
-    elif direction is None:  # HC, DenseFormer: the AttnRes paper makes no claim about them
-        notes.append(f"the paper's direction is a claim about AttnRes, not {rule_title(it.residual)}: no verdict")
+    elif direction is None:  # HC, DenseFormer, a static-routing control: the AttnRes paper makes no claim about them
+        notes.append(f"the paper's direction is a claim about AttnRes, not {rule_title(it.residual, it.config)}: no verdict")
     kind = d.compare
     return {
         "metric": m, "model": it.name, "baseline": against, "comparison": kind, "basis": basis(m),
@@ -343,10 +343,14 @@ def _row(m: str, it: Windows, against: str, est: float, lo: float, hi: float, po
     }
 
 
-def judged_direction(metric: str, residual: str) -> str:
+def judged_direction(metric: str, residual: str, config: Any = None) -> str:
     """The paper's direction a comparison of ``metric`` is judged against for a model of rule
-    ``residual``: the catalog's, for the AttnRes rules only ("" otherwise, and where it states none)."""
-    return (CATALOG[metric].direction or "") if residual in ATTNRES_RULES else ""
+    ``residual``: the catalog's, for the AttnRes rules only ("" otherwise, and where it states none), and
+    not for an AttnRes model whose routing is fixed (attnres4babylm's static-routing control: a control
+    with input-independent weights, not the input-dependent routing the paper's claims are about)."""
+    if residual not in ATTNRES_RULES or fixed_routing(residual, config if isinstance(config, dict) else None):
+        return ""
+    return CATALOG[metric].direction or ""
 
 
 def _pooled_pair(kind: str, pa: float, pb: float) -> float:

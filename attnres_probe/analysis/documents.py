@@ -197,7 +197,7 @@ def _paired(ms: list[str], it: Windows, against: str, a: np.ndarray, b: np.ndarr
         for j, m in enumerate(ms):
             rows.append({
                 "model": it.name, "metric": m, "baseline": against, "comparison": CATALOG[m].compare,
-                "expected": judged_direction(m, it.residual), "doc": int(uniq[d]), "n_windows": int(N[d, j]),
+                "expected": judged_direction(m, it.residual, it.config), "doc": int(uniq[d]), "n_windows": int(N[d, j]),
                 "n_tokens": int(TOK[d, j]), "value": own[d, j], "pooled": est_all[j], "verdict": verdict_all[j],
                 "pooled_without": est[j], "low_without": lo[j], "high_without": hi[j], "verdict_without": v_without[j],
             })
@@ -228,7 +228,7 @@ def _unpaired(ms: list[str], it: Windows, base: Windows, n_resamples: int, loo_r
             ok = np.isfinite(mine[m].to_numpy(np.float64))
             out.append({
                 "model": it.name, "metric": m, "baseline": base.name, "comparison": CATALOG[m].compare,
-                "expected": judged_direction(m, it.residual), "doc": int(d), "n_windows": int(ok.sum()),
+                "expected": judged_direction(m, it.residual, it.config), "doc": int(d), "n_windows": int(ok.sum()),
                 "n_tokens": int(mine["n_tokens"].to_numpy()[ok].sum()), "value": alone.at[m, "estimate"],
                 "pooled": whole.at[m, "estimate"], "verdict": whole.at[m, "verdict"],
                 "pooled_without": without.at[m, "estimate"], "low_without": without.at[m, "low"],

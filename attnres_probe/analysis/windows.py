@@ -381,3 +381,4 @@ def informative_token(traces, limit: int | None = None) -> tuple[int, str]:
                  f"distance {distance[pos]:.2f} over reads; 0 = PreNorm's uniform mixture, 1 = no overlap for "
                  f"non-negative weights){left_out}. "
                  "Click any token to route it.")
+from attnres_probe.analysis import published as _published  # noqa: E402,F401  (registers the diagnostics others publish)

@@ -42,7 +42,7 @@ def add_figures_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     src.add_argument("--demo", nargs="*", choices=DEMO_NAMES, metavar="NAME",
                      help=f"bundled demo models: {', '.join(DEMO_NAMES)} (bare --demo: all of them)")
     src.add_argument("--models", nargs="+", metavar="DIR",
-                     help="model folders: ours (config.json + model.safetensors) or flash-linear-attention checkpoints")
+                     help="model folders: ours (config.json + model.safetensors) or checkpoints of the families of README's Model families table (fla, Qwen3-AttnRes, nanogpt, LR-AttnRes)")
     p.add_argument("--names", nargs="+", metavar="NAME", help="one label per --models folder (default: the folders' names)")
     text = p.add_mutually_exclusive_group()
     text.add_argument("--text", help="the text to record (default: a short Python function); \\n and \\t stand for a "

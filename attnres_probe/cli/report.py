@@ -40,7 +40,7 @@ def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         ),
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--models", nargs="+", metavar="DIR", help="model folders: ours (config.json + model.safetensors) or flash-linear-attention checkpoints")
+    src.add_argument("--models", nargs="+", metavar="DIR", help="model folders: ours (config.json + model.safetensors) or checkpoints of the families of README's Model families table (fla, Qwen3-AttnRes, nanogpt, LR-AttnRes)")
     src.add_argument("--traces", nargs="+", metavar="DIR", help="saved DepthTrace directories (DepthTrace.save)")
     src.add_argument(
         "--demo",

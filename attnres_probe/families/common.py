@@ -163,13 +163,13 @@ class PretrainedTokenizer:
         return self.hf.decode(torch.as_tensor(tokens).reshape(-1).tolist())
 
 
-def tokenizer(directory: Path) -> PretrainedTokenizer:
+def tokenizer(directory: Path, hint: str = "") -> PretrainedTokenizer:
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any((directory / n).is_file() for n in names):
         raise PretrainedError(
             f"{directory} has no tokenizer files ({', '.join(names)}): save the tokenizer beside the weights "
             "(tokenizer.save_pretrained into the same folder) so the commands can read text; in Python, "
-            "load_pretrained(folder, tokenizer=False) loads the weights alone, and Probe.run takes token ids")
+            f"load_pretrained(folder, tokenizer=False) loads the weights alone, and Probe.run takes token ids{hint}")
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:  # pragma: no cover - transformers is installed with the fla extra

@@ -402,11 +402,9 @@ def state_dict(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, torch.
 
 
 def tokenizer(directory: Path):
-    """The folder's tokenizer files if it has some (:func:`~attnres_probe.families.common.tokenizer`), else None:
-    upstream reads text with tiktoken's cl100k_base, which the public folders do not hold."""
+    """The folder's tokenizer (:func:`~attnres_probe.families.common.tokenizer`); without tokenizer files the
+    error says that upstream reads text with tiktoken's cl100k_base, which the public folders do not hold."""
     from attnres_probe.families.common import tokenizer as read_tokenizer
 
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if any((Path(directory) / n).is_file() for n in names):
-        return read_tokenizer(Path(directory))
-    return None
+    return read_tokenizer(Path(directory), hint=(" (LR-AttnRes reads text with tiktoken's cl100k_base: save a "
+                                                  "transformers tokenizer of it, e.g. Xenova/gpt-4's, beside final_model.pt)"))

@@ -220,8 +220,10 @@ def test_folders_are_recognised_and_the_family_is_recorded(tmp_path):
 
     folder = FIX / "full"
     assert not (folder / "config.json").exists() and is_pretrained_folder(folder)
-    model, tok = load_model_folder(folder)
-    assert tok is None and model.tokenizer is None  # upstream reads text with tiktoken; the folder has no tokenizer files
+    with pytest.raises(PretrainedError, match="has no tokenizer files .*tiktoken's cl100k_base"):
+        load_model_folder(folder)  # the commands read text: upstream's tiktoken tokenizer is not in the folder
+    model, tok = load_pretrained(folder, tokenizer=False)
+    assert tok is None
     assert {"source": "LR-AttnRes", "family": "lr_attnres"}.items() <= model.cfg.extra.items()
     cfg = model.cfg
     assert (cfg.residual, cfg.norm_gain, cfg.eps_from_dtype, cfg.rope_layout, cfg.rope_stored_tables, cfg.qk_norm) == (

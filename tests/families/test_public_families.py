@@ -210,3 +210,17 @@ def test_attnres4babylm_masking_is_reproduced(variant):
         ref = exp[f"mask.{key}.logits"].double()
         bound = 2 * C * U32 * _G(model) * float(ref.abs().max())
         assert float((ours - ref).abs().max()) <= bound, key
+
+
+def test_a_family_is_compared_with_its_baseline_and_the_static_control_gets_no_verdict():
+    """The family's baseline and AttnRes folders share a shape (the rule's own keys are not the shape), and a
+    model with input-independent routing gets estimates but no verdict."""
+    from attnres_probe.analysis.compare import judged_direction
+    from attnres_probe.config import shape_difference
+
+    cfgs = {v: _load("nanogpt", v).cfg.to_dict() for v in ("baseline", "dynamic_bs4", "static_bs2")}
+    assert shape_difference(cfgs) == ""
+    assert shape_difference({v: _load("qwen3", v).cfg.to_dict() for v in ("baseline", "block-bias")}) == ""
+    assert judged_direction("locality_distance", "block", cfgs["dynamic_bs4"]) == "lower"
+    assert judged_direction("locality_distance", "block", cfgs["static_bs2"]) == ""
+    assert judged_direction("mean_loss", "block", cfgs["static_bs2"]) == ""
