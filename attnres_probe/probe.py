@@ -223,6 +223,34 @@ class Probe:
             **arrays,
         )
 
+    def memory_estimate(self, n_tokens: int, batch: int = 1, backward: bool = True, patterns: bool = False) -> dict[str, int]:
+        """About how many bytes a recording of ``batch`` sequences of ``n_tokens`` tokens holds, by part:
+        ``weights`` (parameters), ``gradients`` (their gradients, with ``backward``), ``activations`` (what
+        the forward keeps for the backward: per token and layer about ``34 d + 5 h P`` values and the L+1
+        sources, at the model's dtype; a forward alone keeps a few layers' worth), ``trace`` (the three
+        [reads x sources] cubes and per-token vectors, float32) and ``patterns`` (4 n_layers H P^2 bytes per
+        sequence); ``total`` their sum. A rough bound, to say before a long recording what it needs."""
+        param = next(iter(self.model.parameters()), None)
+        size = param.element_size() if param is not None else 4
+        n_params = sum(p.numel() for p in self.model.parameters())
+        cfg = getattr(self.model, "cfg", None)
+        d = getattr(cfg, "d_model", 0) or 0
+        heads = getattr(cfg, "n_heads", 0) or 0
+        L = self.spec.n_layers
+        R, S = self.spec.n_sublayers + 1, len(self.spec.source_labels)
+        tokens = batch * n_tokens
+        per_layer = (34 * d + 5 * heads * n_tokens) * size
+        acts = tokens * (L * per_layer + (2 * L + 1) * d * size)
+        out = {
+            "weights": n_params * size,
+            "gradients": n_params * size if backward else 0,
+            "activations": acts if backward else tokens * 2 * per_layer,
+            "trace": tokens * (12 * R * S + 4 * (2 * R + 2 * S + 4)),
+            "patterns": 4 * L * heads * n_tokens * tokens if patterns else 0,
+        }
+        out["total"] = sum(out.values())
+        return out
+
     def _pattern_recorder(self, layers: list[int] | None = None, positions: Any = None, stop: bool = False):
         """A :class:`~attnres_probe.hooks.patterns.PatternRecorder` on the given layers' ``hook_pattern`` (all: None).
 

@@ -49,3 +49,16 @@ def test_unequal_lengths_are_refused_naming_them(full):
         Probe(model, tokenizer=tok).run(["ab", "cde"])
     with pytest.raises(ValueError, match="lists of texts of the same length"):
         Probe(model, tokenizer=tok).patch(["ab", "cd"], ["ab"])
+
+
+def test_the_memory_estimate_adds_up_and_counts_patterns(full):
+    model, tok = full
+    probe = Probe(model, tokenizer=tok)
+    a, b = probe.memory_estimate(64), probe.memory_estimate(128, patterns=True)
+    assert a["total"] == sum(v for k, v in a.items() if k != "total")
+    assert a["weights"] == sum(p.numel() for p in model.parameters()) * 4 and a["gradients"] == a["weights"]
+    cfg = model.cfg
+    assert b["patterns"] == 4 * cfg.n_layers * cfg.n_heads * 128 * 128
+    R, S = cfg.n_reads, cfg.n_sources
+    assert b["trace"] >= 12 * R * S * 128 and b["activations"] > 2 * a["activations"]
+    assert probe.memory_estimate(64, backward=False)["gradients"] == 0

@@ -95,6 +95,18 @@ def layer_summary(trace) -> pd.DataFrame:
     )
 
 
+def _say_memory(probe, text: str, backward: bool, threshold: float = 256e6) -> None:
+    """Before a recording that needs more than ``threshold`` bytes, say about how much, by part."""
+    try:
+        n = min(int(probe.encode(text).numel()), probe.spec.n_ctx)
+    except Exception:  # the recording itself reports an unreadable text
+        return
+    est = probe.memory_estimate(n, backward=backward)
+    if est["total"] >= threshold:
+        parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in est.items() if k != "total" and v)
+        _say(f"this recording needs about {est['total'] / 1e9:.1f} GB ({parts} GB; {n} tokens)")
+
+
 def _say(msg: str) -> None:
     """A step that takes seconds says so on stderr where a person watches (:func:`attnres_probe.io.say`)."""
     from attnres_probe.io import say
@@ -108,8 +120,10 @@ def _run_record(args: argparse.Namespace) -> int:
     check_save_target(args.out, overwrite=args.force)  # before the model runs: fail fast
     loaded = _load(args)
     probe = loaded.probe()
+    text = _text(args, probe.spec.n_ctx)
+    _say_memory(probe, text, not args.no_backward)
     _say(f"recording the text through {probe.name} (one forward and backward pass) ...")
-    trace = probe.run(_text(args, probe.spec.n_ctx), backward=not args.no_backward, truncate=_truncate(args))
+    trace = probe.run(text, backward=not args.no_backward, truncate=_truncate(args))
     trace.meta["weights_sha256"] = loaded.digest  # the model's one digest, as reports show it
     out = trace.save(args.out, overwrite=args.force)
     print(repr(trace))
