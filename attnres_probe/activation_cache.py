@@ -130,6 +130,24 @@ class AttnResCache(ActivationCache):
     def _attnres(self) -> bool:
         return self.model.cfg.residual != "prenorm"
 
+    def __getitem__(self, key: Any) -> Any:
+        try:
+            return super().__getitem__(key)
+        except KeyError:
+            name = key if isinstance(key, str) else None
+            if isinstance(key, tuple) and key and isinstance(key[0], str):
+                from transformer_lens.utilities import get_act_name
+
+                try:
+                    name = get_act_name(*key)
+                except Exception:
+                    name = None
+            if name and "resid_post" in name and self._attnres():
+                raise KeyError(
+                    f"{name}: under {rule_title(self.model.cfg.residual)} there is no residual stream after a block (each "
+                    "read mixes earlier sources afresh); what a sublayer reads is blocks.{i}.hook_resid_pre (attention) "
+                    "or blocks.{i}.hook_resid_mid (MLP), and the final norm reads hook_resid_final") from None
+            raise
     def _refuse(self, helper: str, hint: str = "") -> NoReturn:
         raise ValueError(
             f"cache.{helper}() sums residual-stream pieces, but under {rule_title(self.model.cfg.residual)} "

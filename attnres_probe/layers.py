@@ -71,12 +71,57 @@ def rms_norm_module(cfg: ModelConfig, d: int, eps: float) -> nn.Module:
     return RMSNorm(d, e) if cfg.norm_gain else GainlessRMSNorm(d, e)
 
 
+class _Normalized:
+    """``hook_normalized`` on a pre-norm or the final norm, as TransformerLens has it: the normalised input
+    before the gain (and bias), [batch, pos, d_model]. Computed only while a hook is attached there (then
+    ``gain * hooked + bias``); without one the norm is its own single op, bit for bit."""
+
+    def _init_hook(self) -> None:
+        self.hook_normalized = CheckedHookPoint()  # [batch, pos, d_model] before the gain (only when hooked)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hp = self.hook_normalized
+        if not (hp._forward_hooks or hp._backward_hooks):
+            return super().forward(x)
+        xf = x.to(kernels.compute_dtype(x))
+        if isinstance(self, nn.LayerNorm):
+            xf = xf - xf.mean(-1, keepdim=True)
+            normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        else:
+            normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.hook_normalized(normed.to(x.dtype))
+        weight = getattr(self, "weight", None)
+        out = out if weight is None else out * weight
+        bias = getattr(self, "bias", None)
+        return out if bias is None else out + bias
+
+
+class NormRMS(_Normalized, RMSNorm):
+    def __init__(self, d: int, eps: float | None):
+        super().__init__(d, eps)
+        self._init_hook()
+
+
+class NormGainless(_Normalized, GainlessRMSNorm):
+    def __init__(self, d: int, eps: float | None):
+        super().__init__(d, eps)
+        self._init_hook()
+
+
+class NormLayer(_Normalized, nn.LayerNorm):
+    def __init__(self, d: int, eps: float, bias: bool):
+        super().__init__(d, eps=eps, bias=bias)
+        self._init_hook()
+
+
 def make_norm(cfg: ModelConfig, d: int) -> nn.Module:
-    """The model's pre-norms and final norm: an RMSNorm (``cfg.norm="rms"``: :func:`rms_norm_module`, eps
-    ``cfg.norm_eps``) or a LayerNorm with a gain and, with ``cfg.norm_bias``, a bias (``"layernorm"``)."""
+    """The model's pre-norms and final norm, each with TransformerLens's ``hook_normalized``: an RMSNorm
+    (``cfg.norm="rms"``, eps ``cfg.norm_eps``; without a gain when ``cfg.norm_gain`` is False, torch's eps when
+    ``cfg.eps_from_dtype``) or a LayerNorm with a gain and, with ``cfg.norm_bias``, a bias (``"layernorm"``)."""
     if cfg.norm == "layernorm":
-        return nn.LayerNorm(d, eps=cfg.norm_eps, bias=cfg.norm_bias)
-    return rms_norm_module(cfg, d, cfg.norm_eps)
+        return NormLayer(d, cfg.norm_eps, cfg.norm_bias)
+    eps = None if cfg.eps_from_dtype else cfg.norm_eps
+    return NormRMS(d, eps) if cfg.norm_gain else NormGainless(d, eps)
 
 
 class Rotary(nn.Module):

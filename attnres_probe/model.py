@@ -37,6 +37,7 @@ from attnres_probe.layers import (MLP, Attention, CoefficientRead, DepthMixer, D
                                    dtype_eps, make_norm)
 from attnres_probe.losses import next_token_loss
 from attnres_probe.rules import implementation
+from attnres_probe.tl_weights import TLWeights
 
 __all__ = [
     "AttnResCache",
@@ -132,7 +133,7 @@ def _sinusoidal(n_ctx: int, d: int) -> torch.Tensor:
 SCHEDULES = ("sequential", "two_phase")
 
 
-class AttnResTransformer(HookedRootModule):
+class AttnResTransformer(TLWeights, HookedRootModule):
     """A byte-level transformer whose residual rule is PreNorm, Full AttnRes, Block AttnRes,
     Hyper-Connections / mHC (``residual="hyper"``) or DenseFormer (``residual="denseformer"``).
 
@@ -382,7 +383,8 @@ class AttnResTransformer(HookedRootModule):
         return tok + pos
 
     def forward(
-        self, tokens: Any, return_type: ReturnType = "logits", loss_per_token: bool = False, *, truncate: bool = False
+        self, tokens: Any, return_type: ReturnType = "logits", loss_per_token: bool = False, *, truncate: bool = False,
+        stop_at_layer: int | None = None,
     ) -> Any:
         """Run the model on tokens [batch, pos] (or [pos], or a str), as TransformerLens does.
 
@@ -393,7 +395,13 @@ class AttnResTransformer(HookedRootModule):
                 ``"both"`` (logits, loss), or None (nothing; for hooks and caches).
             loss_per_token: the loss per predicted token instead of its mean.
             truncate: keep the first n_ctx tokens of a longer input instead of refusing it.
+            stop_at_layer: as TransformerLens: run blocks ``0 .. stop_at_layer - 1`` only and return what
+                block ``stop_at_layer`` reads, its attention's mixed input (``blocks.{k}.hook_resid_pre``;
+                ``n_layers``: the final read, ``hook_resid_final``; negative counts from the end), [batch,
+                pos, d_model]; ``return_type`` is then ignored.
         """
+        if stop_at_layer is not None:
+            return self._forward_until(tokens, stop_at_layer, truncate)
         if return_type not in RETURN_TYPES:
             raise ValueError(f"return_type is {return_type!r}; accepted values are 'logits', 'loss', 'both', None")
         tokens = self.check_tokens(tokens, truncate=truncate)
@@ -427,6 +435,28 @@ class AttnResTransformer(HookedRootModule):
         if return_type is None:
             return None
         return loss if return_type == "loss" else (logits, loss)
+
+    def _forward_until(self, tokens: Any, stop_at_layer: int, truncate: bool) -> torch.Tensor:
+        n = self.cfg.n_layers
+        if isinstance(stop_at_layer, bool) or not isinstance(stop_at_layer, int) or not -n <= stop_at_layer <= n:
+            raise ValueError(f"stop_at_layer is {stop_at_layer!r}; accepted values are integers in {-n}..{n} (or None)")
+        k = stop_at_layer % n if stop_at_layer < 0 else stop_at_layer
+        point = self.hook_resid_final if k == n else self.blocks[k].hook_resid_pre
+        seen: list[torch.Tensor] = []
+
+        class _Reached(Exception):
+            pass
+
+        def stop(x: torch.Tensor, hook: Any = None) -> None:
+            seen.append(x)
+            raise _Reached
+
+        with self.hooks(fwd_hooks=[(point.name, stop)]):
+            try:
+                self.forward(tokens, return_type=None, truncate=truncate)
+            except _Reached:
+                pass
+        return seen[0]
 
     def _sublayers(self):
         """(l, block, which) for every sublayer l in order: which = 0 attention, 1 MLP."""

@@ -217,7 +217,7 @@ def test_return_types(demo):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"max_new_tokens": -1}, "max_new_tokens is -1; accepted values are integers >= 0"),
+        ({"max_new_tokens": -1}, "max_new_tokens is -1; accepted values are integers in 0..100,000"),
         ({"max_new_tokens": 2.5}, "max_new_tokens is 2.5"),
         ({"temperature": -0.5}, r"temperature is -0.5; accepted values are finite numbers >= 0 \(0: greedy\)"),
         ({"top_k": 0}, r"top_k is 0; accepted values are None \(every token\) or integers >= 1"),
