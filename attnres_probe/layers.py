@@ -301,6 +301,25 @@ class GatedMLP(nn.Module):
         return self.W_out(self.hook_post(F.silu(self.W_gate(x)) * self.W_in(x)))
 
 
+class WeightSumWarning(UserWarning):
+    """A hook returned softmax depth weights whose visible columns no longer sum to one: the read uses them as
+    given (not renormalised). Patching and ablation, which do this on purpose, silence it."""
+
+
+def _warn_unnormalised(name: str, w: torch.Tensor) -> None:
+    """Warn once per call site when the weights a hook returned do not sum to one on the visible columns (the old
+    idiom that found them with ``isnan``, before unavailable columns were 0, now drops the read's mass)."""
+    with torch.no_grad():
+        sums = w.detach().float().nan_to_num(0.0).sum(-1)
+        lo, hi = float(sums.min()), float(sums.max())
+    if not (abs(lo - 1) <= 1e-3 and abs(hi - 1) <= 1e-3):
+        import warnings
+
+        warnings.warn(f"a hook at {name} returned depth weights whose visible columns sum to {lo:.4g}..{hi:.4g}, not 1: "
+                      "the read uses them as given (not renormalised). For a distribution divide by the row's sum; the "
+                      "columns a read cannot see are 0 (not NaN)", WeightSumWarning, stacklevel=6)
+
+
 class DepthRead(nn.Module):
     """What every read of a depth-mixing rule shows its hooks: the read's weights over the common
     source axis (``hook_weights``, [batch, pos, n_sources], 0 in the columns the read cannot see)
@@ -311,6 +330,8 @@ class DepthRead(nn.Module):
     becomes ``sum_i w_i v_i`` over the visible columns, with the weights **as given** (not
     renormalised). Values written into unseen columns are ignored.
     """
+
+    weights_sum_to_one = False  # softmax reads (DepthMixer): a hook's weights that do not sum to one are warned about
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -347,6 +368,8 @@ class DepthRead(nn.Module):
         changed = changed or weights_h is not weights or weights._version != version
         if changed:
             w = weights_h[..., :k]
+            if self.weights_sum_to_one:
+                _warn_unnormalised(self.hook_weights.name, w)
             w = w.to(kernels.compute_dtype(sources[0], w))
             mix = kernels.weighted_sum(w, list(sources), w.dtype).to(mix.dtype)
             contrib = None  # shares computed before the intervention describe the old mixture
@@ -403,6 +426,8 @@ class DepthMixer(DepthRead):
     finally used, ``w_i <v_i, h> / |h|^2``; the op computes the shares only while a hook is
     attached there (an observation: its return value is ignored).
     """
+
+    weights_sum_to_one = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)

@@ -73,6 +73,9 @@ def load_model_folder(directory: str | Path, device: Any = "cpu", dtype: Any = N
     from attnres_probe.model import AttnResTransformer
     from attnres_probe.pretrained import is_fla_folder, load_pretrained
 
+    if (Path(directory) / "trace.json").is_file() and not (Path(directory) / "config.json").is_file():
+        raise ValueError(f"{directory} is a saved DepthTrace, not a model folder: open it with DepthTrace.load, or "
+                         "`attnres-probe report --traces` / `dash --traces`; --model/--models take a model folder")
     if is_fla_folder(directory):
         return load_pretrained(directory, device=device, dtype=dtype or torch.float32)
     model = AttnResTransformer.load(directory, device=device).eval()

@@ -246,9 +246,14 @@ def _detach(handles: list) -> None:
 
 def _forward(probe: Any, tokens: torch.Tensor, plan: list[tuple[str, Callable]]) -> torch.Tensor:
     """Logits [batch, pos, vocab] of one forward with the hooks of ``plan`` attached (no grad)."""
+    import warnings
+
+    from attnres_probe.layers import WeightSumWarning
+
     handles = _attach(probe.model, plan)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", WeightSumWarning)  # per-source patches need not sum to one, on purpose
             return probe.logits(tokens).detach()
     finally:
         _detach(handles)

@@ -49,3 +49,21 @@ def test_knobs_that_size_memory_or_time_are_bounded(block):
         ModelConfig(d_model=16, n_heads=2, residual="hyper", n_streams=10**6)
     with pytest.raises(ConfigError, match=r"sinkhorn_iters must be an integer in 1..1000 .*got 1000000000"):
         ModelConfig(d_model=16, n_heads=2, residual="hyper", mhc=True, sinkhorn_iters=10**9)
+
+
+def test_weights_that_no_longer_sum_to_one_are_noted_once_naming_the_hook(block):
+    """The idiom from before unavailable columns were 0 (finding them with isnan) now drops mass silently: noted."""
+    import warnings
+
+    from attnres_probe.layers import WeightSumWarning
+
+    def old_idiom(w, hook):
+        w = w.clone()
+        w[..., 0] = 0.0  # "zero the embedding", without renormalising
+        return w
+
+    with pytest.warns(WeightSumWarning, match=r"blocks.1.attn_res.hook_weights .*sum to .*not 1"):
+        block.run_with_hooks("ROMEO", fwd_hooks=[("blocks.1.attn_res.hook_weights", old_idiom)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", WeightSumWarning)
+        block.run_with_hooks("ROMEO", fwd_hooks=[("blocks.1.attn_res.hook_weights", lambda w, hook: w / w.sum(-1, keepdim=True))])

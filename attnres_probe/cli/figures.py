@@ -45,7 +45,7 @@ def add_figures_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                      help="model folders: ours (config.json + model.safetensors) or checkpoints of the families of README's Model families table (fla, Qwen3-AttnRes, nanogpt, LR-AttnRes)")
     p.add_argument("--names", nargs="+", metavar="NAME", help="one label per --models folder (default: the folders' names)")
     text = p.add_mutually_exclusive_group()
-    text.add_argument("--text", help="the text to record (default: a short Python function); \\n and \\t stand for a "
+    text.add_argument("--text", help="the text to record (default: a held-out passage of a play, the one `record` uses); \\n and \\t stand for a "
                                      "newline and a tab")
     text.add_argument("--file", metavar="PATH", help="read the text from a UTF-8 file")
     p.add_argument("--truncate", action="store_true", help="keep the first n_ctx tokens of a longer text")
