@@ -277,7 +277,7 @@ def test_compare_gives_no_paper_verdict_to_other_rules(rule_traces):
     attnres = rows[rows["model"] == "full"]
     assert len(other) and (other["verdict"] == "").all() and (other["expected"] == "").all()
     assert other["note"].str.contains("claim about AttnRes|states no direction").all()
-    assert other["note"].str.contains("claim about AttnRes, not Hyper-Connections: no verdict").any()
+    assert other["note"].str.contains("claim about AttnRes, not mHC: no verdict").any()
     assert (attnres.loc[attnres["expected"] != "", "verdict"] != "").all()  # AttnRes still gets its verdicts
     assert other["estimate"].notna().any()  # the estimates are shown
 

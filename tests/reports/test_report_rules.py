@@ -31,7 +31,7 @@ def test_the_report_names_every_rule_and_judges_attnres_only(rule_report):
     for title in ("PreNorm baseline", "Full AttnRes", "mHC", "DenseFormer"):
         assert title in text
     # the comparison rows' notes (hovered) and the page's legend say why these models get no verdict
-    assert "claim about AttnRes, not Hyper-Connections: no verdict" in rule_report
+    assert "claim about AttnRes, not mHC: no verdict" in rule_report
     assert "claim about AttnRes, not DenseFormer: no verdict" in rule_report
     assert "nor for Hyper-Connections or DenseFormer models" in text
     assert "normalised coefficient" in rule_report  # the weights heatmaps of mHC and DenseFormer say what they show
