@@ -12,39 +12,48 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 __all__ = ["DTYPES", "Placement", "current", "parse_device", "parse_dtype", "use"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+# the dtypes a command may ask for, by name (torch is imported only when one is used: the command line
+# builds its parsers without it)
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 @dataclass(frozen=True)
 class Placement:
-    device: torch.device
-    dtype: torch.dtype | None  # None: the model's own (float32 for ours and for every loader's default)
+    device: Any  # torch.device, or None: the CPU
+    dtype: Any  # torch.dtype, or None: the model's own (float32 for ours and for every loader's default)
 
 
-_CURRENT = Placement(torch.device("cpu"), None)
+_CURRENT = Placement(None, None)
 
 
 def current() -> Placement:
     """The placement a command set (default: the CPU, each model's own dtype)."""
+    if _CURRENT.device is None:
+        import torch
+
+        return Placement(torch.device("cpu"), _CURRENT.dtype)
     return _CURRENT
 
 
-def parse_dtype(text: str | None) -> torch.dtype | None:
+def parse_dtype(text: str | None):
     """A dtype name (or None); a ValueError listing the accepted names otherwise."""
     if text is None:
         return None
     if text not in DTYPES:
         raise ValueError(f"--dtype {text!r} is not a dtype this toolkit computes in; accepted: {', '.join(DTYPES)}")
-    return DTYPES[text]
+    import torch
+
+    return getattr(torch, text)
 
 
-def parse_device(text: str | None) -> torch.device:
+def parse_device(text: str | None):
     """A torch device that exists here; a ValueError naming what is available otherwise."""
+    import torch
+
     try:
         device = torch.device(text or "cpu")
     except (RuntimeError, TypeError):
@@ -59,8 +68,10 @@ def parse_device(text: str | None) -> torch.device:
 
 
 @contextlib.contextmanager
-def use(device: str | torch.device | None = None, dtype: str | torch.dtype | None = None) -> Iterator[Placement]:
+def use(device: Any = None, dtype: Any = None) -> Iterator[Placement]:
     """Load models on ``device`` in ``dtype`` inside the context (names are checked first)."""
+    import torch
+
     global _CURRENT
     dev = device if isinstance(device, torch.device) else parse_device(device)
     dt = dtype if isinstance(dtype, torch.dtype) or dtype is None else parse_dtype(dtype)

@@ -79,7 +79,7 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("placement")
     group.add_argument("--device", default=None, help="torch device to load the models on: cpu (default), cuda, cuda:1 ...")
-    group.add_argument("--dtype", default=None, choices=list(DTYPES),
+    group.add_argument("--dtype", default=None, choices=DTYPES,
                        help="dtype of the weights and the computation (default float32; bfloat16 halves a large model's memory)")
 
 
@@ -215,10 +215,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        from attnres_probe import placement
-
-        with placement.use(getattr(args, "device", None), getattr(args, "dtype", None)):  # --device / --dtype
+        device, dtype = getattr(args, "device", None), getattr(args, "dtype", None)
+        if device is None and dtype is None:
             status = int(args.func(args) or 0)
+        else:
+            from attnres_probe import placement
+
+            with placement.use(device, dtype):  # --device / --dtype for every model the command loads
+                status = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at exit
         return status
     except (UserError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as exc:
