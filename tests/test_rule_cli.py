@@ -106,7 +106,7 @@ def test_train_flags_of_the_rules_reach_the_model_config(tmp_path):
         (["--residual", "full", "--dwa-period", "2"], "--dwa-period (dwa_period) applies only to --residual denseformer"),
         (["--n-streams", "2"], "--n-streams (n_streams) applies only to --residual hyper; this run's residual is 'full'"),
         (["--residual", "denseformer", "--mhc"], "--mhc/--no-mhc (mhc) applies only to --residual hyper"),
-        (["--residual", "hyper", "--n-streams", "0"], "n_streams must be a positive integer; got 0"),
+        (["--residual", "hyper", "--n-streams", "0"], "n_streams must be an integer in 1..64"),
         (["--residual", "hyper", "--block-size", "2"], "--block-size (block_size) applies only to --residual block"),
         # a flag of one Hyper-Connections variant given to another would change nothing
         (["--residual", "hyper", "--mhc", "--no-hc-tanh"], "--no-hc-tanh (hc_tanh) applies only to dynamic Hyper-Connections without --mhc"),

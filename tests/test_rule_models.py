@@ -206,7 +206,7 @@ def test_config_fields_belong_to_their_rule():
         ModelConfig(residual="full", n_streams=2)
     with pytest.raises(ConfigError, match="dwa_period=2 apply only to residual='denseformer'"):
         ModelConfig(residual="hyper", dwa_period=2)
-    with pytest.raises(ConfigError, match="n_streams must be a positive integer"):
+    with pytest.raises(ConfigError, match=r"n_streams must be an integer in 1..64"):
         ModelConfig(residual="hyper", n_streams=0)
     with pytest.raises(ConfigError, match="hc_dynamic_input is 'rows'; accepted values are stream, flat"):
         ModelConfig(residual="hyper", hc_dynamic_input="rows")
