@@ -67,3 +67,12 @@ def test_weights_that_no_longer_sum_to_one_are_noted_once_naming_the_hook(block)
     with warnings.catch_warnings():
         warnings.simplefilter("error", WeightSumWarning)
         block.run_with_hooks("ROMEO", fwd_hooks=[("blocks.1.attn_res.hook_weights", lambda w, hook: w / w.sum(-1, keepdim=True))])
+
+
+def test_figures_refuses_a_label_given_twice(tmp_path, capsys):
+    from attnres_probe.cli import main
+
+    status = main(["figures", "--models", str(tmp_path), str(tmp_path), "--names", "a", "a", "--out", str(tmp_path / "f")])
+    err = capsys.readouterr().err
+    assert status == 2 and "--names gives 'a' more than once" in err and err.count("\n") == 1
+    assert not (tmp_path / "f").exists()

@@ -87,6 +87,9 @@ def _load(args: argparse.Namespace) -> tuple[list, list[str]]:
         return [load_model(demo_source(n)) for n in demo], demo
     if args.names is not None and len(args.names) != len(args.models):
         raise UserError(f"--names gives {len(args.names)} names for {len(args.models)} --models folders: give one per folder")
+    if args.names is not None and len(set(args.names)) != len(args.names):
+        twice = sorted({n for n in args.names if args.names.count(n) > 1})
+        raise UserError(f"--names gives {', '.join(repr(n) for n in twice)} more than once: every model needs its own label")
     loaded = [load_model(d, flag="--models") for d in args.models]
     return loaded, unique_names(list(args.names) if args.names else [m.name for m in loaded])
 
