@@ -56,6 +56,8 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def _run(args: argparse.Namespace) -> int:
     single = args.demo or args.models or args.seeds
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} is a file; the study writes a folder of pages: give a folder path")
     if args.names and args.seeds:
         raise UserError("--names picks the models a single-model study records (--demo or --models DIR); --seeds combines "
                         "study folders and takes the models every one of them holds")
