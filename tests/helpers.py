@@ -203,3 +203,17 @@ class SharedChromium:
             except Exception:  # noqa: BLE001  (a driver that is gone already)
                 pass
             self.driver = None
+
+
+def model_bound_g(model) -> float:
+    """G = (L+1)(sqrt(d) + S) of docs/design.md's model bound C u G, with S the most sources a read sees (L+1)."""
+    import math
+
+    cfg = model.cfg
+    return cfg.n_reads * (math.sqrt(cfg.d_model) + cfg.n_reads)
+
+
+def read_hook_names(model) -> list[str]:
+    """The mixed-input hook of every read, in forward order (attention, MLP per block, then the final read)."""
+    n = model.cfg.n_layers
+    return [f"blocks.{i}.hook_resid_{w}" for i in range(n) for w in ("pre", "mid")] + ["hook_resid_final"]

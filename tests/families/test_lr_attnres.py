@@ -11,13 +11,15 @@ read mixes (measured: 0.12-0.28 % of it), and to ``2 C u64 G`` for the baseline,
 
 from __future__ import annotations
 
-import math
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from helpers import model_bound_g as _G
+from helpers import read_hook_names as _read_names
 
 from attnres_probe import load_pretrained
 from attnres_probe.config import ConfigError, ModelConfig
@@ -36,14 +38,6 @@ def _load(variant: str, dtype=torch.float32, **kwargs):
     return model
 
 
-def _G(model) -> float:
-    cfg = model.cfg
-    return cfg.n_reads * (math.sqrt(cfg.d_model) + cfg.n_reads)
-
-
-def _read_names(model) -> list[str]:
-    n = model.cfg.n_layers
-    return [f"blocks.{i}.hook_resid_{w}" for i in range(n) for w in ("pre", "mid")] + ["hook_resid_final"]
 
 
 def _logits(model, ids) -> torch.Tensor:

@@ -11,13 +11,15 @@ ours in float64 against the upstream's float64 within ``2 C u64 G``.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+
+from helpers import model_bound_g as _G
+from helpers import read_hook_names as _read_names
 
 from attnres_probe import Probe, load_pretrained
 from attnres_probe.pretrained import PretrainedError
@@ -36,14 +38,6 @@ def _load(family: str, variant: str, dtype=torch.float32):
     return model
 
 
-def _G(model) -> float:
-    cfg = model.cfg
-    return cfg.n_reads * (math.sqrt(cfg.d_model) + cfg.n_reads)
-
-
-def _read_names(model) -> list[str]:
-    n = model.cfg.n_layers
-    return [f"blocks.{i}.hook_resid_{w}" for i in range(n) for w in ("pre", "mid")] + ["hook_resid_final"]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{v}" for f, v in CASES])
