@@ -870,9 +870,9 @@ def token_pattern(trace: DepthTrace, layer: int, head: int, token: int, batch: i
     """:func:`attention_pattern_chart` of a trace recorded with ``patterns=True`` (``trace.pattern``)."""
     pos = trace.token_index(token, batch)
     row = trace.pattern(layer, head, token=pos, batch=batch)
-    n_layers, n_heads = trace.patterns.shape[1], trace.patterns.shape[2]
-    return attention_pattern_chart(row, trace.str_tokens[batch], pos, layer % n_layers, head % n_heads, name=trace.name,
-                                   color=color)
+    slot, head_slot = trace.pattern_slot(layer, head)  # the model's own layer and head numbers, for the title
+    return attention_pattern_chart(row, trace.str_tokens[batch], pos, trace.pattern_layers[slot],
+                                   trace.pattern_heads[head_slot], name=trace.name, color=color)
 
 
 # -- depth profiles ---------------------------------------------------------------------------

@@ -132,7 +132,8 @@ class Probe:
         backward: bool = True,
         truncate: bool = False,
         contributions: bool = True,
-        patterns: bool = False,
+        patterns: bool | Sequence[int] = False,
+        pattern_heads: Sequence[int] | None = None,
     ) -> DepthTrace:
         """Run text (or tokens [batch, pos]) and record everything.
 
@@ -152,13 +153,20 @@ class Probe:
                 forward itself, whose hooks only look: every other number of the trace is bit
                 for bit what it is without patterns; the forward computes each layer's scores
                 and softmax explicitly besides SDPA. Default False: nothing is kept or computed.
+                A list of layers keeps only those (``patterns=[0, 11]``; negative counts from the
+                last), and only those layers run the explicit attention: a large model at a long
+                context keeps ``4 B len(layers) len(heads) P^2`` bytes instead of every layer's.
+            pattern_heads: with ``patterns``, keep only these heads of each kept layer (None: all).
+                ``trace.pattern(layer, head)`` takes the model's own layer and head numbers and says
+                which were recorded when asked for another.
 
         Returns:
             The :class:`DepthTrace`.
         """
         tokens, str_tokens = self.tokenize(text_or_tokens, truncate=truncate)
         mask = torch.ones_like(tokens, dtype=torch.bool)
-        return self.record(tokens, mask, str_tokens, backward=backward, contributions=contributions, patterns=patterns)
+        return self.record(tokens, mask, str_tokens, backward=backward, contributions=contributions, patterns=patterns,
+                           pattern_heads=pattern_heads)
 
     def record(
         self,
@@ -168,9 +176,12 @@ class Probe:
         backward: bool = True,
         contributions: bool = True,
         extra_meta: dict | None = None,
-        patterns: bool = False,
+        patterns: bool | Sequence[int] = False,
+        pattern_heads: Sequence[int] | None = None,
     ) -> DepthTrace:
-        """Record already-validated tokens [batch, pos] with a right-padding ``mask`` (``patterns``: see :meth:`run`)."""
+        """Record already-validated tokens [batch, pos] with a right-padding ``mask`` (``patterns``,
+        ``pattern_heads``: see :meth:`run`)."""
+        layers, heads = self._pattern_choice(patterns, pattern_heads)
         if backward and int(mask[:, 1:].sum()) == 0:
             raise ValueError(
                 "a backward pass needs at least two tokens (the loss predicts token t+1); pass backward=False "
@@ -180,7 +191,7 @@ class Probe:
         rec = Recorder(self.model, spec, contributions=contributions, gradients=backward)  # hooks scoped to this thread
         params = [p for p in self._params if p.requires_grad] if backward else []
         grads: dict[int, torch.Tensor] = {}
-        pat = self._pattern_recorder() if patterns else contextlib.nullcontext()
+        pat = self._pattern_recorder(layers, heads=heads) if layers else contextlib.nullcontext()
         with rec, pat, torch.set_grad_enabled(backward):
             logits = self.logits(tokens)
             rec.raise_if_failed()
@@ -209,6 +220,9 @@ class Probe:
             "backward": bool(backward),
             "mean_loss": float(loss.detach()),
         }
+        if layers:
+            meta.update(pattern_layers=layers, pattern_heads=heads if heads is not None else list(range(self._n_heads())),
+                        pattern_n_heads=self._n_heads())
         if extra_meta:
             meta.update(extra_meta)
         return DepthTrace(
@@ -218,18 +232,19 @@ class Probe:
             param_grad=param_grad,
             mixer_grad=mixer_grad,
             meta=meta,
-            patterns=pat.result().numpy() if patterns else None,
+            patterns=pat.result().numpy() if layers else None,
             native=native or None,
             **arrays,
         )
 
-    def memory_estimate(self, n_tokens: int, batch: int = 1, backward: bool = True, patterns: bool = False) -> dict[str, int]:
+    def memory_estimate(self, n_tokens: int, batch: int = 1, backward: bool = True, patterns: bool | Sequence[int] = False,
+                        pattern_heads: Sequence[int] | None = None) -> dict[str, int]:
         """About how many bytes a recording of ``batch`` sequences of ``n_tokens`` tokens holds, by part:
         ``weights`` (parameters), ``gradients`` (their gradients, with ``backward``), ``activations`` (what
         the forward keeps for the backward: per token and layer about ``34 d + 5 h P`` values and the L+1
         sources, at the model's dtype; a forward alone keeps a few layers' worth), ``trace`` (the three
-        [reads x sources] cubes and per-token vectors, float32) and ``patterns`` (4 n_layers H P^2 bytes per
-        sequence); ``total`` their sum. A rough bound, to say before a long recording what it needs."""
+        [reads x sources] cubes and per-token vectors, float32) and ``patterns`` (4 l h P^2 bytes per
+        sequence for the l layers and h heads kept); ``total`` their sum. A rough bound, to say before a long recording what it needs."""
         param = next(iter(self.model.parameters()), None)
         size = param.element_size() if param is not None else 4
         n_params = sum(p.numel() for p in self.model.parameters())
@@ -239,6 +254,9 @@ class Probe:
         L = self.spec.n_layers
         R, S = self.spec.n_sublayers + 1, len(self.spec.source_labels)
         tokens = batch * n_tokens
+        kept_layers, kept_heads = self._pattern_choice(patterns, pattern_heads) if self.spec.pattern_hooks else ([], None)
+        n_layers_kept = len(kept_layers)
+        n_heads_kept = heads if kept_heads is None else len(kept_heads)
         per_layer = (34 * d + 5 * heads * n_tokens) * size
         acts = tokens * (L * per_layer + (2 * L + 1) * d * size)
         out = {
@@ -246,12 +264,41 @@ class Probe:
             "gradients": n_params * size if backward else 0,
             "activations": acts if backward else tokens * 2 * per_layer,
             "trace": tokens * (12 * R * S + 4 * (2 * R + 2 * S + 4)),
-            "patterns": 4 * L * heads * n_tokens * tokens if patterns else 0,
+            "patterns": 4 * n_layers_kept * n_heads_kept * n_tokens * tokens,
         }
         out["total"] = sum(out.values())
         return out
 
-    def _pattern_recorder(self, layers: list[int] | None = None, positions: Any = None, stop: bool = False):
+    def _n_heads(self) -> int:
+        cfg = getattr(self.model, "cfg", None)
+        return int(getattr(cfg, "n_heads", 0) or 0)
+
+    def _pattern_choice(self, patterns: Any, heads: Any) -> tuple[list[int], list[int] | None]:
+        """(the layers, the heads or None for all) that ``patterns`` / ``pattern_heads`` ask for, sorted and
+        unique; ([], None) for none.
+
+        Raises:
+            TypeError: ``patterns`` neither a bool nor a list of layers, or ``pattern_heads`` without patterns.
+            ValueError: a layer or head out of range, or an empty list.
+        """
+        if patterns is False or patterns is None:
+            if heads is not None:
+                raise TypeError("pattern_heads chooses heads of the recorded patterns: pass patterns=True (or a list "
+                                "of layers) too")
+            return [], None
+        n = len(self.spec.pattern_hooks)
+        if patterns is True:
+            layers = list(range(n))
+        elif isinstance(patterns, (str, bytes, float)) or not hasattr(patterns, "__iter__"):
+            raise TypeError(f"patterns must be True, False or a list of layers (0..{n - 1}); got {patterns!r}")
+        else:
+            layers = _indices(patterns, n, "layer", "patterns")
+        if heads is not None:
+            heads = _indices(heads, self._n_heads(), "head", "pattern_heads")
+        return layers, heads
+
+    def _pattern_recorder(self, layers: list[int] | None = None, positions: Any = None, stop: bool = False,
+                          heads: list[int] | None = None):
         """A :class:`~attnres_probe.hooks.patterns.PatternRecorder` on the given layers' ``hook_pattern`` (all: None).
 
         Raises:
@@ -268,7 +315,7 @@ class Probe:
         bad = [i for i in layers if not -n <= i < n]
         if bad:
             raise ValueError(f"layer {bad[0]} is out of range; the model has layers 0..{n - 1}")
-        return PatternRecorder(self.model, [names[i] for i in layers], rows=positions, stop=stop)
+        return PatternRecorder(self.model, [names[i] for i in layers], rows=positions, stop=stop, heads=heads)
 
     def attention_patterns(
         self, text_or_tokens: Any, layers: Any = None, positions: Any = None, truncate: bool = False
@@ -600,3 +647,25 @@ def _group_norm(params: list[torch.nn.Parameter], sq: dict[int, float]) -> float
     """L2 norm of the gradients of a group of parameters (NaN when none has one)."""
     parts = [sq[id(p)] for p in params if id(p) in sq]
     return math.sqrt(sum(parts)) if parts else float("nan")
+
+
+def _indices(values: Any, n: int, what: str, flag: str) -> list[int]:
+    """``values`` as sorted unique indices into 0..n-1 (negative ones counted from the end).
+
+    Raises:
+        TypeError: not integers. ValueError: empty, or out of range.
+    """
+    try:
+        items = list(values)
+    except TypeError:
+        raise TypeError(f"{flag} must be a list of {what} indices; got {values!r}") from None
+    if not items:
+        raise ValueError(f"{flag} is empty; give at least one {what} (0..{n - 1})")
+    out = set()
+    for v in items:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{flag} holds {v!r}; {what}s are integers 0..{n - 1}")
+        if not -n <= int(v) < n:
+            raise ValueError(f"{flag}: {what} {int(v)} is out of range; the model has {what}s 0..{n - 1}")
+        out.add(int(v) % n)
+    return sorted(out)

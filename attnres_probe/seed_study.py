@@ -33,8 +33,9 @@ from attnres_probe.analysis.seed_tests import holm, holm_verdict, seed_test, t_i
 from attnres_probe.analysis.windows import reference_column
 from attnres_probe.io import atomic_write
 
-__all__ = ["MODELS", "PRIMARIES", "Primary", "SUMMARY_FILE", "demo_summary", "find_runs", "load_demo_summary", "measure_run",
-           "render_page", "run_v3_study", "seed_values"]
+__all__ = ["ENDPOINTS", "MODELS", "PRIMARIES", "Primary", "SUMMARY_FILE", "assign_primaries", "demo_summary", "find_runs",
+           "leakage", "load_demo_summary", "measure_run", "measure_seeds", "render_page", "run_checkpoint_study", "run_v3_study",
+           "seed_folders", "seed_values"]
 
 MODELS = ("prenorm", "full", "block")
 STEPS = 8000  # the plan's recipe: a run counts once its log says it finished at this step
@@ -86,13 +87,60 @@ PRIMARIES: tuple[Primary, ...] = (
 )
 
 
+# The plan's endpoints as templates, for any set of checkpoints (``attnres-probe study --models DIR...
+# --baseline DIR``): every model gets the loss against the baseline; a Block-rule model also its output
+# growth and gradient uniformity against the baseline, any other depth-routing model its locality and
+# embedding retention against its uniform reference; ordered by template, then by model (so that
+# models block, full give P1..P6 of plan v3 exactly).
+ENDPOINTS: tuple[tuple[str, str, str, str, str, str, str], ...] = (
+    # (kind of model, title, metric, against, comparison, paper's direction, unit)
+    ("any", "validation loss", "mean_loss", "baseline", "difference", "lower", "LOSS"),
+    ("routing", "locality", "locality_distance", "uniform", "difference", "lower", "sublayers back"),
+    ("routing", "embedding kept", "embed_vs_old_deep", "uniform", "difference", "higher", "fraction of the read"),
+    ("block", "output magnitude growth", "rms_out_growth", "baseline", "log ratio", "lower", "natural log of a ratio"),
+    ("block", "gradient uniformity", "act_grad_cv", "baseline", "log ratio", "lower", "natural log of a ratio"),
+)
+
+
+def assign_primaries(models: list[tuple[str, str]], loss_unit: str = "nats per byte") -> tuple[Primary, ...]:
+    """The primary endpoints of a study of ``models`` [(name, residual rule)] against one baseline: the
+    templates of :data:`ENDPOINTS` each model's rule takes ("block": loss, growth, gradients; a rule
+    with depth attention (Full, the cumulative states of Qwen3-AttnRes): loss, locality, embedding;
+    any other (mHC, DenseFormer): loss), numbered P1.. in template
+    order, then model order. Models block, full give :data:`PRIMARIES`."""
+    from attnres_probe.axis import ATTNRES_RULES
+    from attnres_probe.rules import RULES
+
+    out: list[Primary] = []
+    for kind, title, metric, against, comparison, expected, unit in ENDPOINTS:
+        for name, rule in models:
+            routing = rule != "block" and (rule in ATTNRES_RULES or rule in RULES)  # depth attention (AttnRes kinds)
+            takes = {"any": True, "block": rule == "block", "routing": routing}[kind]
+            if takes:
+                out.append(Primary(f"P{len(out) + 1}", f"{title}, {name[:1].upper() + name[1:]}", name, metric, against,
+                                   comparison, expected, loss_unit if unit == "LOSS" else unit))
+    return tuple(out)
+
+
 # -- the runs ----------------------------------------------------------------------------------
-def _log(folder: Path, name: str = "train_log.json") -> dict[str, Any] | None:
+def _log(folder: Path) -> dict[str, Any] | None:
+    """The run's checked training log (:func:`~attnres_probe.training.state.read_train_log`: a hostile
+    log is one line), None where it has none yet."""
+    from attnres_probe.training.state import LOG_FILE, read_train_log
+
+    return read_train_log(folder) if (folder / LOG_FILE).exists() else None
+
+
+def _state_step(folder: Path) -> int | None:
+    """The step a run in flight saved (its train_state.json), None if unreadable."""
+    from attnres_probe.io import read_json
+    from attnres_probe.training.state import STATE_FILE
+
     try:
-        log = json.loads((folder / name).read_text())
-    except (OSError, ValueError):
+        step = read_json(folder / STATE_FILE, max_bytes=64 * 2**20).get("step")
+    except (ValueError, AttributeError):
         return None
-    return log if isinstance(log, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def find_runs(runs_dir: str | Path, steps: int = STEPS) -> tuple[dict[tuple[str, int], Path], list[str]]:
@@ -114,7 +162,7 @@ def find_runs(runs_dir: str | Path, steps: int = STEPS) -> tuple[dict[tuple[str,
             if log and log.get("finished") and log.get("step") == steps and (folder / "model.safetensors").is_file():
                 done[(model, seed)] = folder
             else:
-                step = (log or _log(folder, "train_state.json") or {}).get("step")  # a run in flight saves its state
+                step = (log or {}).get("step") or _state_step(folder)  # a run in flight saves its state
                 missing.append(f"{model} seed {seed}: " + (f"at step {step} of {steps}" if step else "not started"))
     if not done:
         raise ValueError(f"--runs {runs_dir}: no finished run ({steps} steps) under {{{','.join(MODELS)}}}/seed*")
@@ -138,6 +186,25 @@ def _windows(log: dict[str, Any]) -> tuple[torch.Tensor, list[str], list[str]]:
     return windows, files, [corpus.work_of(f) for f in files]
 
 
+def _probe_of(folder: str | Path, name: str, backend: str | None = None) -> Any:
+    """A Probe of the checkpoint in ``folder``: one of ours with the backend it trained with (its log's),
+    or a public family's (:func:`~attnres_probe.load_pretrained`, its own tokenizer), on ``--device``."""
+    from attnres_probe.model import AttnResTransformer
+    from attnres_probe.placement import current
+    from attnres_probe.pretrained import is_pretrained_folder
+    from attnres_probe.probe import Probe
+
+    if is_pretrained_folder(folder):
+        from attnres_probe.loading import load_model
+
+        loaded = load_model(folder)
+        return Probe(loaded.model, tokenizer=loaded.tokenizer, name=name)
+    model = AttnResTransformer.load(folder, backend=backend, device=current().device).eval()  # study --device
+    if current().dtype is not None:
+        model = model.to(current().dtype)
+    return Probe(model, name=name)
+
+
 def measure_run(folder: str | Path, model_name: str, windows: torch.Tensor, plays: list[str],
                 backend: str | None = None) -> tuple[Any, dict[str, Any], pd.DataFrame]:
     """One run on the validation windows, play by play (one forward and one backward pass per window).
@@ -146,14 +213,7 @@ def measure_run(folder: str | Path, model_name: str, windows: torch.Tensor, play
         (CorpusStats of every window, {play: CorpusStats of its windows}, the window table with a
         ``window`` column: each row's index into ``windows``).
     """
-    from attnres_probe.model import AttnResTransformer
-    from attnres_probe.placement import current
-    from attnres_probe.probe import Probe
-
-    model = AttnResTransformer.load(folder, backend=backend, device=current().device).eval()  # study --device
-    if current().dtype is not None:
-        model = model.to(current().dtype)
-    probe = Probe(model, name=model_name)
+    probe = _probe_of(folder, model_name, backend)
     by_play: dict[str, Any] = {}
     order = list(dict.fromkeys(plays))
     rows, merged, first = [], None, 0
@@ -206,15 +266,16 @@ def _p4_reads(runs: dict[str, dict[str, Any]], reads: range) -> dict[str, float]
 
 # -- endpoints ---------------------------------------------------------------------------------
 def seed_values(runs: dict[str, dict[str, Any]], model: str, metric: str, against: str, kind: str,
-                play: str | None = None) -> dict[str, float]:
+                play: str | None = None, baseline: str = "prenorm") -> dict[str, float]:
     """{seed: x_s} for one comparison over the seeds where both sides exist: ``kind`` "difference"
-    (model - reference) or "log ratio"; the reference is PreNorm's same seed (``against`` "baseline")
-    or the model's own uniform reference (``"uniform"``). ``play``: that play's windows only."""
+    (model - reference) or "log ratio"; the reference is the baseline's same seed (``against``
+    "baseline"; the model named ``baseline``, PreNorm in plan v3) or the model's own uniform reference
+    (``"uniform"``). ``play``: that play's (or document's) windows only."""
     out = {}
     for seed, run in runs.get(model, {}).items():
         mine = run["pooled"] if play is None else run["plays"].get(play, {})
         if against == "baseline":
-            base = runs.get("prenorm", {}).get(seed)
+            base = runs.get(baseline, {}).get(seed)
             if base is None:
                 continue
             ref = (base["pooled"] if play is None else base["plays"].get(play, {})).get(metric)
@@ -232,12 +293,13 @@ def seed_values(runs: dict[str, dict[str, Any]], model: str, metric: str, agains
     return out
 
 
-def _primaries(runs: dict[str, dict[str, Any]], plays: list[str]) -> list[dict[str, Any]]:
+def _primaries(runs: dict[str, dict[str, Any]], plays: list[str], primaries: tuple[Primary, ...] = PRIMARIES,
+               baseline: str = "prenorm") -> list[dict[str, Any]]:
     rows = []
-    for p in PRIMARIES:
-        per_seed = seed_values(runs, p.model, p.metric, p.against, p.kind)
+    for p in primaries:
+        per_seed = seed_values(runs, p.model, p.metric, p.against, p.kind, baseline=baseline)
         test = seed_test(list(per_seed.values()), p.expected, LEVEL)
-        per_play = {play: seed_values(runs, p.model, p.metric, p.against, p.kind, play) for play in plays}
+        per_play = {play: seed_values(runs, p.model, p.metric, p.against, p.kind, play, baseline) for play in plays}
         rows.append({**asdict(p), "per_seed": per_seed, **{k: _num(v) if isinstance(v, float) else v for k, v in test.items()},
                      "per_play": per_play,
                      "per_play_mean": {play: _num(np.mean(list(v.values()))) if v else None for play, v in per_play.items()}})
@@ -262,16 +324,17 @@ def _sensitivity(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
              **{k: _num(v) if isinstance(v, float) else v for k, v in test.items()}}]
 
 
-def _exploratory(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every catalog diagnostic of each AttnRes model against its reference over seeds: t intervals,
+def _exploratory(runs: dict[str, dict[str, Any]], models: tuple[str, ...] = ("full", "block"),
+                 primaries: tuple[Primary, ...] = PRIMARIES, baseline: str = "prenorm") -> list[dict[str, Any]]:
+    """Every catalog diagnostic of each model against its reference over seeds: t intervals,
     no correction, no verdict (the plan: "in this sample")."""
-    primary = {(p.model, p.metric) for p in PRIMARIES}
+    primary = {(p.model, p.metric) for p in primaries}
     rows = []
-    for model in ("full", "block"):
+    for model in models:
         for name, d in CATALOG.items():
             kind = "log ratio" if d.compare == "ratio" else "difference"
             against = "uniform" if d.reference == UNIFORM else "baseline"
-            per_seed = seed_values(runs, model, name, against, kind)
+            per_seed = seed_values(runs, model, name, against, kind, baseline=baseline)
             if not per_seed:
                 continue
             mean, low, high = t_interval(list(per_seed.values()), LEVEL)
@@ -310,13 +373,25 @@ def run_v3_study(runs_dir: str | Path, out: str | Path, progress: Callable[[str]
     ``out`` (``steps``: the length of a finished run, the plan's 8,000); ``summary_to``: also write
     :func:`demo_summary` there (the shipped demo models' folder, for the dashboard).
 
+    Plan v3 is one case of :func:`measure_seeds`: models block and full against prenorm, on the
+    validation windows of the runs' own held-out plays, with :data:`PRIMARIES` (which
+    :func:`assign_primaries` gives for those models).
+
     Raises:
         FileNotFoundError / ValueError: no runs folder, no finished run, or runs of different
             recipes or data (the message names the run).
     """
     found, missing = find_runs(runs_dir, steps)
-    say = progress or (lambda s: None)
     logs = {key: _log(folder) for key, folder in found.items()}
+    first = _same_recipe(found, logs)
+    windows, files, plays = _windows(first)
+    return measure_seeds(found, logs, "prenorm", ("full", "block"), PRIMARIES, windows, files, plays, out, progress=progress,
+                         missing=missing, summary_to=summary_to, v3=True)
+
+
+def _same_recipe(found: dict[tuple[str, int], Path], logs: dict[tuple[str, int], dict[str, Any] | None]) -> dict[str, Any]:
+    """The first run's log, after checking that every run of the study has one recipe and corpus, and the
+    seed its folder says."""
     first = next(iter(logs.values()))
     recipe = {k: v for k, v in first["train_config"].items() if k != "seed"}
     for (model, seed), log in logs.items():
@@ -326,36 +401,60 @@ def run_v3_study(runs_dir: str | Path, out: str | Path, progress: Callable[[str]
                              "must differ only in its seed and model")
         if log["train_config"]["seed"] != seed:
             raise ValueError(f"{found[(model, seed)]}: its log says seed {log['train_config']['seed']}, its folder seed {seed}")
-    windows, files, plays = _windows(first)
-    play_names = list(dict.fromkeys(plays))
+    return first
+
+
+def measure_seeds(found: dict[tuple[str, int], Path], logs: dict[tuple[str, int], dict[str, Any] | None], baseline: str,
+                  models: tuple[str, ...], primaries: tuple[Primary, ...], windows: Any, files: list[str], groups: list[str],
+                  out: str | Path, *, progress: Callable[[str], None] | None = print, missing: list[str] | None = None,
+                  summary_to: str | Path | None = None, v3: bool = False, design: dict[str, Any] | None = None,
+                  leakage: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The one seed-study engine: measure every checkpoint of ``found`` {(model, seed): folder} on the
+    same ``windows`` (token windows, each of one document ``files[i]`` and one group ``groups[i]``: a
+    held-out play, or a document), test ``primaries`` over seeds (paired with the ``baseline``'s same
+    seed, or against each model's uniform reference; Holm across them), describe every other catalog
+    diagnostic of ``models``, and write results.json, windows.csv and study.md into ``out``.
+
+    ``v3``: plan v3's page (its title, its plays, the sensitivity analysis of P4's reads); otherwise
+    ``design`` says what the page says about where the checkpoints and the text came from.
+    """
+    say = progress or (lambda s: None)
+    first = next((log for log in logs.values() if log), None) or {}
+    order = [baseline, *models]
+    play_names = list(dict.fromkeys(groups))
+    embed_models = {p.model for p in primaries if p.metric == "embed_vs_old_deep"}
     runs: dict[str, dict[str, Any]] = {}
     tables = []
-    for (model, seed), folder in sorted(found.items(), key=lambda kv: (kv[0][1], MODELS.index(kv[0][0]))):
-        log = logs[(model, seed)]
+    for (model, seed), folder in sorted(found.items(), key=lambda kv: (kv[0][1], order.index(kv[0][0]))):
+        log = logs.get((model, seed)) or {}
         say(f"measuring {model} seed {seed} ({folder}) on {len(windows)} windows ...")
-        stats, by_play, table = measure_run(folder, model, windows, plays, backend=log.get("backend"))
+        stats, by_play, table = measure_run(folder, model, windows, groups, backend=log.get("backend"))
         runs.setdefault(model, {})[str(seed)] = {
             "folder": Path(folder).as_posix(), "backend": log.get("backend"), "steps": log.get("step"),
             "final_val_loss": _num(log.get("final_val_loss")), "wall_time_s": _num(log.get("wall_time_s")),
             "pooled": _numbers(stats.pooled()), "plays": {p: _numbers(s.pooled()) for p, s in by_play.items()},
-            "embed_vs_old_by_read": _embed_vs_old_by_read(stats) if model == "full" else None,
+            "embed_vs_old_by_read": _embed_vs_old_by_read(stats) if model in embed_models else None,
         }
         table.insert(0, "seed", seed)
         table.insert(0, "model", model)
-        table.insert(3, "play", [plays[i] for i in table["window"]])
+        table.insert(3, "play", [groups[i] for i in table["window"]])
         table.insert(4, "file", [files[i] for i in table["window"]])
         tables.append(table)
     results = {
-        "plan": PLAN, "command": COMMAND, "recipe": recipe, "data_sha256": first.get("data_sha256"),
-        "models": [m for m in MODELS if m in runs], "seeds": sorted({int(s) for r in runs.values() for s in r}),
-        "missing": missing, "level": LEVEL, "alpha": ALPHA,
-        "windows": {"n": int(len(windows)), "seq_len": int(windows.shape[1]),
-                    "plays": {p: plays.count(p) for p in play_names}},
+        "plan": PLAN if v3 else None, "command": COMMAND if v3 else (design or {}).get("command"),
+        "recipe": {k: v for k, v in (first.get("train_config") or {}).items() if k != "seed"} or None,
+        "data_sha256": first.get("data_sha256"),
+        "models": [m for m in (MODELS if v3 else order) if m in runs], "seeds": sorted({int(s) for r in runs.values() for s in r}),
+        "missing": list(missing or []), "level": LEVEL, "alpha": ALPHA,
+        "windows": {"n": int(len(windows)), "seq_len": int(max(len(w) for w in windows)),
+                    "plays": {p: groups.count(p) for p in play_names}},
         "runs": runs,
-        "primaries": _primaries(runs, play_names),
-        "exploratory": _exploratory(runs),
-        "sensitivity": _sensitivity(runs),
+        "primaries": _primaries(runs, play_names, primaries, baseline),
+        "exploratory": _exploratory(runs, models, primaries, baseline),
+        "sensitivity": _sensitivity(runs) if v3 else [],
     }
+    if not v3:
+        results.update(design=design or {}, baseline=baseline, leakage=leakage)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     frame = pd.concat(tables, ignore_index=True).drop(columns=["doc", "start", "digest"])
@@ -365,6 +464,185 @@ def run_v3_study(runs_dir: str | Path, out: str | Path, progress: Callable[[str]
     if summary_to is not None:
         atomic_write(Path(summary_to), lambda p: p.write_text(json.dumps(demo_summary(results), indent=1) + "\n"))
     return results
+
+
+# -- any checkpoints: study --models DIR... --baseline DIR --------------------------------------
+LEAK_CHUNK = 64  # characters per chunk of the leakage check
+LEAK_CHUNKS = 200  # chunks checked per held-out document (from its start)
+MAX_DATA_BYTES = 64 * 2**20  # held-out text and training corpus read for a study
+
+
+def seed_folders(folder: str | Path, flag: str) -> dict[int, Path]:
+    """{seed: checkpoint folder} of one model of a checkpoint study: ``folder``'s subfolders whose names
+    end in a number (``seed0``, ``s1``, ``run-2``) and hold a model (config.json, or an LR-AttnRes
+    ``.pt``); ``folder`` itself, as seed 0, when it is a model folder.
+
+    Raises:
+        ValueError: not a folder, or no model in it (one line naming the flag).
+    """
+    import re
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {folder}: not a folder; give a folder holding one subfolder per seed (seed0, seed1, ...)")
+
+    def holds_model(d: Path) -> bool:
+        return (d / "config.json").is_file() or any(d.glob("*.pt"))
+
+    if holds_model(folder):
+        return {0: folder}
+    out: dict[int, Path] = {}
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        m = re.search(r"(\d+)$", sub.name)
+        if m and holds_model(sub):
+            seed = int(m.group(1))
+            if seed in out:
+                raise ValueError(f"{flag} {folder}: {out[seed].name} and {sub.name} both end in seed number {seed}")
+            out[seed] = sub
+    if not out:
+        raise ValueError(f"{flag} {folder}: no checkpoint in it (a model folder, or subfolders named by seed such as "
+                         "seed0 that hold one)")
+    return out
+
+
+def _text_windows(probe: Any, data: str | Path, seq_len: int, n_windows: int | None) -> tuple[list[torch.Tensor], list[str], list[str], list[str]]:
+    """(token windows, each window's document, its group (the document), the documents' texts) of the held-out
+    text ``data`` (a file or a folder of files): each document tokenized by ``probe``'s tokenizer and cut into
+    windows of ``seq_len`` tokens from its start (a shorter last window kept if it has two tokens); with
+    ``n_windows``, that many spread evenly over all of them."""
+    from attnres_probe.corpus.documents import list_documents, read_document
+
+    docs = list_documents(data)
+    if sum(d.size for d in docs) > MAX_DATA_BYTES:
+        raise ValueError(f"--data {data}: {sum(d.size for d in docs)} bytes; a seed study reads at most {MAX_DATA_BYTES} "
+                         "(pick the held-out documents)")
+    windows, names, texts = [], [], []
+    for doc in docs:
+        text = read_document(doc)
+        texts.append(text)
+        ids = _token_ids(probe, text)
+        for start in range(0, len(ids), seq_len):
+            piece = ids[start:start + seq_len]
+            if len(piece) >= 2:
+                windows.append(torch.as_tensor(piece, dtype=torch.long))
+                names.append(doc.name)
+    if not windows:
+        raise ValueError(f"--data {data}: no window of at least two tokens")
+    if n_windows is not None and n_windows < len(windows):
+        keep = np.unique(np.linspace(0, len(windows) - 1, n_windows).round().astype(int))
+        windows, names = [windows[i] for i in keep], [names[i] for i in keep]
+    return windows, names, list(names), texts
+
+
+def _token_ids(probe: Any, text: str) -> list[int]:
+    """``text`` as the probe's token ids, whole (no context limit: it is cut into windows after)."""
+    tok = probe.tokenizer
+    if hasattr(tok, "encode"):
+        ids = tok.encode(text)
+        return list(ids.tolist() if hasattr(ids, "tolist") else ids)
+    return list(text.encode("utf-8"))
+
+
+def leakage(texts: list[str], names: list[str], train_data: str | Path) -> list[dict[str, Any]]:
+    """Per held-out document: how many of its first :data:`LEAK_CHUNKS` non-overlapping chunks of
+    :data:`LEAK_CHUNK` characters occur verbatim in the training corpus ``train_data`` (a file or a
+    folder of files, at most 64 MB): 0 everywhere is no verbatim overlap."""
+    from attnres_probe.corpus.documents import list_documents, read_document
+
+    docs = list_documents(train_data)
+    if sum(d.size for d in docs) > MAX_DATA_BYTES:
+        raise ValueError(f"--train-data {train_data}: more than {MAX_DATA_BYTES} bytes; give the training text itself")
+    corpus = "\n".join(read_document(d) for d in docs)
+    out = []
+    for name, text in zip(dict.fromkeys(names), texts):
+        chunks = [text[i:i + LEAK_CHUNK] for i in range(0, len(text) - LEAK_CHUNK + 1, LEAK_CHUNK)][:LEAK_CHUNKS]
+        out.append({"document": name, "checked": len(chunks), "found": sum(c in corpus for c in chunks)})
+    return out
+
+
+def run_checkpoint_study(models: list[str | Path], baseline: str | Path, out: str | Path, data: str | Path | None = None,
+                         train_data: str | Path | None = None, names: list[str] | None = None, seq_len: int | None = None,
+                         n_windows: int | None = None, progress: Callable[[str], None] | None = print,
+                         command: str | None = None) -> dict[str, Any]:
+    """Plan v3's protocol on any checkpoints: each of ``models`` and ``baseline`` is a folder of seed
+    folders (:func:`seed_folders`), paired by seed; the endpoints by rule (:func:`assign_primaries`); the
+    held-out text ``data`` (a file or folder; without it, the held-out windows the runs' own training logs
+    name, as plan v3 measured them), checked against ``train_data`` when given (:func:`leakage`).
+
+    ``study --models docs/study/v3/runs/block docs/study/v3/runs/full --baseline docs/study/v3/runs/prenorm``
+    gives plan v3's primaries.
+
+    Raises:
+        ValueError: folders without checkpoints, seeds without a baseline, models that do not share a
+            tokenizer, names given twice (one line each).
+    """
+    base_name = Path(baseline).name
+    names = list(names) if names else [Path(m).name for m in models]
+    if len(names) != len(models):
+        raise ValueError(f"--names gives {len(names)} names for {len(models)} --models folders: one per folder")
+    if len(set([base_name, *names])) != len(names) + 1:
+        raise ValueError(f"the models' names {names} and the baseline's {base_name!r} must differ (--names sets them)")
+    found: dict[tuple[str, int], Path] = {}
+    for name, folder in [(base_name, baseline), *zip(names, models)]:
+        for seed, path in seed_folders(folder, "--baseline" if name == base_name else "--models").items():
+            found[(name, seed)] = path
+    base_seeds = {s for (m, s) in found if m == base_name}
+    missing = [f"{m} seed {s}: the baseline has no seed {s} (left out)" for (m, s) in found if m != base_name and s not in base_seeds]
+    found = {k: v for k, v in found.items() if k[0] == base_name or k[1] in base_seeds}
+    unfinished = []
+    logs = {}
+    for key, folder in list(found.items()):
+        log = _log(folder) if (folder / "train_log.json").exists() else None
+        if log is not None and not log.get("finished"):
+            unfinished.append(f"{key[0]} seed {key[1]}: at step {log.get('step')} (unfinished; left out)")
+            del found[key]
+            continue
+        logs[key] = log
+    say = progress or (lambda s: None)
+    first_key = next(iter(found))
+    probe = _probe_of(found[first_key], first_key[0], (logs.get(first_key) or {}).get("backend"))
+    rules = {}
+    for name in names:
+        key = next(k for k in found if k[0] == name)
+        rules[name] = _probe_of(found[key], name).spec.meta.get("residual", "")
+    byte_level = probe.tokenizer is None or type(probe.tokenizer).__name__ == "ByteTokenizer"
+    primaries = assign_primaries(list(rules.items()), "nats per byte" if byte_level else "nats per token")
+    if data is None:
+        log = next((lg for lg in logs.values() if lg), None)
+        if log is None:
+            raise ValueError("--data is needed: these checkpoints carry no training log of ours naming held-out windows "
+                             "(pass the held-out text as a file or a folder of files)")
+        _same_recipe({k: found[k] for k in logs if logs[k]}, {k: v for k, v in logs.items() if v})
+        windows, files, groups = _windows(log)
+        if n_windows is not None and n_windows < len(windows):
+            keep = np.unique(np.linspace(0, len(windows) - 1, n_windows).round().astype(int))
+            windows, files, groups = windows[torch.as_tensor(keep)], [files[i] for i in keep], [groups[i] for i in keep]
+        texts, data_words = None, "the held-out windows the runs' training logs name (plan v3's)"
+    else:
+        cap = int(getattr(getattr(probe.model, "cfg", None), "n_ctx", 0) or 512)
+        seq_len = seq_len or min(cap, 1024)
+        if not 2 <= seq_len <= cap:
+            raise ValueError(f"--seq-len {seq_len}: accepted 2..{cap} (the model's context)")
+        windows, files, groups, texts = _text_windows(probe, data, seq_len, n_windows)
+        sample = (texts[0] or "")[:2000]
+        for name in names:  # one tokenizer for every model: the same windows mean the same text
+            key = next(k for k in found if k[0] == name)
+            other = _probe_of(found[key], name)
+            if _token_ids(other, sample) != _token_ids(probe, sample):
+                raise ValueError(f"{name} tokenizes the held-out text differently from {first_key[0]}: a seed study sets "
+                                 "side by side models that read the same tokens")
+        data_words = f"`{Path(data).as_posix()}` ({len(set(files))} documents, {len(windows)} windows of at most {seq_len} tokens)"
+    leak = leakage(texts, files, train_data) if (train_data is not None and texts is not None) else None
+    if train_data is not None and texts is None:
+        raise ValueError("--train-data checks a held-out text given with --data against the training corpus; without "
+                         "--data the runs' own held-out plays are used (no check needed: whole plays are held out)")
+    design = {"title": f"A seed study of {', '.join(names)} against {base_name}", "data": data_words,
+              "train_data": None if train_data is None else f"`{Path(train_data).as_posix()}`",
+              "command": command or "attnres-probe study --models " + " ".join(Path(m).as_posix() for m in models)
+              + f" --baseline {Path(baseline).as_posix()}" + (f" --data {Path(data).as_posix()}" if data is not None else "")}
+    say(f"{len(found)} checkpoints: {', '.join(f'{m} seed {s}' for m, s in sorted(found, key=lambda k: (k[1], k[0])))}")
+    return measure_seeds(found, logs, base_name, tuple(names), primaries, windows, files, groups, out, progress=progress,
+                         missing=missing + unfinished, design=design, leakage=leak)
 
 
 # -- the page ----------------------------------------------------------------------------------
@@ -392,30 +670,73 @@ def render_page(results: dict[str, Any]) -> str:
     seeds = list(results["seeds"])
     n_seeds = len(seeds)
     level = results["level"]
-    lines = [
-        "# Study v3: five seeds, pre-registered endpoints",
-        "",
-        f"Generated by `{results['command']}` from `results.json` (every number below is one of its numbers; "
-        "`tests/test_seed_study.py` regenerates this page and checks each). The design, the six primary endpoints "
-        f"and the tests were fixed in [plan-v3.md](../plan-v3.md) before the first run. Seeds measured: "
-        f"{', '.join(str(s) for s in seeds)}.",
-        "",
-    ]
+    design = results.get("design")  # None: plan v3's own page
+    base = results.get("baseline", "prenorm")
+    group, groups = ("play", "plays") if design is None else ("document", "documents")
+    n_primaries = len(results["primaries"])
+    if design is None:
+        lines = [
+            "# Study v3: five seeds, pre-registered endpoints",
+            "",
+            f"Generated by `{results['command']}` from `results.json` (every number below is one of its numbers; "
+            "`tests/test_seed_study.py` regenerates this page and checks each). The design, the six primary endpoints "
+            f"and the tests were fixed in [plan-v3.md](../plan-v3.md) before the first run. Seeds measured: "
+            f"{', '.join(str(s) for s in seeds)}.",
+            "",
+        ]
+    else:
+        lines = [
+            f"# {design.get('title') or 'A seed study of checkpoints'}",
+            "",
+            f"Generated by `{results['command']}` from `results.json` (every number below is one of its numbers). "
+            f"The endpoints are plan v3's, assigned by each model's residual rule "
+            f"(`attnres_probe.seed_study.assign_primaries`), and the tests are plan v3's; nothing here was registered "
+            f"before these checkpoints were trained, so read the verdicts as a replication of that protocol, not as a "
+            f"pre-registered test. Baseline: {base}. Seeds measured: {', '.join(str(s) for s in seeds)}.",
+            "",
+            f"Checkpoints: " + "; ".join(f"{m}: " + ", ".join(f"seed {s} `{r['folder']}`" for s, r in results["runs"][m].items())
+                                         for m in results["models"]) + ".",
+            "",
+        ]
+        leak = results.get("leakage")
+        if leak is None:
+            lines += [f"Held-out text: {design.get('data')}. No training corpus was given (`--train-data`): that the "
+                      "text was not trained on is not checked here.", ""]
+        else:
+            found = sum(d["found"] for d in leak)
+            checked = sum(d["checked"] for d in leak)
+            lines += [f"Held-out text: {design.get('data')}. Leakage check against the training corpus "
+                      f"{design.get('train_data')}: {found} of {checked} chunks of {LEAK_CHUNK} characters of the held-out "
+                      f"text occur verbatim in it" + (" (none: no verbatim overlap)." if found == 0 else
+                                                      ": **the held-out text overlaps the training data**; see the table "
+                                                      "at the end."), ""]
     if results["missing"]:
         lines += ["**Not finished yet** (left out of every number below): " + "; ".join(results["missing"]) + ".", ""]
     w = results["windows"]
+    if design is None:
+        lines += [
+            f"Each run is measured on the same {w['n']} validation windows of {w['seq_len']} tokens, spread over the "
+            f"held-out plays ({', '.join(f'{p}: {n}' for p, n in w['plays'].items())} windows), with one forward and one "
+            "backward pass per window on the run's final weights and its own backend. A run's value of a diagnostic is "
+            "pooled over all its windows' tokens (the catalog's definition); the unit of inference is the training seed.",
+            "",
+        ]
+    else:
+        lines += [
+            f"Each checkpoint is measured on the same {w['n']} windows of at most {w['seq_len']} tokens of the held-out "
+            f"text ({', '.join(f'{p}: {n}' for p, n in w['plays'].items())} windows), one forward and one backward pass "
+            "per window. A checkpoint's value of a diagnostic is pooled over all its windows' tokens (the catalog's "
+            "definition); the unit of inference is the training seed.",
+            "",
+        ]
     lines += [
-        f"Each run is measured on the same {w['n']} validation windows of {w['seq_len']} tokens, spread over the "
-        f"held-out plays ({', '.join(f'{p}: {n}' for p, n in w['plays'].items())} windows), with one forward and one "
-        "backward pass per window on the run's final weights and its own backend. A run's value of a diagnostic is "
-        "pooled over all its windows' tokens (the catalog's definition); the unit of inference is the training seed.",
-        "",
         "## Primary endpoints",
         "",
-        f"Per seed s: the endpoint's value x_s (AttnRes seed s against PreNorm seed s, or against its own uniform "
+        f"Per seed s: the endpoint's value x_s ({'AttnRes' if design is None else 'the model'} seed s against "
+        f"{'PreNorm' if design is None else base} seed s, or against its own uniform "
         f"reference); mean over seeds with its {level:.0%} t interval; a two-sided one-sample t-test of mean = 0 "
-        f"({n_seeds - 1} degrees of freedom); Holm's correction across the six; the count of seeds on the paper's side "
-        "of 0 with the exact two-sided sign test. Consistent / contrary: Holm-adjusted p < "
+        f"({n_seeds - 1} degrees of freedom); Holm's correction across the {_count_word(n_primaries)}; the count of seeds "
+        "on the paper's side of 0 with the exact two-sided sign test. Consistent / contrary: Holm-adjusted p < "
         f"{results['alpha']} with the mean on / against the paper's side; inconclusive otherwise.",
         "",
     ]
@@ -431,20 +752,30 @@ def render_page(results: dict[str, Any]) -> str:
     lines += _table(header, rows) + [""]
     lines += ["### What each primary row says", ""]
     for p in results["primaries"]:
-        lines.append(_sentence(p))
-    lines += ["", "## Per play", "",
-              "Each primary endpoint on one held-out play's windows only (both editions of a play together), per seed "
-              "and as the mean over seeds: which plays drive a verdict. Exploratory (no test).", ""]
+        lines.append(_sentence(p, None if design is None else base))
+    if design is None:
+        lines += ["", "## Per play", "",
+                  "Each primary endpoint on one held-out play's windows only (both editions of a play together), per seed "
+                  "and as the mean over seeds: which plays drive a verdict. Exploratory (no test).", ""]
+    else:
+        lines += ["", "## Per document", "",
+                  "Each primary endpoint on one held-out document's windows only, per seed and as the mean over seeds: "
+                  "which documents drive a verdict. Exploratory (no test).", ""]
     plays = list(w["plays"])
     for p in results["primaries"]:
         lines += [f"**{p['key']}: {p['title']}** ({p['unit']})", ""]
         rows = [[play, *_seed_cells(p["per_play"].get(play, {}), seeds), fmt(p["per_play_mean"].get(play), SIGNED)]
                 for play in plays]
-        lines += _table(["play", *[f"seed {s}" for s in seeds], "mean"], rows) + [""]
-    lines += ["## The runs", "",
-              "Each run's own values (pooled over the validation windows). The loss the trainer logged is over each "
-              "window's full target (128 next bytes); the measured one leaves out each window's last target, as a "
-              "recording of the window's 128 inputs does.", ""]
+        lines += _table([group, *[f"seed {s}" for s in seeds], "mean"], rows) + [""]
+    if design is None:
+        lines += ["## The runs", "",
+                  "Each run's own values (pooled over the validation windows). The loss the trainer logged is over each "
+                  "window's full target (128 next bytes); the measured one leaves out each window's last target, as a "
+                  "recording of the window's 128 inputs does.", ""]
+    else:
+        lines += ["## The checkpoints", "",
+                  f"Each checkpoint's own values, pooled over the {groups}' windows (the logged loss where the folder "
+                  "carries a training log of ours).", ""]
     rows = []
     for model in results["models"]:
         for s in seeds:
@@ -473,6 +804,12 @@ def render_page(results: dict[str, Any]) -> str:
                      f"{fmt(e['mean'], SIGNED)} [{fmt(e['low'], SIGNED)}, {fmt(e['high'], SIGNED)}]", way])
     lines += _table(["model", "diagnostic", "unit", "against", *[f"seed {s}" for s in seeds], f"mean [{level:.0%} CI]",
                      "paper's side"], rows) + [""]
+    if design is not None and results.get("leakage"):
+        lines += ["## Leakage check", "",
+                  f"Per held-out document: the chunks of {LEAK_CHUNK} characters checked (non-overlapping, from its "
+                  "start) and how many occur verbatim in the training corpus.", ""]
+        lines += _table(["document", "chunks checked", "found in the training corpus"],
+                        [[d["document"], str(d["checked"]), str(d["found"])] for d in results["leakage"]]) + [""]
     for sens in results.get("sensitivity", []):
         lo, hi = sens["reads"]
         lines += ["## Afterwards: the reads of P4", "",
@@ -486,13 +823,30 @@ def render_page(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _sentence(p: dict[str, Any]) -> str:
-    """One finding sentence for a primary row, naming the row; causal words never appear."""
-    ref = "PreNorm of the same seed" if p["against"] == "baseline" else "its uniform reference on the same sources"
+def _count_word(n: int) -> str:
+    return {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine"}.get(n, str(n))
+
+
+def _sentence(p: dict[str, Any], baseline: str | None = None) -> str:
+    """One finding sentence for a primary row, naming the row; causal words never appear (``baseline``:
+    the baseline's name, None for plan v3's PreNorm)."""
+    base = "PreNorm" if baseline is None else baseline
+    ref = f"{base} of the same seed" if p["against"] == "baseline" else "its uniform reference on the same sources"
     side = "below 0" if p["expected"] == "lower" else "above 0"
     what = {"consistent": "the seeds bear out the paper's direction after Holm's correction",
             "contrary": "the seeds go against the paper's direction after Holm's correction",
             "inconclusive": f"{p['n']} seeds cannot tell the direction at this scale after Holm's correction"}[p["verdict"]]
-    return (f"- Row {p['key']} ({p['title']}, {p['model'].title()} against {ref}; the paper expects x {side}): mean "
+    model = p["model"].title()
+    if baseline is not None:  # a checkpoint study's page says it as the v3 review asked (issue #49)
+        model = p["model"]
+        what = what.replace("at this scale after", "after") + (
+            " (a matter of the number of seeds, not of the models' size)" if p["verdict"] == "inconclusive" else "")
+        if p["metric"] == "embed_vs_old_deep":
+            what += ("; this endpoint is the embedding's weight minus the mean weight of the other non-recent sources "
+                     "in the deep reads: below 0 says the embedding is less favoured than an average old source, not "
+                     "that it keeps no weight")
+        if p["metric"] == "locality_distance" and p["verdict"] == "consistent":
+            what += "; a shorter mean distance than uniform is a direction, not a claim that most weight is local"
+    return (f"- Row {p['key']} ({p['title']}, {model} against {ref}; the paper expects x {side}): mean "
             f"{fmt(p['mean'], SIGNED)} {p['unit']}, {p['paper_way']} of {p['n']} seeds on the paper's side, t-test p = "
             f"{fmt(p['p'], P_SPEC)}, Holm-adjusted p = {fmt(p['p_holm'], P_SPEC)}: **{p['verdict']}**; {what}.")

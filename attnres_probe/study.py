@@ -183,7 +183,9 @@ def study_model(name: str, models: str | Path | None = None) -> tuple[Any, dict[
             f"--models {models}: {folder} holds no demo model (model.safetensors and train_log.json); pass a folder "
             f"written by `attnres-probe demo-models --out` (or name the models it holds with --names)"
         )
-    return load_model(folder).model, json.loads((folder / "train_log.json").read_text())
+    from attnres_probe.training.state import read_train_log
+
+    return load_model(folder).model, read_train_log(folder)
 
 
 def study_window_indices(log: dict[str, Any], n_windows: int = N_WINDOWS) -> np.ndarray:
@@ -402,6 +404,7 @@ def run_seed_study(out: str | Path, seed_dirs: list[str | Path], n_resamples: in
             is not a study folder.
     """
     from attnres_probe.analysis.seeds import seed_interval
+    from attnres_probe.io import read_json
 
     if len(seed_dirs) < 2:
         raise ValueError(f"--seeds needs the study folders of at least two seeds; got {len(seed_dirs)}")
@@ -411,8 +414,8 @@ def run_seed_study(out: str | Path, seed_dirs: list[str | Path], n_resamples: in
         if not (d / "results.json").is_file() or not (d / WINDOWS_FILE).is_file():
             raise ValueError(f"--seeds {d}: not a study folder (results.json and {WINDOWS_FILE} are written by "
                              "`attnres-probe study --models DIR --out FOLDER`)")
-        results = json.loads((d / "results.json").read_text())
-        if "training" not in results:
+        results = read_json(d / "results.json", ValueError)
+        if not isinstance(results, dict) or not isinstance(results.get("training"), dict):
             raise ValueError(f"--seeds {d}: its results.json predates seed studies (no 'training'); rerun the study")
         runs.append((d, results, pd.read_csv(d / WINDOWS_FILE)))
     recipe = {k: v for k, v in runs[0][1]["training"].items() if k != "seed"}

@@ -20,9 +20,12 @@ grad_in         [B, P, R]          norm of dLoss/dh at every mixed input (NaN wi
                                    under AttnRes only the path through that read's sublayer
 param_grad      [L]                norm of each sublayer's parameter gradient (attention + its norm, ...)
 mixer_grad      [R]                norm of each depth mixer's parameter gradient (NaN for PreNorm)
-patterns        [B, n_layers, H,   optional (None unless recorded: ``Probe.run(..., patterns=True)``):
-                P, P] float32      every layer's attention pattern, query positions x key positions
-                                   (softmax over keys; 0 above the diagonal); 4 B n_layers H P^2 bytes
+patterns        [B, l, h, P, P]    optional (None unless recorded: ``Probe.run(..., patterns=True)``):
+                float32            the attention patterns of the l recorded layers and h recorded heads
+                                   (all of them, or those ``patterns=[layers]``, ``pattern_heads=``
+                                   chose: ``meta["pattern_layers"]``, ``meta["pattern_heads"]``), query
+                                   positions x key positions (softmax over keys; 0 above the diagonal);
+                                   4 B l h P^2 bytes
 native          {name: [B, P, ..]} optional: a model family's own weights beside the common axis
                                    (e.g. Qwen3-AttnRes's softmax over its cumulative states, mHC's
                                    pre/post/comb); ``meta["native"]`` says what each one is
@@ -86,7 +89,7 @@ class DepthTrace:
     param_grad: np.ndarray
     mixer_grad: np.ndarray
     meta: dict[str, Any]
-    patterns: np.ndarray | None = None  # [B, n_layers, H, P, P] attention patterns, recorded on request
+    patterns: np.ndarray | None = None  # [B, l, h, P, P] attention patterns of the recorded layers and heads
     # a model family's own weights beside the common axis (models from elsewhere: the softmax over its
     # own sources, mHC's pre/post/comb ...): name -> [B, P, ...] float32; meta["native"] describes them
     native: dict[str, np.ndarray] | None = None
@@ -113,11 +116,19 @@ class DepthTrace:
                 raise TraceError(f"trace array {name!r} has shape {got}; expected {shape} from the tokens and labels")
         if self.patterns is not None:
             got = self.patterns.shape
-            H = got[2] if len(got) == 5 else 0
-            shape = array_shapes(B, P, len(self.read_labels), len(self.source_labels), H=max(H, 1))["patterns"]
+            layers, heads = self.meta.get("pattern_layers"), self.meta.get("pattern_heads")
+            n_layers = (len(self.read_labels) - 1) // 2
+            if layers is None:
+                layers = list(range(got[1] if len(got) == 5 and got[1] == n_layers else n_layers))
+            if heads is None:
+                heads = list(range(got[2] if len(got) == 5 else 1))
+            if not (_index_list(layers, n_layers) and _index_list(heads, None)):
+                raise TraceError(f"meta 'pattern_layers' {layers!r} / 'pattern_heads' {heads!r} must be increasing "
+                                 f"lists of distinct layer (0..{n_layers - 1}) and head indices")
+            shape = (B, len(layers), len(heads), P, P)
             if got != shape:
-                raise TraceError(f"trace array 'patterns' has shape {got}; expected {shape} ([batch, layer, head, "
-                                 "query_pos, key_pos]) from the tokens and labels")
+                raise TraceError(f"trace array 'patterns' has shape {got}; expected {shape} ([batch, recorded layer, "
+                                 "recorded head, query_pos, key_pos]) from the tokens, labels and recorded layers and heads")
         for name, arr in (self.native or {}).items():
             if arr.shape[:2] != (B, P):
                 raise TraceError(f"native array {name!r} has shape {arr.shape}; it must start with [batch, pos] = {[B, P]}")
@@ -169,6 +180,21 @@ class DepthTrace:
         """Whether the trace holds attention patterns (recorded with ``patterns=True``)."""
         return self.patterns is not None
 
+    @property
+    def pattern_layers(self) -> list[int]:
+        """The layers whose attention patterns the trace holds, in the order of ``patterns``' layer axis
+        (every layer unless ``patterns=[...]`` chose some; [] without patterns)."""
+        if self.patterns is None:
+            return []
+        return [int(i) for i in self.meta.get("pattern_layers") or range(self.patterns.shape[1])]
+
+    @property
+    def pattern_heads(self) -> list[int]:
+        """The heads whose attention patterns the trace holds, in the order of ``patterns``' head axis."""
+        if self.patterns is None:
+            return []
+        return [int(i) for i in self.meta.get("pattern_heads") or range(self.patterns.shape[2])]
+
     def pattern(self, layer: int, head: int | None = None, token: int | None = None, batch: int = 0) -> np.ndarray:
         """Attention pattern of one layer (and head) of sequence ``batch``, over its real tokens.
 
@@ -189,24 +215,46 @@ class DepthTrace:
         """
         if self.patterns is None:
             raise ValueError("this trace holds no attention patterns: record it with Probe(model).run(text, patterns=True)")
-        n_layers, H = self.patterns.shape[1], self.patterns.shape[2]
-        layer = _integer("layer", layer, "an integer index")
-        if not -n_layers <= layer < n_layers:
-            raise IndexError(f"layer {layer} is out of range; this trace has layers 0..{n_layers - 1}")
-        if head is not None:
-            head = _integer("head", head, "an integer index or None")
-            if not -H <= head < H:
-                raise IndexError(f"head {head} is out of range; this trace has heads 0..{H - 1}")
+        slot, head_slot = self.pattern_slot(layer, head)
         batch = _integer("batch", batch, "an integer index")
         if not 0 <= batch < self.tokens.shape[0]:
             raise IndexError(f"batch {batch} is out of range; this trace has {self.tokens.shape[0]} sequences")
         n = int(self.mask[batch].sum())
-        block = self.patterns[batch, layer % n_layers]  # [H, P, P]
-        if head is not None:
-            block = block[head % H]
+        block = self.patterns[batch, slot]  # [h, P, P]
+        if head_slot is not None:
+            block = block[head_slot]
         if token is not None:
             return block[..., self.token_index(token, batch), :n]
         return block[..., :n, :n]
+
+    def pattern_slot(self, layer: int, head: int | None = None) -> tuple[int, int | None]:
+        """(index into ``patterns``' layer axis, into its head axis) of a model layer and head (negative
+        counting from the model's last layer; a head from the last of the trace's heads).
+
+        Raises:
+            IndexError: out of the model's range.
+            ValueError: that layer or head was not recorded (the message lists those that were).
+        """
+        n_layers = (len(self.read_labels) - 1) // 2
+        layers, heads = self.pattern_layers, self.pattern_heads
+        layer = _integer("layer", layer, "an integer index")
+        if not -n_layers <= layer < n_layers:
+            raise IndexError(f"layer {layer} is out of range; this trace has layers 0..{n_layers - 1}")
+        layer %= n_layers
+        if layer not in layers:
+            raise ValueError(f"layer {layer}'s attention patterns were not recorded; this trace holds layers "
+                             f"{_ranges(layers)} (record it with patterns=[{layer}, ...])")
+        if head is None:
+            return layers.index(layer), None
+        head = _integer("head", head, "an integer index or None")
+        H = int(self.meta.get("pattern_n_heads") or (max(heads) + 1 if heads else 0))  # the model's heads
+        if not -H <= head < H:
+            raise IndexError(f"head {head} is out of range; this trace has heads 0..{H - 1}")
+        head %= H
+        if head not in heads:
+            raise ValueError(f"head {head}'s attention patterns were not recorded; this trace holds heads "
+                             f"{_ranges(heads)} (record it with pattern_heads=[{head}, ...])")
+        return layers.index(layer), heads.index(head)
 
     # -- selection -----------------------------------------------------------------------
     def read_index(self, read: int | str) -> int:
@@ -516,3 +564,21 @@ def _integer(what: str, value: Any, accepted: str) -> int:
         raise TypeError(f"{what} must be {accepted}; got {value!r} ({type(value).__name__})")
     return int(value)
 
+
+def _index_list(values: Any, n: int | None) -> bool:
+    """Whether ``values`` is a non-empty, strictly increasing list of integers in 0..n-1 (any n: None)."""
+    return (isinstance(values, (list, tuple)) and len(values) > 0
+            and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values)
+            and all(0 <= v and (n is None or v < n) for v in values) and all(a < b for a, b in zip(values, values[1:])))
+
+
+def _ranges(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'0..2, 5'``."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}..{v}")
+            start = None
+    return ", ".join(out)

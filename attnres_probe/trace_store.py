@@ -228,7 +228,8 @@ def load_trace(directory: str | Path) -> tuple[dict[str, np.ndarray], dict[str, 
         path = directory / fname
         if not path.is_file():
             raise TraceError(f"{path} is missing")
-        table = _checked_table(path, doc["files"][fname])
+        present = [n for n in names if n in shapes]
+        table = _checked_table(path, doc["files"][fname], math.prod(shapes[present[0]]) if present else None)
         for n in names:
             if n not in shapes:  # not in an older schema: not recorded then
                 continue
@@ -245,7 +246,8 @@ def load_trace(directory: str | Path) -> tuple[dict[str, np.ndarray], dict[str, 
         path = directory / fname
         if not path.is_file():
             raise TraceError(f"{path} is missing ({META_FILE} lists its arrays)")
-        table = _checked_table(path, doc["files"].get(fname))
+        shape = shapes[names[0]]
+        table = _checked_table(path, doc["files"].get(fname), math.prod(shape[:-2]) * shape[-1] * (shape[-1] + 1) // 2)
         for n in names:
             shape = shapes[n]
             if n not in table.columns:
@@ -294,14 +296,28 @@ def _native_arrays(directory: Path, doc: dict[str, Any], lead: list[int]) -> dic
 
 
 # -- the schema of trace.json ----------------------------------------------------------------
-def _checked_table(path: Path, checksum: str | None) -> pd.DataFrame:
-    """One of a trace's Parquet files, after its sha256 matched the one ``trace.json`` lists."""
+def _checked_table(path: Path, checksum: str | None, rows: int | None = None) -> pd.DataFrame:
+    """One of a trace's Parquet files, after its sha256 matched the one ``trace.json`` lists and its
+    footer declared the ``rows`` the document's shapes imply (before a row is read); every column
+    numeric."""
     if checksum != sha256_file(path):
         raise TraceError(f"{path} does not match the checksum in {META_FILE}: the trace is corrupt")
     try:
-        return pd.read_parquet(path)
+        if rows is not None:
+            import pyarrow.parquet as pq
+
+            declared = pq.ParquetFile(path).metadata.num_rows
+            if declared != rows:
+                raise TraceError(f"{path} holds {declared} rows; the shapes in {META_FILE} need {rows}: the trace is corrupt")
+        table = pd.read_parquet(path)
+    except TraceError:
+        raise
     except Exception as exc:  # pyarrow raises several types for a damaged file
         raise TraceError(f"{path} is not a readable Parquet file ({exc})") from None
+    text = [str(c) for c in table.columns if table[c].dtype.kind not in "biuf"]
+    if text:
+        raise TraceError(f"{path}: column {text[0]!r} holds {table[text[0]].dtype} values, not numbers: the trace is corrupt")
+    return table
 
 
 def _is_int(x: Any) -> bool:
@@ -351,12 +367,13 @@ def _check_doc(doc: Any, meta_path: Path, directory: Path) -> dict[str, tuple[in
         shapes[n] = tuple(shape)
     B, P, R, S = shapes["depth_weights"]
     patterns = doc["shapes"].get("patterns")
-    if patterns is not None:  # optional: [B, n_layers, H, P, P]
+    if patterns is not None:  # optional: [B, recorded layers, recorded heads, P, P]
         if not isinstance(patterns, list) or len(patterns) != 5 or not all(_is_int(d) and d >= 0 for d in patterns):
             raise bad(f"shapes.patterns must be a list of 5 non-negative integers; got {patterns!r}")
-        H = patterns[2]
-        if patterns != list(array_shapes(B, P, R, S, H=H)["patterns"]) or H < 1:
-            raise bad(f"shapes.patterns is {patterns}; the other arrays make it {list(array_shapes(B, P, R, S, H=max(H, 1))['patterns'])}")
+        l, H = patterns[1], patterns[2]
+        if [patterns[0], *patterns[3:]] != [B, P, P] or not 1 <= l <= (R - 1) // 2 or not 1 <= H <= 4096:
+            raise bad(f"shapes.patterns is {patterns}; the other arrays make it [{B}, 1..{(R - 1) // 2} layers, "
+                      f"1..4096 heads, {P}, {P}]")
         if not isinstance(files.get("patterns.parquet"), str):
             raise bad("files.patterns.parquet (its sha256) is missing or not a string")
         shapes["patterns"] = tuple(patterns)

@@ -16,9 +16,11 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from attnres_probe.resources import available_memory, human_bytes
+import numpy as np
 
-__all__ = ["MAX_RESAMPLES", "MEMORY_CAP_ENV", "check_bytes", "field", "inside", "memory_cap", "npz_inflated_bytes"]
+from attnres_probe.resources import human_bytes, memory_limits
+
+__all__ = ["MAX_RESAMPLES", "MEMORY_CAP_ENV", "check_bytes", "field", "inside", "memory_cap", "npz_headers", "npz_inflated_bytes"]
 
 MAX_RESAMPLES = 100_000  # bootstrap resamples a flag may ask for (1,000-10,000 is usual)
 MEMORY_CAP_ENV = "ATTNRES_MEMORY_CAP"  # bytes (e.g. 8e9): the most any one file may make the toolkit allocate
@@ -26,8 +28,14 @@ _DEFAULT_SHARE = 0.5  # without the variable: half of the memory available when 
 
 
 def memory_cap() -> int:
-    """The memory bound, stated once: ``$ATTNRES_MEMORY_CAP`` bytes if set, else half the available memory
-    (8 GB when that is unknown)."""
+    """The memory bound, stated once: ``$ATTNRES_MEMORY_CAP`` bytes if set, else half of what this
+    process may still allocate (:func:`~attnres_probe.resources.available_memory`: physical memory,
+    its cgroup's ``memory.max`` and its own ``RLIMIT_AS``, the least of them; 8 GB when none is known)."""
+    return _cap()[0]
+
+
+def _cap() -> tuple[int, str]:
+    """(the bound, where it comes from, in words)."""
     env = os.environ.get(MEMORY_CAP_ENV)
     if env:
         try:
@@ -36,17 +44,21 @@ def memory_cap() -> int:
             raise ValueError(f"${MEMORY_CAP_ENV} is {env!r}; give a number of bytes such as 8e9") from None
         if not math.isfinite(cap) or cap <= 0:
             raise ValueError(f"${MEMORY_CAP_ENV} is {env!r}; give a positive number of bytes such as 8e9")
-        return int(cap)
-    avail = available_memory()
-    return int(avail * _DEFAULT_SHARE) if avail else 8 * 10**9
+        return int(cap), f"${MEMORY_CAP_ENV}"
+    limits = memory_limits()
+    if not limits:
+        return 8 * 10**9, "a default, as this machine's memory is unknown"
+    name = min(limits, key=limits.__getitem__)
+    return int(limits[name] * _DEFAULT_SHARE), f"half the {human_bytes(limits[name])} left under {name}"
 
 
 def check_bytes(n: float, what: str, where: str, error: type[Exception]) -> None:
-    """Refuse ``what`` (which would take ``n`` bytes, from ``where``) above :func:`memory_cap`."""
-    cap = memory_cap()
+    """Refuse ``what`` (which would take ``n`` bytes, from ``where``) above :func:`memory_cap`; the
+    message names the limit that sets the bound."""
+    cap, source = _cap()
     if not math.isfinite(n) or n > cap:
         raise error(f"{where}: {what} would need {human_bytes(n) if math.isfinite(n) else 'unbounded memory'}, more "
-                    f"than the {human_bytes(cap)} this machine allows for one file (${MEMORY_CAP_ENV} sets the bound)")
+                    f"than the {human_bytes(cap)} allowed for one file ({source}; ${MEMORY_CAP_ENV} sets the bound)")
 
 
 _KINDS = {"int": "an integer", "number": "a finite number", "str": "a string", "bool": "true or false",
@@ -112,14 +124,52 @@ def inside(folder: str | Path, name: Any, where: str, error: type[Exception]) ->
     p = Path(name)
     if p.is_absolute() or ".." in p.parts:
         raise error(f"{where}: {name!r} leads out of {folder}; only names inside the folder are followed")
-    root = Path(folder).resolve()
-    target = (root / p).resolve()
+    try:
+        root = Path(folder).resolve()
+        target = (root / p).resolve()
+    except (RuntimeError, OSError) as exc:  # a symlink loop: RuntimeError before Python 3.13, OSError after
+        raise error(f"{where}: {name!r} cannot be followed inside {folder} (a symlink loop? {exc})") from None
     if target != root and root not in target.parents:
         raise error(f"{where}: {name!r} resolves to {target}, outside {folder} (a link leading out is not followed)")
     return Path(folder) / p
 
 
 def npz_inflated_bytes(path: str | Path) -> int:
-    """The bytes an ``.npz`` file's arrays take once inflated (from the zip directory, before reading any)."""
+    """The bytes an ``.npz`` file's arrays take once inflated, from each array's own ``.npy`` header
+    (its declared shape and dtype; :func:`npz_headers`), before reading any array."""
+    return sum(int(np.prod(shape, dtype=np.float64)) * dtype.itemsize for shape, dtype in npz_headers(path).values())
+
+
+def npz_headers(path: str | Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """{array name: (shape, dtype)} of an ``.npz`` file, read from the headers alone (a few hundred
+    bytes inflated per array), so that a caller can check them against what it expects and against
+    :func:`memory_cap` before numpy allocates what a header declares.
+
+    Raises:
+        ValueError: a member is not an ``.npy`` array, holds Python objects, or declares more data
+            than its zip entry holds (one line naming the member).
+    """
+    from numpy.lib import format as npy
+
+    out = {}
     with zipfile.ZipFile(path) as z:
-        return sum(info.file_size for info in z.infolist())
+        for info in z.infolist():
+            name = info.filename.removesuffix(".npy")
+            with z.open(info) as f:
+                try:
+                    version = npy.read_magic(f)
+                    if version == (1, 0):
+                        shape, _, dtype = npy.read_array_header_1_0(f)
+                    else:
+                        shape, _, dtype = npy.read_array_header_2_0(f)
+                except (ValueError, OSError, EOFError, SyntaxError, TypeError) as exc:
+                    raise ValueError(f"member {info.filename!r} is not a numpy array ({exc})") from None
+                header = f.tell()
+            if dtype.hasobject:
+                raise ValueError(f"member {info.filename!r} holds Python objects ({dtype}); only numeric arrays are read")
+            data = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+            if data != info.file_size - header:
+                raise ValueError(f"member {info.filename!r} declares shape {list(shape)} of {dtype} ({data} bytes), but "
+                                 f"its zip entry holds {info.file_size - header} bytes after the header")
+            out[name] = (tuple(shape), dtype)
+    return out

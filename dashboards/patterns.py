@@ -67,7 +67,12 @@ def _shape(ex: Explorer, name: str) -> tuple[int, int] | None:
     trace = ex.saved.get(name)
     if trace is None or trace.patterns is None:
         return None
-    return int(trace.patterns.shape[1]), int(trace.patterns.shape[2])
+    return _saved_shape(trace)
+
+
+def _saved_shape(trace: Any) -> tuple[int, int]:
+    """(the model's layers, its heads) of a saved trace with patterns (it may hold some of them only)."""
+    return (len(trace.read_labels) - 1) // 2, int(trace.meta.get("pattern_n_heads") or trace.patterns.shape[2])
 
 
 def _options(ex: Explorer) -> tuple[int, int]:
@@ -86,7 +91,11 @@ def _opening_rows(ex: Explorer, name: str, trace: Any, pos: int) -> np.ndarray:
         with ex._model_lock:
             out = ex.probes[name].attention_patterns(torch.from_numpy(tokens).long(), positions=[pos])
         return np.asarray(out[0, :, :, 0, : pos + 1], dtype=np.float64)
-    return np.asarray(trace.patterns[0, :, :, pos, : pos + 1], dtype=np.float64)
+    n_layers, n_heads = _saved_shape(trace)
+    rows = np.full((n_layers, n_heads, pos + 1), np.nan)  # layers and heads the trace did not record: NaN
+    for i, layer in enumerate(trace.pattern_layers):
+        rows[layer, trace.pattern_heads] = trace.patterns[0, i, :, pos, : pos + 1]
+    return rows
 
 
 def opening_head(ex: Explorer) -> tuple[int, int, str]:
@@ -117,10 +126,12 @@ def opening_head(ex: Explorer) -> tuple[int, int, str]:
         for r in rows:
             w = np.clip(r[:n_layers, :n_heads], 0.0, None)
             w = w / np.maximum(w.sum(-1, keepdims=True), 1e-30)
-            entropy += -np.sum(np.where(w > 0, w * np.log(np.where(w > 0, w, 1.0)), 0.0), axis=-1) / len(rows)
-        if not np.isfinite(entropy).all() or np.ptp(entropy) < 1e-9:
+            h = -np.sum(np.where(w > 0, w * np.log(np.where(w > 0, w, 1.0)), 0.0), axis=-1) / len(rows)
+            entropy += np.where(np.isnan(r[:n_layers, :n_heads]).any(-1), np.nan, h)
+        finite = np.isfinite(entropy)  # NaN: a layer or head a saved trace did not record
+        if not finite.any() or np.ptp(entropy[finite]) < 1e-9:
             return 0, 0, ""
-        layer, head = (int(i) for i in np.unravel_index(int(np.argmin(entropy)), entropy.shape))
+        layer, head = (int(i) for i in np.unravel_index(int(np.argmin(np.where(finite, entropy, np.inf))), entropy.shape))
     except Exception:  # choosing the opening head must never break the page: layer 0 head 0 then
         return 0, 0, ""
     tok = figures.show_token(str(result.str_tokens[pos])) if pos < len(result.str_tokens) else ""
@@ -266,8 +277,7 @@ def pattern_views(ex: Explorer, token: Any, layer: Any, head: Any) -> dict:
         if trace is None:
             add(no_update, HIDDEN, HIDDEN, "")
             continue
-        shape = _shape(ex, name) if name in ex.probes else (
-            (trace.patterns.shape[1], trace.patterns.shape[2]) if trace.patterns is not None else None)
+        shape = _shape(ex, name) if name in ex.probes else (_saved_shape(trace) if trace.patterns is not None else None)
         if shape is None:
             why = ("this saved trace holds no attention patterns (record it with Probe(model).run(text, patterns=True))"
                    if name not in ex.probes else "this model has no attention-pattern hook points")
@@ -286,6 +296,9 @@ def pattern_views(ex: Explorer, token: Any, layer: Any, head: Any) -> dict:
                 row = layer_patterns(ex, result, name, layer, pos)[head, pos]
             else:
                 row = trace.pattern(layer, head, token=pos)
+        except ValueError as exc:  # a saved trace that recorded other layers or heads: it says which
+            add(no_update, HIDDEN, SHOWN, f"{name}: {exc}")
+            continue
         except Exception as exc:  # a model that cannot be read this way must not break the page
             add(no_update, HIDDEN, SHOWN, f"{name}: cannot compute the attention pattern ({exc})")
             continue

@@ -32,6 +32,7 @@ class PatternRecorder:
         model: a hooked model (``hook_dict``) holding the hook points ``names``.
         names: the ``hook_pattern`` points to keep, in the order of the result's layer axis.
         rows: keep only these query positions (None: all), to bound memory when one token is asked.
+        heads: keep only these heads (None: all).
         stop: end the forward (raise :class:`PatternsComplete`) as soon as every layer asked for
             is recorded, so the layers after the last of them cost nothing; only for a forward
             whose output is not needed.
@@ -45,11 +46,12 @@ class PatternRecorder:
     """
 
     def __init__(self, model: Any, names: Sequence[str], rows: Sequence[int] | None = None, stop: bool = False,
-                 this_thread: bool = True):
+                 this_thread: bool = True, heads: Sequence[int] | None = None):
         self.model = model
         self.stop = stop
         self.names = list(names)
         self.rows = None if rows is None else torch.as_tensor(list(rows), dtype=torch.long)
+        self.heads = None if heads is None else torch.as_tensor(list(heads), dtype=torch.long)
         self._owner = threading.get_ident() if this_thread else None
         self._handles: list[tuple[Any, Any]] = []
         self._out: torch.Tensor | None = None
@@ -82,6 +84,8 @@ class PatternRecorder:
                 return None
             with torch.no_grad():
                 p = pattern.detach()
+                if self.heads is not None:
+                    p = p.index_select(1, self.heads.to(p.device))
                 if self.rows is not None:
                     p = p.index_select(2, self.rows.to(p.device))
                 if self._out is None:

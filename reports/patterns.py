@@ -41,13 +41,23 @@ DIGITS = 4  # significant digits of each query row's largest weight (the others 
 
 def pattern_source(trace: Any, reading: Mapping[str, Any] | None) -> np.ndarray | None:
     """The patterns [layer, head, n, n] of sequence 0 the report can show for ``trace``: the trace's
-    own (recorded with ``patterns=True``), else those :func:`record_readings` recorded; None if neither."""
-    if getattr(trace, "patterns", None) is not None:
+    own (recorded with ``patterns=True``, every layer and head: the explorer numbers layers and heads
+    by position), else those :func:`record_readings` recorded; None if neither (a trace holding some
+    layers or heads only, ``patterns=[...]``, shows none here: ``trace.pattern`` reads it)."""
+    if getattr(trace, "patterns", None) is not None and _every_layer_and_head(trace):
         n = int(trace.mask[0].sum())
         return np.asarray(trace.patterns[0, :, :, :n, :n], dtype=np.float32)
     if reading is not None and reading.get("patterns") is not None:
         return np.asarray(reading["patterns"], dtype=np.float32)
     return None
+
+
+def _every_layer_and_head(trace: Any) -> bool:
+    if not hasattr(trace, "pattern_layers"):  # an object holding patterns of every layer and head only
+        return True
+    n_layers = (len(trace.read_labels) - 1) // 2
+    n_heads = int(trace.meta.get("pattern_n_heads") or trace.patterns.shape[2])
+    return trace.pattern_layers == list(range(n_layers)) and trace.pattern_heads == list(range(n_heads))
 
 
 def row_exponents(block: np.ndarray, digits: int = DIGITS) -> np.ndarray:

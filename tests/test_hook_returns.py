@@ -76,13 +76,3 @@ def test_figures_refuses_a_label_given_twice(tmp_path, capsys):
     err = capsys.readouterr().err
     assert status == 2 and "--names gives 'a' more than once" in err and err.count("\n") == 1
     assert not (tmp_path / "f").exists()
-
-
-def test_study_out_on_a_file_is_one_line(tmp_path, capsys):
-    from attnres_probe.cli import main
-
-    f = tmp_path / "a_file"
-    f.write_text("x")
-    assert main(["study", "--demo", "--out", str(f)]) == 2
-    err = capsys.readouterr().err
-    assert "is a file; the study writes a folder of pages" in err and err.count("\n") == 1 and f.read_text() == "x"

@@ -279,7 +279,7 @@ def test_a_study_says_what_was_wrong_with_the_models_it_was_given(seed_studies, 
     log = json.loads((old / "full" / "train_log.json").read_text())
     del log["train_config"]
     (old / "full" / "train_log.json").write_text(json.dumps(log))
-    with pytest.raises(ValueError, match="full's train_log.json has no train_config"):
+    with pytest.raises(ValueError, match="full/train_log.json: key 'train_config' is missing; it must be an object"):
         run_study(tmp_path / "o", n_windows=2, images="html", n_resamples=20, models=old)
 
 

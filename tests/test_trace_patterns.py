@@ -234,3 +234,59 @@ def test_one_tokens_pattern_chart_from_a_trace():
     assert fig.layout.yaxis.title.text == "attention weight" and fig.layout.yaxis.range[0] == 0
     short = figures.token_pattern(trace, 0, 0, token=0)  # the first token sees itself only: weight 1
     assert list(short.data[0].y) == [1.0]
+
+
+# -- chosen layers and heads only (issue #47: a large model at a long context) --------------------
+def test_patterns_of_chosen_layers_and_heads_are_the_full_ones_sliced_and_run_only_those_layers(monkeypatch, tmp_path):
+    from attnres_probe.model import Attention
+
+    model = tiny_model("block", n_layers=3, n_heads=4, n_kv_heads=2, positional="rope")
+    tokens = sample_tokens(9, batch=2)
+    every = Probe(model).run(tokens, backward=True, patterns=True)
+    calls = []
+    original = Attention.explicit_attention
+    monkeypatch.setattr(Attention, "explicit_attention", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
+    some = Probe(model).run(tokens, backward=True, patterns=[-1, 0], pattern_heads=[3, 1])
+    assert len(calls) == 2  # only the chosen layers run the explicit attention
+    assert some.pattern_layers == [0, 2] and some.pattern_heads == [1, 3] and some.patterns.shape == (2, 2, 2, 9, 9)
+    np.testing.assert_array_equal(some.patterns, every.patterns[:, [0, 2]][:, :, [1, 3]])
+    for name in ARRAYS:  # everything else is the recording without patterns, bit for bit
+        np.testing.assert_array_equal(getattr(some, name), getattr(every, name), err_msg=name)
+    np.testing.assert_array_equal(some.pattern(2, 3, token=4), every.pattern(2, 3, token=4))
+    np.testing.assert_array_equal(some.pattern(-1, -1), every.pattern(2, 3))  # the model's last layer and head
+    with pytest.raises(ValueError, match=r"layer 1's attention patterns were not recorded; this trace holds layers 0, 2 "
+                                         r"\(record it with patterns=\[1, \.\.\.\]\)"):
+        some.pattern(1, 1)
+    with pytest.raises(ValueError, match=r"head 2's attention patterns were not recorded; this trace holds heads 1, 3"):
+        some.pattern(0, 2)
+    with pytest.raises(IndexError, match="head 4 is out of range; this trace has heads 0..3"):
+        some.pattern(0, 4)
+    some.save(tmp_path / "t")  # saved and loaded with its layers and heads
+    back = DepthTrace.load(tmp_path / "t")
+    assert back.pattern_layers == [0, 2] and back.pattern_heads == [1, 3]
+    np.testing.assert_array_equal(back.patterns, some.patterns)
+    from attnres_probe import figures
+
+    fig = figures.token_pattern(back, layer=2, head=3, token=5)  # titled with the model's own numbers
+    assert "layer 2 head 3" in fig.layout.title.text
+
+
+@pytest.mark.parametrize("kw, error, message", [
+    ({"patterns": [3]}, ValueError, r"patterns: layer 3 is out of range; the model has layers 0..1"),
+    ({"patterns": []}, ValueError, r"patterns is empty"),
+    ({"patterns": "0"}, TypeError, r"patterns must be True, False or a list of layers"),
+    ({"patterns": [0.5]}, TypeError, r"patterns holds 0.5; layers are integers"),
+    ({"patterns": True, "pattern_heads": [9]}, ValueError, r"pattern_heads: head 9 is out of range; the model has heads 0..1"),
+    ({"pattern_heads": [0]}, TypeError, r"pattern_heads chooses heads of the recorded patterns"),
+])
+def test_a_choice_of_layers_or_heads_out_of_range_is_one_line(kw, error, message):
+    with pytest.raises(error, match=message):
+        Probe(tiny_model("full", n_layers=2)).run("The cat sat.", **kw)
+
+
+def test_the_memory_estimate_counts_only_the_chosen_layers_and_heads():
+    probe = Probe(tiny_model("full", n_layers=2, n_heads=2))
+    every = probe.memory_estimate(100, patterns=True)["patterns"]
+    assert every == 4 * 2 * 2 * 100 * 100
+    assert probe.memory_estimate(100, patterns=[1], pattern_heads=[0])["patterns"] == every // 4
+    assert probe.memory_estimate(100)["patterns"] == 0

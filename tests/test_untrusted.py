@@ -5,12 +5,14 @@ line naming the file and key, and CLI numbers are checked with their accepted ra
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -263,17 +265,53 @@ def test_negative_counts_in_the_arrays_are_refused(run):
 
 def test_arrays_that_inflate_past_the_memory_bound_are_refused_before_inflating(run, monkeypatch):
     folder = run / "models" / "block"
+    _resum(folder, json.loads((folder / "stats.json").read_text()))
+    monkeypatch.setenv("ATTNRES_MEMORY_CAP", str(2**10))  # the real arrays are a few KB
+    with pytest.raises(StatsError, match=r"the arrays once inflated would need .* more than the 1.0 KB allowed for one "
+                                         r"file \(\$ATTNRES_MEMORY_CAP"):
+        CorpusStats.load(folder)
+
+
+def test_an_array_header_declaring_another_shape_is_refused_before_inflating(run):
+    """The issue's 4 MB npz that inflates to 4 GiB: here 32 MiB of zeros in a few KB, refused on the
+    shape its header declares, before numpy allocates it (tracemalloc sees numpy's allocations)."""
+    import tracemalloc
+
+    folder = run / "models" / "block"
     with np.load(folder / "arrays.npz") as npz:
         arrays = {k: npz[k] for k in npz.files}
-    arrays["token.extra.count"] = np.zeros(4 * 2**20, np.int64)  # 32 MiB of zeros: a few KB compressed
-    arrays["token.extra.mean"] = np.zeros(1)
-    arrays["token.extra.m2"] = np.zeros(1)
+    key = next(k for k in arrays if k.startswith("token.depth_weights.") and k.endswith(".mean"))
+    arrays[key] = np.zeros(4 * 2**20)  # 32 MiB of zeros: a few KB compressed
     np.savez_compressed(folder / "arrays.npz", **arrays)
     assert (folder / "arrays.npz").stat().st_size < 2**20
     _resum(folder, json.loads((folder / "stats.json").read_text()))
-    monkeypatch.setenv("ATTNRES_MEMORY_CAP", str(8 * 2**20))
-    with pytest.raises(StatsError, match="the arrays once inflated would need .* more than the 8.4 MB"):
-        CorpusStats.load(folder)
+    tracemalloc.start()
+    try:
+        with pytest.raises(StatsError, match=r"aggregate 'token.depth_weights.mean' has shape \[4194304\]; a model of"):
+            CorpusStats.load(folder)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20, peak
+
+
+@pytest.mark.parametrize("declared", ["more", "objects"])
+def test_an_npy_header_that_lies_about_its_data_or_holds_objects_is_refused(tmp_path, declared):
+    from numpy.lib import format as npy
+
+    from attnres_probe.validate import npz_headers
+
+    member = io.BytesIO()
+    if declared == "more":  # a header for 10**12 float64 over 8 bytes of data
+        npy.write_array_header_1_0(member, {"descr": "<f8", "fortran_order": False, "shape": (10**12,)})
+        member.write(b"\0" * 8)
+    else:
+        np.save(member, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with zipfile.ZipFile(tmp_path / "a.npz", "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("x.npy", member.getvalue())
+    message = "declares shape \\[1000000000000\\] of float64" if declared == "more" else "holds Python objects"
+    with pytest.raises(ValueError, match=f"member 'x.npy' {message}"):
+        npz_headers(tmp_path / "a.npz")
 
 
 def test_a_window_table_with_more_rows_than_the_document_says_is_refused(run):

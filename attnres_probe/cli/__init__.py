@@ -14,6 +14,7 @@ import importlib
 import math
 import re
 import sys
+from pathlib import Path
 from collections.abc import Sequence
 
 from attnres_probe._version import __version__
@@ -191,8 +192,56 @@ def cli_message(message: str) -> str:
     return _PY_FLAG.sub(lambda m: m.group(1), str(message))
 
 
+_FILE_OUT = {"report"}  # commands whose --out is one file; the others write a folder
+
+
+def _check_out(args: argparse.Namespace) -> None:
+    """Every command's ``--out``, before any work: a folder output is not an existing file, a file
+    output not an existing folder, and no part of the path above it is a file (one line each)."""
+    out = getattr(args, "out", None)
+    if not out:
+        return
+    out, command = Path(out), args.command
+    if command in _FILE_OUT:
+        if out.is_dir():
+            raise UserError(f"--out {out} is a folder; `attnres-probe {command}` writes one file: give a file path "
+                            "(nothing was written)")
+    elif out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; `attnres-probe {command}` writes a folder: give a folder path "
+                        "(nothing was written)")
+    for parent in out.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"--out {out}: {parent} is a file, so nothing can be written under it; choose another "
+                                "--out (nothing was written)")
+            break
+
+
+def _check_names(args: argparse.Namespace) -> None:
+    """Every command's ``--names``: each label once (two models shown under one label would be
+    indistinguishable on every page), before any work."""
+    names = getattr(args, "names", None) or []
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UserError(f"--names gives {', '.join(repr(n) for n in twice)} more than once: every model needs its own "
+                        "label (nothing was written)")
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as the CLI shows it: one line, ``attnres-probe: warning: ...`` (no source line)."""
+    print(f"attnres-probe: warning: {message}", file=sys.stderr if file is None else file)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the console script; returns the exit status."""
+    """Entry point of the console script; returns the exit status. Warnings are one line each."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command_of(argv)
     names = [row[0] for row in SUBCOMMANDS]
@@ -215,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        _check_out(args)
+        _check_names(args)
         device, dtype = getattr(args, "device", None), getattr(args, "dtype", None)
         if device is None and dtype is None:
             status = int(args.func(args) or 0)

@@ -87,9 +87,6 @@ def _load(args: argparse.Namespace) -> tuple[list, list[str]]:
         return [load_model(demo_source(n)) for n in demo], demo
     if args.names is not None and len(args.names) != len(args.models):
         raise UserError(f"--names gives {len(args.names)} names for {len(args.models)} --models folders: give one per folder")
-    if args.names is not None and len(set(args.names)) != len(args.names):
-        twice = sorted({n for n in args.names if args.names.count(n) > 1})
-        raise UserError(f"--names gives {', '.join(repr(n) for n in twice)} more than once: every model needs its own label")
     loaded = [load_model(d, flag="--models") for d in args.models]
     return loaded, unique_names(list(args.names) if args.names else [m.name for m in loaded])
 
@@ -100,6 +97,17 @@ def _refuse_existing(paths: list[Path], out: Path, force: bool) -> None:
         shown = ", ".join(str(p) for p in there[:3]) + (f" and {len(there) - 3} more" if len(there) > 3 else "")
         raise UserError(f"--out {out} already holds {shown}; pass --force to replace them, or choose another --out "
                         "(nothing was written)")
+
+
+def _undo(files: list[Path], folders: list[Path]) -> None:
+    """Remove the new ``files`` of a failed run, then the ``folders`` it made (deepest first) where empty."""
+    for path in files:
+        path.unlink(missing_ok=True)
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def run_figures(args: argparse.Namespace) -> int:
@@ -123,6 +131,7 @@ def run_figures(args: argparse.Namespace) -> int:
         raise UserError(f"--token {args.token}: {exc}") from None
     paths = {out / f"{name}.{args.fmt}": fig for name, fig in figs.items()}
     _refuse_existing(list(paths), out, args.force)
+    made = [p for p in (out, *out.parents) if not p.exists()]  # the folders this run creates
     out.mkdir(parents=True, exist_ok=True)
     t1 = time.perf_counter()
     total = len(paths)
@@ -132,10 +141,17 @@ def run_figures(args: argparse.Namespace) -> int:
         done[0] += 1
         say(f"figure {done[0]}/{total}: {line}")
 
+    new = [p for p in paths if not p.exists()]
     try:
         written = exports.write_images(paths, args.fmt, progress=progress)
-    except RuntimeError as exc:  # no Chromium for kaleido
-        raise UserError(str(exc)) from None
+    except BaseException as exc:  # a full disk, no Chromium, Ctrl+C: nothing half-made stays
+        _undo(new, made)
+        if isinstance(exc, RuntimeError):  # no Chromium for kaleido
+            raise UserError(str(exc)) from None
+        if isinstance(exc, OSError):
+            raise UserError(f"--out {out}: {exc.strerror or exc} while writing the figures; the ones this run wrote were "
+                            f"removed{' with the folder it made' if made else ''} (nothing was kept)") from None
+        raise
     for path in written:
         print(path)
     say(f"{len(written)} figures ({args.size} column, {args.fmt}) in {time.perf_counter() - t1:.1f} s "

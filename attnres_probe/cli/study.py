@@ -11,6 +11,7 @@ or the single-model study of the demo models (:mod:`attnres_probe.study`).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from attnres_probe.cli import UserError, add_placement_args, arg_range
@@ -41,10 +42,21 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--images", choices=("auto", "png", "html"), default="auto",
                    help="figure format of the demo-model study: png (needs kaleido and Chromium), html, or auto (png "
                         "when it can be written)")
-    p.add_argument("--models", metavar="DIR", help="study the demo models in DIR (written by `attnres-probe demo-models --out DIR`, "
-                   "e.g. another seed's) instead of the shipped ones")
-    p.add_argument("--names", nargs="+", metavar="NAME", choices=list(DEMO_RULES),
-                   help=f"the demo models the single-model study sets side by side ({', '.join(DEMO_RULES)}; prenorm, the "
+    p.add_argument("--models", nargs="+", metavar="DIR",
+                   help="with --baseline: plan v3's protocol on any checkpoints, each DIR one model holding one folder per "
+                        "seed (seed0, seed1, ...; ours, or a public family's); e.g. --models docs/study/v3/runs/block "
+                        "docs/study/v3/runs/full --baseline docs/study/v3/runs/prenorm. Without --baseline: the demo "
+                        "models in one DIR (written by `attnres-probe demo-models --out DIR`) for the single-model study")
+    p.add_argument("--baseline", metavar="DIR", help="the baseline's seed folders (paired with the models' by seed number)")
+    p.add_argument("--data", metavar="PATH", help="with --baseline: the held-out text (a file or a folder of files, one "
+                   "document each); default: the held-out windows the runs' own training logs name")
+    p.add_argument("--train-data", metavar="PATH", help="with --data: the training corpus, to check the held-out text "
+                   "against it (verbatim chunks of 64 characters)")
+    p.add_argument("--seq-len", type=arg_range("int", 2, 1 << 20), default=None,
+                   help="with --data: tokens per window (default: the model's context, at most 1024)")
+    p.add_argument("--names", nargs="+", metavar="NAME",
+                   help=f"with --baseline: one name per --models folder (default: the folders' names). Otherwise the "
+                        f"demo models the single-model study sets side by side ({', '.join(DEMO_RULES)}; prenorm, the "
                         "baseline, among them); default: every shipped one, or every one --models DIR holds. Models other "
                         "than Full and Block get estimates and intervals against PreNorm, no verdict")
     p.add_argument("--seeds", nargs="+", metavar="FOLDER", help="combine the study folders of several seeds of one recipe "
@@ -55,6 +67,18 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.baseline or args.data or args.train_data or args.seq_len:
+        return _run_checkpoints(args)
+    if args.models and len(args.models) > 1:
+        raise UserError(f"--models gives {len(args.models)} folders: several models are studied against a baseline "
+                        "(add --baseline DIR); the single-model study takes one folder of demo models")
+    if args.models:
+        args.models = args.models[0]
+    if args.names:
+        bad = [n for n in args.names if n not in DEMO_RULES]
+        if bad:
+            raise UserError(f"--names {bad[0]!r}: the single-model study sets demo models side by side "
+                            f"({', '.join(DEMO_RULES)}); --names with --baseline names checkpoint folders")
     single = args.demo or args.models or args.seeds
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UserError(f"--out {args.out} is a file; the study writes a folder of pages: give a folder path")
@@ -110,5 +134,33 @@ def _run(args: argparse.Namespace) -> int:
     if others:
         print(f"exploratory   {', '.join(others)}: estimates and intervals against PreNorm in study.md, no verdict "
               "(the paper's claims are about AttnRes)")
+    print(f"wrote {Path(args.out) / 'study.md'}")
+    return 0
+
+
+def _run_checkpoints(args: argparse.Namespace) -> int:
+    """``study --models DIR... --baseline DIR [--data PATH]``: plan v3's protocol on any checkpoints."""
+    from attnres_probe.seed_study import run_checkpoint_study
+
+    if not (args.models and args.baseline):
+        raise UserError("a study of checkpoints takes --models DIR... and --baseline DIR (each a folder of seed folders); "
+                        "--data, --train-data and --seq-len belong to it")
+    if args.runs or args.demo or args.seeds:
+        raise UserError("--baseline is the study of checkpoints; --runs, --demo and --seeds are other studies: pick one")
+    if not args.out:
+        raise UserError("a study of checkpoints needs --out FOLDER for its pages")
+    if args.seq_len and not args.data:
+        raise UserError("--seq-len sets the windows of --data; without --data the runs' own held-out windows are used")
+    windows = None if args.windows == N_WINDOWS else args.windows
+    try:
+        results = run_checkpoint_study(args.models, args.baseline, args.out, data=args.data, train_data=args.train_data,
+                                       names=args.names, seq_len=args.seq_len, n_windows=windows,
+                                       progress=lambda line: print(line, file=sys.stderr))
+    except (FileNotFoundError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+    for p in results["primaries"]:
+        print(f"{p['verdict']:<13} {p['key']} {p['title']}: mean {p['mean']:+.3g} {p['unit']}, "
+              f"{p['paper_way']} of {p['n']} seeds on the paper's side, Holm p {p['p_holm']:.2g}"
+              if p["p_holm"] is not None else f"{p['verdict']:<13} {p['key']} {p['title']}: not enough seeds")
     print(f"wrote {Path(args.out) / 'study.md'}")
     return 0

@@ -13,6 +13,7 @@ were not recorded from (the weights digest, :func:`attnres_probe.io.weights_sha2
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "RANKS_DIR",
     "DOCUMENTS_FILE",
     "CorpusRunError",
+    "UnpairedStatsWarning",
     "check_models_match",
     "document_names",
     "check_resume",
@@ -168,6 +170,10 @@ def load_stats_dir(directory: str | Path, allow_incomplete: bool = False) -> tup
     return manifest, stats
 
 
+class UnpairedStatsWarning(UserWarning):
+    """Stats without a weights digest: which model they were recorded from cannot be checked."""
+
+
 def check_models_match(stats: dict[str, Any], models: dict[str, Any]) -> None:
     """Refuse models the stats were not recorded from: each model (or Probe) must match the stats of its name.
 
@@ -179,8 +185,14 @@ def check_models_match(stats: dict[str, Any], models: dict[str, Any]) -> None:
             raise CorpusRunError(f"model {name!r} has no stats in this folder (it holds {', '.join(stats)}); "
                                  "name the models as in the corpus run (--names)")
         want = stats[name].meta.get("weights_sha256")
+        if not want:
+            warnings.warn(UnpairedStatsWarning(
+                f"the stats of {name!r} carry no weights digest (weights_sha256): that they were recorded from this "
+                f"model ({stats[name].meta.get('source', '?')}) cannot be checked; record the corpus again to pair them"),
+                stacklevel=2)
+            continue
         got = weights_sha256(getattr(model, "model", model))  # a Probe carries its model
-        if want and want != got:
+        if want != got:
             raise CorpusRunError(
                 f"the stats of {name!r} were recorded from another model (weights sha256 {want[:12]}…, "
                 f"from {stats[name].meta.get('source', '?')}); this {name!r} has weights sha256 {got[:12]}…"

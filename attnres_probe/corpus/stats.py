@@ -44,7 +44,7 @@ from attnres_probe.analysis.windows import (
     window_profiles,
 )
 from attnres_probe.io import clear_leftovers, exclusive_lock, fault_point, read_json, set_aside, sha256_file, write_directory
-from attnres_probe.validate import check_bytes, npz_inflated_bytes
+from attnres_probe.validate import check_bytes, npz_headers, npz_inflated_bytes
 from attnres_probe.validate import field as check_field
 from attnres_probe.trace import DepthTrace
 
@@ -564,7 +564,12 @@ class CorpusStats:
             if doc.get("files", {}).get(name) != sha256_file(directory / name):
                 raise StatsError(f"{directory / name} does not match the checksum in {STATS_FILE}: the stats are corrupt")
         _check_doc(doc, str(path))
-        try:  # sizes first: the arrays once inflated, the table's rows against the document
+        try:  # sizes first: the arrays' declared shapes, then their bytes once inflated, the table's rows
+            try:
+                headers = npz_headers(directory / ARRAYS_FILE)
+            except ValueError as exc:
+                raise StatsError(f"{directory / ARRAYS_FILE}: {exc}") from None
+            _check_shapes({k: shape for k, (shape, _) in headers.items()}, doc["meta"], str(directory / ARRAYS_FILE))
             check_bytes(npz_inflated_bytes(directory / ARRAYS_FILE), "the arrays once inflated", str(directory / ARRAYS_FILE),
                         StatsError)
             import pyarrow.parquet as pq
@@ -657,16 +662,24 @@ def _check_arrays(arrays: dict[str, np.ndarray], meta: dict[str, Any], where: st
             raise StatsError(f"{where}: aggregate {name!r} must hold integer counts and float means")
         if (count < 0).any() or (m2 < -1e-6 * np.abs(m2).max(initial=1.0)).any():
             raise StatsError(f"{where}: aggregate {name!r} holds negative counts or variances")
+    _check_shapes({k: a.shape for k, a in arrays.items()}, meta, where)
+
+
+def _check_shapes(shapes: dict[str, tuple[int, ...]], meta: dict[str, Any], where: str) -> None:
+    """Every array (``token.<name>.<stat>``) of the shape a model of the document's reads and
+    sources gives; run on the arrays' headers before they are inflated, and on the arrays."""
     R, S = len(meta["read_labels"]), len(meta["source_labels"])
-    shapes = {"depth_weights": (R, S), "logits": (R, S), "contrib": (R, S), "rms_in": (R,), "grad_in": (R,), "rms_out": (R,),
-              "grad_out": (R,), "rms_mix": (R,), "mixer_grad": (R,), "loss": (), "param_grad": (R - 1,)}
-    for name in groups:
-        stat = name.split(".", 1)[1]
-        if stat not in shapes:
-            raise StatsError(f"{where}: aggregate {name!r} is not one a corpus run records ({', '.join(shapes)})")
-        if arrays[f"{name}.mean"].shape != shapes[stat]:
-            raise StatsError(f"{where}: aggregate {name!r} has shape {list(arrays[name + '.mean'].shape)}; a model of "
-                             f"{R} reads x {S} sources gives {list(shapes[stat])}")
+    expected = {"depth_weights": (R, S), "logits": (R, S), "contrib": (R, S), "rms_in": (R,), "grad_in": (R,), "rms_out": (R,),
+                "grad_out": (R,), "rms_mix": (R,), "mixer_grad": (R,), "loss": (), "param_grad": (R - 1,)}
+    for key, shape in shapes.items():
+        prefix, _, rest = key.partition(".")
+        stat = rest.rpartition(".")[0]
+        if prefix not in ("token", "window") or stat not in expected:
+            raise StatsError(f"{where}: array {key!r} is not an aggregate a corpus run records "
+                             f"(token.<name>.count/mean/m2 or window.<name>..., name one of {', '.join(expected)})")
+        if tuple(shape) != expected[stat]:
+            raise StatsError(f"{where}: aggregate {key!r} has shape {list(shape)}; a model of "
+                             f"{R} reads x {S} sources gives {list(expected[stat])}")
 
 
 def _copy(s: RunningStats) -> RunningStats:

@@ -31,14 +31,15 @@ SERIES = ("embed_weight", "embed_contrib", "recent_mass", "distance", "entropy",
 def load_history(run_dir: str | Path) -> list[dict[str, Any]] | None:
     """The routing probes of a training run (``train_log.json`` beside the checkpoint:
     ``probes.history``), or None when the folder has no log or the run recorded no probes."""
-    import json
+    from attnres_probe.io import read_json
+    from attnres_probe.training.state import MAX_LOG_BYTES
 
     path = Path(run_dir) / "train_log.json"
     if not path.is_file():
         return None
     try:
-        log = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        log = read_json(path, max_bytes=MAX_LOG_BYTES)  # bounded: size, regular file, nesting
+    except ValueError:
         return None
     history = ((log.get("probes") or {}) if isinstance(log, dict) else {}).get("history")
     return list(history) if isinstance(history, list) and history else None

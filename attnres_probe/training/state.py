@@ -52,6 +52,7 @@ __all__ = [
     "optimizer_tensors",
     "read_run_configs",
     "read_state",
+    "read_train_log",
     "recover_run",
     "restore_state",
     "save_state",
@@ -165,6 +166,43 @@ def read_run_configs(out_dir: str | Path) -> tuple[ModelConfig, TrainConfig]:
         return ModelConfig.from_dict(state["model_config"]), TrainConfig.from_dict(state["train_config"])
     except (ConfigError, TypeError) as exc:
         raise TrainError(f"{Path(out_dir) / STATE_FILE}: invalid saved config: {exc}") from None
+
+
+MAX_LOG_BYTES = 256 * 2**20  # a log of 100,000 steps with probes is about 30 MB
+
+
+def read_train_log(folder: str | Path, error: type[Exception] = ValueError) -> dict[str, Any]:
+    """The ``train_log.json`` of a run folder, checked before anything uses it: a regular file of at
+    most 256 MB, JSON nested at most as deep as Python parses, an object whose ``train_config`` is a
+    valid :class:`TrainConfig` and whose ``step``, ``finished``, ``data_sha256``, ``backend``,
+    ``final_val_loss`` and ``wall_time_s`` (where present) have their types and ranges.
+
+    Raises:
+        error: one line naming the file, the key and what is accepted.
+    """
+    from attnres_probe.io import read_json
+    from attnres_probe.validate import field
+
+    path = Path(folder) / LOG_FILE
+    log = read_json(path, error, max_bytes=MAX_LOG_BYTES)
+    where = str(path)
+    if not isinstance(log, dict):
+        raise error(f"{where}: a training log is a JSON object; got {type(log).__name__}")
+    tc = field(log, "train_config", "dict", where, error)
+    try:
+        TrainConfig.from_dict(tc).validate()
+    except (ConfigError, TypeError) as exc:
+        raise error(f"{where}: 'train_config' is not a valid training recipe ({exc})") from None
+    field(log, "step", "int", where, error, lo=0)
+    field(log, "finished", "bool", where, error, required=False)
+    for key in ("data_sha256", "backend"):
+        field(log, key, "str", where, error, required=False, hi=256)
+    for key in ("final_val_loss", "wall_time_s"):
+        if log.get(key) is not None:
+            field(log, key, "number", where, error)
+    if log.get("probes") is not None:
+        field(log, "probes", "dict", where, error)
+    return log
 
 
 def read_state(out_dir: Path) -> dict[str, Any]:

@@ -283,3 +283,16 @@ def test_the_layer_and_head_go_in_the_link_and_a_link_opens_them(ex):
     note = callbacks.token_strip(ex, ex.initial.key, "?token=999&layer=7&head=x")["note"]
     assert "The link's layer '7' is not one of this page's layers (0..1)" in note
     assert "The link's head 'x' is not one of this page's heads (0..1)" in note
+
+
+def test_a_saved_trace_of_some_layers_and_heads_shows_those_and_names_them_for_the_others(models):
+    every = Probe(models["block"], name="every").run(TEXT, patterns=True)
+    some = Probe(models["block"], name="some").run(TEXT, patterns=[1], pattern_heads=[1])
+    ex = create_app({"some": some, "every": every}).explorer
+    out = patterns.pattern_views(ex, token(ex, 4), 1, 1)  # recorded: the model's layer 1, head 1
+    np.testing.assert_array_equal(out["figures"][0].data[0].y, every.patterns[0, 1, 1, 4, :5].astype(np.float64))
+    out = patterns.pattern_views(ex, token(ex, 4), 0, 1)  # not recorded: a note naming what was
+    assert out["graphs"][0] == patterns.HIDDEN and out["graphs"][1] == patterns.SHOWN
+    assert "layer 0's attention patterns were not recorded; this trace holds layers 1" in out["notes"][0]
+    layer, head, _ = patterns.opening_head(ex)  # chosen among what both hold (or 0, 0): never a NaN pick
+    assert (layer, head) in ((1, 1), (0, 0))
