@@ -607,6 +607,9 @@ def run_checkpoint_study(models: list[str | Path], baseline: str | Path, out: st
         rules[name] = _probe_of(found[key], name).spec.meta.get("residual", "")
     byte_level = probe.tokenizer is None or type(probe.tokenizer).__name__ == "ByteTokenizer"
     primaries = assign_primaries(list(rules.items()), "nats per byte" if byte_level else "nats per token")
+    if train_data is not None and data is None:
+        raise ValueError("--train-data checks a held-out text given with --data against the training corpus; without "
+                         "--data the runs' own held-out plays are used (no check needed: whole plays are held out)")
     if data is None:
         log = next((lg for lg in logs.values() if lg), None)
         if log is None:
@@ -625,17 +628,20 @@ def run_checkpoint_study(models: list[str | Path], baseline: str | Path, out: st
             raise ValueError(f"--seq-len {seq_len}: accepted 2..{cap} (the model's context)")
         windows, files, groups, texts = _text_windows(probe, data, seq_len, n_windows)
         sample = (texts[0] or "")[:2000]
-        for name in names:  # one tokenizer for every model: the same windows mean the same text
+        top = max(int(w.max()) for w in windows)
+        for name in [first_key[0], *names]:  # one tokenizer for every model: the same windows mean the same text
             key = next(k for k in found if k[0] == name)
             other = _probe_of(found[key], name)
             if _token_ids(other, sample) != _token_ids(probe, sample):
                 raise ValueError(f"{name} tokenizes the held-out text differently from {first_key[0]}: a seed study sets "
                                  "side by side models that read the same tokens")
+            vocab = int(getattr(getattr(other.model, "cfg", None), "d_vocab", top + 1) or top + 1)
+            if top >= vocab:
+                raise ValueError(f"{name}'s vocabulary is 0..{vocab - 1}, but the held-out text has token id {top} "
+                                 f"(tokenized as {first_key[0]} does): a seed study sets side by side models that read "
+                                 "the same tokens")
         data_words = f"`{Path(data).as_posix()}` ({len(set(files))} documents, {len(windows)} windows of at most {seq_len} tokens)"
-    leak = leakage(texts, files, train_data) if (train_data is not None and texts is not None) else None
-    if train_data is not None and texts is None:
-        raise ValueError("--train-data checks a held-out text given with --data against the training corpus; without "
-                         "--data the runs' own held-out plays are used (no check needed: whole plays are held out)")
+    leak = leakage(texts, files, train_data) if train_data is not None else None
     design = {"title": f"A seed study of {', '.join(names)} against {base_name}", "data": data_words,
               "train_data": None if train_data is None else f"`{Path(train_data).as_posix()}`",
               "command": command or "attnres-probe study --models " + " ".join(Path(m).as_posix() for m in models)
