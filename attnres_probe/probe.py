@@ -317,6 +317,22 @@ class Probe:
             raise ValueError(f"layer {bad[0]} is out of range; the model has layers 0..{n - 1}")
         return PatternRecorder(self.model, [names[i] for i in layers], rows=positions, stop=stop, heads=heads)
 
+    def static_routing(self, texts: Any):
+        """The value of input-dependent routing: each read's weights replaced by their mean over ``texts``
+        (one read at a time, and all at once), the loss change per window, per read and in total with
+        intervals (:func:`attnres_probe.controls.static_routing`; 0 exactly where routing is static)."""
+        from attnres_probe.controls import static_routing
+
+        return static_routing(self, texts)
+
+    def mask_sources(self, texts: Any, which: str = "nonrecent", seed: int | None = None, repeats: int = 5):
+        """attnres4babylm's masking contrasts (``which``: ``"nonrecent"``, ``"random"``, ``"embed"``), the
+        loss change per window and in total; ``"nonrecent"`` also nonrecent − random, count-matched and
+        repeated ``repeats`` times (:func:`attnres_probe.controls.mask_sources`)."""
+        from attnres_probe.controls import mask_sources
+
+        return mask_sources(self, texts, which=which, seed=seed, repeats=repeats)
+
     def attention_patterns(
         self, text_or_tokens: Any, layers: Any = None, positions: Any = None, truncate: bool = False
     ) -> np.ndarray:

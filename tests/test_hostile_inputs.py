@@ -220,6 +220,7 @@ OUT_COMMANDS = {
     "study": ["study", "--demo"],
     "train": ["train", "--residual", "full", "--steps", "2"],
     "demo-models": ["demo-models", "--only", "full"],
+    "controls": ["controls", "--demo", "full"],
 }
 
 
@@ -228,7 +229,7 @@ def test_out_naming_a_file_or_under_a_file_is_one_line_and_the_file_is_kept(tmp_
     keep = tmp_path / "keep.txt"
     keep.write_text("mine")
     argv = [str(tmp_path) if a == "DATA" else a for a in OUT_COMMANDS[command]]
-    targets = [keep / "sub"] if command == "report" else [keep, keep / "sub"]
+    targets = [keep / "sub"] if command in ("report", "controls") else [keep, keep / "sub"]
     for out in targets:
         assert main([*argv, "--out", str(out)]) == 2
         line = _one_line(capsys.readouterr().err)

@@ -33,13 +33,26 @@ import numpy as np
 
 from attnres_probe.analysis.catalog import UNIFORM, Diagnostic, register
 
-__all__ = ["PUBLISHED", "per_read"]
+__all__ = ["LR_ATTNRES_REPORT", "PUBLISHED", "per_read"]
 
 _SRC = "LR-AttnRes analyze_depthwise_routing.py"
 _AXIS = "normalised weights on the model's own source axis (Block: blocks)"
 # LR-AttnRes's published values (standard AttnRes, 0.5B, 1,007,616 validation tokens), for the study page
 PUBLISHED = {
     "lr_effective_sources": 5.99, "lr_top1_mass": 0.5129, "lr_input_dependence": 0.043, "mean_entropy": 0.6705,
+}
+
+
+# Everything LR-AttnRes reports that a page sets beside ours (jon123boss/LR-AttnRes, its README's routing
+# tables from analyze_depthwise_routing.py): its scale and data, so that a page labels both
+LR_ATTNRES_REPORT = {
+    "source": "jon123boss/LR-AttnRes, analyze_depthwise_routing.py",
+    "scale": "0.5B-parameter", "tokens": 1007616, "data": "its own validation text",
+    "standard": {"mean_entropy": 0.6705, "lr_effective_sources": 5.99, "lr_top1_mass": 0.5129, "lr_input_dependence": 0.043},
+    "full_top1": 0.263,
+    "block_top1": [{"blocks": 4, "top1": 0.741}, {"blocks": 8, "top1": 0.598}, {"blocks": 16, "top1": 0.450}],
+    "embed_first_reads": [0.965, 0.269, 0.771, 0.153],
+    "embed_late": {"reads": [20, 48], "low": 0.02, "high": 0.05},
 }
 
 

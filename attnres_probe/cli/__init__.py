@@ -33,6 +33,7 @@ SUBCOMMANDS: list[tuple[str, str, str, str]] = [
     ("demo-models", "attnres_probe.cli.demo", "add_demo_models_parser", "regenerate the bundled demo models (PreNorm, Full, Block, mHC, DenseFormer)"),
     ("study", "attnres_probe.cli.study", "add_study_parser", "regenerate the study pages (v3: the seeds of docs/study/v3/runs)"),
     ("figures", "attnres_probe.cli.figures", "add_figures_parser", "write the standard figures for a paper (SVG, PDF or 300 dpi PNG at a column's width)"),
+    ("controls", "attnres_probe.cli.controls", "add_controls_parser", "causal controls of routing: static weights, masking old sources (loss changes with intervals)"),
 ]
 
 # packages a build may leave out; the commands that need them (dash, report) are then not offered
@@ -192,7 +193,7 @@ def cli_message(message: str) -> str:
     return _PY_FLAG.sub(lambda m: m.group(1), str(message))
 
 
-_FILE_OUT = {"report"}  # commands whose --out is one file; the others write a folder
+_FILE_OUT = {"report", "controls"}  # commands whose --out is one file; the others write a folder
 
 
 def _check_out(args: argparse.Namespace) -> None:
