@@ -273,17 +273,19 @@ def _panels(layout: dict, data: list[dict]) -> list[_Panel]:
 
 
 def _grid(panels: list[_Panel], plot_w: float) -> tuple[int, int]:
-    """Give each panel its row (top first) and column; a single row too narrow for the width is
-    stacked into a column. Returns (rows, columns)."""
+    """Give each panel its row (top first) and column; a single row too narrow for the width wraps
+    into rows of as many panels as fit (at least :data:`MIN_PANEL_PX` each), left to right, so that
+    six models at double width take two rows of three, not a column of six. Returns (rows, columns)."""
     tops = sorted({round(p.ydom[1], 4) for p in panels}, reverse=True)
     lefts = sorted({round(p.xdom[0], 4) for p in panels})
     for p in panels:
         p.row, p.col = tops.index(round(p.ydom[1], 4)), lefts.index(round(p.xdom[0], 4))
     rows, cols = len(tops), len(lefts)
     if rows == 1 and cols > 1 and plot_w / cols < MIN_PANEL_PX:
-        for p in panels:
-            p.row, p.col = p.col, 0
-        rows, cols = cols, 1
+        per_row = max(1, int(plot_w // MIN_PANEL_PX))
+        for i, p in enumerate(sorted(panels, key=lambda q: q.col)):
+            p.row, p.col = divmod(i, per_row)
+        rows, cols = -(-cols // per_row), min(per_row, cols)
     return rows, cols
 
 

@@ -317,13 +317,14 @@ class Probe:
             raise ValueError(f"layer {bad[0]} is out of range; the model has layers 0..{n - 1}")
         return PatternRecorder(self.model, [names[i] for i in layers], rows=positions, stop=stop, heads=heads)
 
-    def static_routing(self, texts: Any):
+    def static_routing(self, texts: Any, reads: bool = True):
         """The value of input-dependent routing: each read's weights replaced by their mean over ``texts``
-        (one read at a time, and all at once), the loss change per window, per read and in total with
-        intervals (:func:`attnres_probe.controls.static_routing`; 0 exactly where routing is static)."""
+        (one read at a time with ``reads``, and all at once), the loss change per window, per read and in
+        total with intervals (:func:`attnres_probe.controls.static_routing`; 0 exactly where routing is
+        static)."""
         from attnres_probe.controls import static_routing
 
-        return static_routing(self, texts)
+        return static_routing(self, texts, reads=reads)
 
     def mask_sources(self, texts: Any, which: str = "nonrecent", seed: int | None = None, repeats: int = 5):
         """attnres4babylm's masking contrasts (``which``: ``"nonrecent"``, ``"random"``, ``"embed"``), the

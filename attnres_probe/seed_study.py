@@ -1008,10 +1008,12 @@ def render_page(results: dict[str, Any]) -> str:
         f"reference); mean over seeds with its {level:.0%} t interval; a two-sided one-sample t-test of mean = 0 "
         f"({n_seeds - 1} degrees of freedom); Holm's correction across the {_count_word(n_primaries)}; the count of seeds "
         "on the paper's side of 0 with the exact two-sided sign test. Consistent / contrary: Holm-adjusted p < "
-        f"{results['alpha']} with the mean on / against the paper's side; inconclusive otherwise.",
+        f"{results['alpha']} with the mean on / against the paper's side; inconclusive otherwise. That is the one "
+        "verdict rule of this page: the interval beside each verdict is the unadjusted t interval of that endpoint "
+        "alone (it may exclude 0 where Holm's adjusted p does not decide).",
         "",
     ]
-    header = ["id", "endpoint", "unit", "paper", *[f"seed {s}" for s in seeds], f"mean [{level:.0%} CI]", "p", "Holm p",
+    header = ["id", "endpoint", "unit", "paper", *[f"seed {s}" for s in seeds], f"mean [{level:.0%} CI, unadjusted]", "p", "Holm p",
               "paper's side (sign p)", "verdict"]
     rows = []
     for p in results["primaries"]:

@@ -157,7 +157,7 @@ def glance_study(study: dict) -> html.Table:
     def num(x, spec="+.3g"):
         return "—" if x is None else format(float(x), spec)
 
-    head = html.Tr([html.Th(h) for h in ("endpoint, against (paper's side)", f"mean over seeds [{level} CI], unit", "Holm p",
+    head = html.Tr([html.Th(h) for h in ("endpoint, against (paper's side)", f"mean over seeds [{level} CI, unadjusted], unit", "Holm p",
                                          "verdict")])
     body = [html.Tr([
         html.Td([html.Span(f"{p['key']} {p['title']}", className="metric-name"),

@@ -361,7 +361,7 @@ def _study(ex: Explorer) -> html.Section | None:
         return "—" if x is None else format(float(x), spec)
 
     head = html.Tr([html.Th(h) for h in ("id", "endpoint", "unit", "paper", *[f"seed {s}" for s in seeds],
-                                         f"mean [{level} CI]", "Holm p", "paper's side", "verdict")])
+                                         f"mean [{level} CI, unadjusted]", "Holm p", "paper's side", "verdict")])
     body = []
     for p in study["primaries"]:
         body.append(html.Tr([
@@ -380,7 +380,8 @@ def _study(ex: Explorer) -> html.Section | None:
             _help("The demo models are seed 0 of these runs. Each endpoint was fixed before the runs "
                   f"({study['plan']}); per seed, the AttnRes model against PreNorm of the same seed (or against its own "
                   "uniform reference), a t-test over seeds with Holm's correction across the six, and how many seeds "
-                  f"fall on the paper's side. Regenerate with `{study['command']}`."),
+                  "fall on the paper's side. The verdict reads Holm's adjusted p alone; the interval beside it is the "
+                  f"unadjusted t interval of that endpoint. Regenerate with `{study['command']}`."),
             html.P("Not finished yet (left out): " + "; ".join(missing), className="notice") if missing else None,
             html.Table([html.Thead(head), html.Tbody(body)], className="metric-table study-table"),
         ],

@@ -263,3 +263,20 @@ def test_figures_writes_the_files_it_lists(tmp_path, capsys, monkeypatch):
     # a third time into the same folder: refused without --force, replaced with it
     assert main(["figures", "--demo", "full", "block", "--size", "single", "--format", "png", "--out", str(out)]) == 2
     assert "--force" in capsys.readouterr().err
+
+
+def test_double_width_lays_out_six_models_within_a_page():
+    """#50: up to six models side by side wrap into rows (three per row at 7 in), every figure at most 9 in tall."""
+    from attnres_probe import Probe
+    from attnres_probe.demo import load_demo
+
+    names = ["prenorm", "full", "block", "mhc", "denseformer", "full"]
+    traces = [Probe(load_demo(n)[0], name=f"{n}{i}").run("ROMEO: But soft, what light through yonder window breaks?",
+                                                          backward=True) for i, n in enumerate(names)]
+    figs = exports.standard_figures(traces, "double")
+    for stem, fig in figs.items():
+        assert fig.layout.width == 7 * 96 and fig.layout.height <= 9 * 96, (stem, fig.layout.height / 96)
+    heat = figs["routing_mean"]
+    tops = {round(heat.layout[k].domain[1], 3) for k in heat.layout if k.startswith("yaxis")}
+    lefts = {round(heat.layout[k].domain[0], 3) for k in heat.layout if k.startswith("xaxis")}
+    assert len(tops) == 2 and len(lefts) == 3  # two rows of three, not a column of six

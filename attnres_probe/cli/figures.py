@@ -35,7 +35,7 @@ def add_figures_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
             "and mean contribution shares side by side, each model's shares minus the PreNorm baseline's, magnitudes "
             "and gradient norms by depth, and one token's routing. They are laid out for print at a single column "
             f"({PAPER_WIDTH_IN['single']} in, one model per heatmap) or across the page ({PAPER_WIDTH_IN['double']} in, "
-            "the models side by side): fonts in points, every label measured so that none overlaps another."
+            "the models side by side, three to a row from four models on: six fit within 9 in): fonts in points, every label measured so that none overlaps another."
         ),
     )
     src = p.add_mutually_exclusive_group(required=True)
