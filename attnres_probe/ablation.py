@@ -38,9 +38,9 @@ import pandas as pd
 import torch
 
 from attnres_probe.analysis.windows import normalised_weights
-from attnres_probe.numeric import CANCELLED
 from attnres_probe.axis import COEFFICIENT_RULES
 from attnres_probe.losses import next_token_loss
+from attnres_probe.numeric import CANCELLED
 
 __all__ = ["FAMILIES", "MODES", "ablate", "weight_beside_effect"]
 

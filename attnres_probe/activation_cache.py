@@ -39,9 +39,10 @@ from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
-from attnres_probe.axis import rule_title
 from transformer_lens import ActivationCache
 from transformer_lens.utilities import Slice
+
+from attnres_probe.axis import rule_title
 
 __all__ = ["AttnResCache", "accumulated_bias", "head_output_weights", "residual_directions"]
 

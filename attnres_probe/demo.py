@@ -33,12 +33,13 @@ from typing import Any
 import torch
 
 from attnres_probe.config import ModelConfig
+from attnres_probe.demo_recipe import DEMO_NAMES, DEMO_RULES, DEMO_THREADS, DEMO_TRAIN
 from attnres_probe.io import atomic_write
 from attnres_probe.model import AttnResTransformer
-from attnres_probe.demo_recipe import DEMO_NAMES, DEMO_RULES, DEMO_THREADS, DEMO_TRAIN
 from attnres_probe.tokenizer import ByteTokenizer
 
-__all__ = ["DEMO_MODEL", "DEMO_NAMES", "DEMO_TRAIN", "build_demo_models", "demo_dir", "demo_validation_batches", "demo_validation_documents", "load_demo"]
+__all__ = ["DEMO_MODEL", "DEMO_NAMES", "DEMO_TRAIN", "build_demo_models", "demo_dir", "demo_validation_batches", "demo_validation_documents",
+           "load_demo"]
 
 # One configuration for all five; only the residual rule (DEMO_RULES) differs.
 DEMO_MODEL = ModelConfig(

@@ -36,8 +36,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from attnres_probe.axis import COEFFICIENT_RULES
 from attnres_probe import metrics
+from attnres_probe.axis import COEFFICIENT_RULES
 from attnres_probe.numeric import over_sum, row_sum, token_mean
 from attnres_probe.trace import DepthTrace, unique_names
 

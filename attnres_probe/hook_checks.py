@@ -126,7 +126,8 @@ def _cause(model: Any, name: str, hooked: bool) -> str:
         return ""
     mixer = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else None
     k = getattr(mixer, "visible", None)
-    sees = f"This read sees {k} source{'s' if k != 1 else ''} (columns 0..{k - 1}; the others are 0 in hook_weights, -inf in hook_logits). " if k else ""
+    sees = (f"This read sees {k} source{'s' if k != 1 else ''} (columns 0..{k - 1}; the others are 0 in hook_weights, "
+            "-inf in hook_logits). " if k else "")
     if name.endswith("hook_weights"):
         return (f". {sees}The hook returned non-finite weights: a row whose weights it set to sum to 0 gives 0/0 when "
                 "divided by its sum (weights are used as given, so a hook need not renormalise)")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 import attnres_probe.kernels as kernels  # the top-level kernels/ folder (setup.py's folder map)
 from attnres_probe.config import ModelConfig
 from attnres_probe.hook_checks import CheckedHookPoint

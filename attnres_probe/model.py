@@ -33,8 +33,7 @@ from attnres_probe.checkpoint_store import load_checkpoint_as, save_checkpoint
 from attnres_probe.config import ModelConfig
 from attnres_probe.depth_rules import DepthWeightedAverage, HyperConnection, expand_streams, reduce_streams
 from attnres_probe.hook_checks import CheckedHookPoint, warn_if_non_finite
-from attnres_probe.layers import (MLP, Attention, CoefficientRead, DepthMixer, DepthRead, GatedMLP, RMSNorm, Rotary, StaticMixer,
-                                   dtype_eps, make_norm)
+from attnres_probe.layers import MLP, Attention, CoefficientRead, DepthMixer, DepthRead, GatedMLP, RMSNorm, Rotary, StaticMixer, dtype_eps, make_norm
 from attnres_probe.losses import next_token_loss
 from attnres_probe.rules import implementation
 from attnres_probe.tl_weights import TLWeights

@@ -164,7 +164,8 @@ def _check_attnres(probe: Any) -> None:
         raise ValueError(
             f"{probe.name!r} is a PreNorm model: its routing is fixed (every read is the plain sum of the earlier "
             "sources, each with coefficient 1), so it has no depth weights to patch. Routing patching needs a model with "
-            "depth weights (Full or Block AttnRes, Hyper-Connections, DenseFormer); for PreNorm, patch the residual stream itself (TransformerLens's patching module)"
+            "depth weights (Full or Block AttnRes, Hyper-Connections, DenseFormer); for PreNorm, patch the residual stream itself "
+            "(TransformerLens's patching module)"
         )
 
 

@@ -61,7 +61,8 @@ def parse_device(text: str | None):
     if device.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0 or (device.index is not None and device.index >= n):
-            raise ValueError(f"--device {text}: {'no CUDA device is available here' if n == 0 else f'only cuda:0..cuda:{n - 1} exist'}; use --device cpu")
+            raise ValueError(f"--device {text}: {'no CUDA device is available here' if n == 0 else f'only cuda:0..cuda:{n - 1} exist'}; "
+                             "use --device cpu")
     elif device.type not in ("cpu", "mps", "xpu"):
         raise ValueError(f"--device {text!r}: accepted device types are cpu and cuda (mps, xpu where torch has them)")
     return device

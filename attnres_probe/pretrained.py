@@ -70,7 +70,6 @@ def load_pretrained(
             the model cannot represent, or weights that do not match the config (one line each).
     """
     from attnres_probe.model import AttnResTransformer
-
     from attnres_probe.placement import parse_device, parse_dtype
 
     device = device if isinstance(device, torch.device) else parse_device(str(device))  # one line, not torch's assertion

@@ -143,7 +143,8 @@ def check_token_ids(tokens: Any, n_ctx: int, d_vocab: int, truncate: bool = Fals
     if n > n_ctx:
         if not truncate:
             raise ValueError(
-                f"{what} has {n} tokens; this model's context is {n_ctx} (pass truncate=True, or --truncate on the command line, to keep the first {n_ctx})"
+                f"{what} has {n} tokens; this model's context is {n_ctx} (pass truncate=True, or --truncate on the command line, "
+                f"to keep the first {n_ctx})"
             )
         tokens = tokens[:, :n_ctx]
     lo, hi = int(tokens.min()), int(tokens.max())

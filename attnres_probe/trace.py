@@ -54,8 +54,18 @@ import pandas as pd
 
 from attnres_probe.axis import SourceAxis
 from attnres_probe.numeric import token_mean
-from attnres_probe.trace_store import ALL_ARRAYS, DTYPES, SCHEMA_VERSION, TraceError, array_shapes, load_trace, save_trace
-from attnres_probe.trace_store import FILES, META_FILE, check_save_target  # noqa: F401  (importable from here too)
+from attnres_probe.trace_store import (  # noqa: F401  (FILES, META_FILE, check_save_target: importable from here too)
+    ALL_ARRAYS,
+    DTYPES,
+    FILES,
+    META_FILE,
+    SCHEMA_VERSION,
+    TraceError,
+    array_shapes,
+    check_save_target,
+    load_trace,
+    save_trace,
+)
 
 __all__ = ["DepthTrace", "TraceError", "SCHEMA_VERSION", "check_save_target", "unique_names"]
 

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(5):
             s.post(base + "/_dash-update-component", json=token_body(rng), timeout=30)
         for text in TEXTS:
-            s.post(base + "/_dash-update-component", json=update_payload(deps, "trace-key.data", {"run.n_clicks": 1, "prompt.value": text}), timeout=60)
+            s.post(base + "/_dash-update-component", json=update_payload(deps, "trace-key.data", {"run.n_clicks": 1, "prompt.value": text}),
+                   timeout=60)
         rss_warm = rss_mb(child.pid)
 
         lat: dict[str, list[float]] = defaultdict(list)

@@ -32,7 +32,6 @@ from attnres_probe import exports
 from attnres_probe.cli.record import DEFAULT_TEXT
 from attnres_probe.loading import demo_source, load_model
 
-
 RENDERS: list[float] = []  # one process: each image's own time (the rest of the total is starting kaleido)
 
 

@@ -120,7 +120,8 @@ def main(argv=None) -> int:
 
     lines = [f"### fla models on {device} (fla {fla.__version__}, torch {torch.__version__})", "",
              "| attnres_block_size | dtype | logits rel RMS err | weights max abs err | op | s | ok |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['block']} | {r['dtype']} | {r['logits rel err']} | {r['weights abs err']} | {r['op']} | {r['s']} | {'yes' if r['ok'] else 'NO'} |" for r in rows]
+    lines += [f"| {r['block']} | {r['dtype']} | {r['logits rel err']} | {r['weights abs err']} | {r['op']} | {r['s']} | "
+              f"{'yes' if r['ok'] else 'NO'} |" for r in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

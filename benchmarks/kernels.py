@@ -37,8 +37,7 @@ from pathlib import Path
 
 import torch
 
-from attnres_probe.kernels import depth_attn
-from attnres_probe.kernels import depth_attn_reference
+from attnres_probe.kernels import depth_attn, depth_attn_reference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Relative RMS error allowed against the reference on the same inputs (rounding of outputs).

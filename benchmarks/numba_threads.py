@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from attnres_probe.kernels.ops.depth_attn import numba as numba_depth_attn
 from attnres_probe.training import frozen_gc
 

@@ -273,7 +273,8 @@ def main(argv=None) -> int:
             print(f"{size:6s} {residual:{width}s} {t['rec_fwd'] * 1e3:8.1f} {t['rec_fwd_nobook'] * 1e3:10.1f} "
                   f"{q['book']:7.1%} {q['weights']:8.1%} {q['shares']:7.1%}  {words}")
     if not args.no_memory:
-        print(f"\n{'size':6s} {'model':{width}s} {'contrib':7s} {'plain MB':>9s} {'recorded MB':>12s} {'recording MB':>13s} {'arrays MB':>10s} {'ratio':>6s}")
+        print(f"\n{'size':6s} {'model':{width}s} {'contrib':7s} {'plain MB':>9s} {'recorded MB':>12s} {'recording MB':>13s} "
+              f"{'arrays MB':>10s} {'ratio':>6s}")
         for size in args.sizes:
             for residual in args.residuals:
                 plain = _peak_rss(size, residual, "plain")
@@ -282,7 +283,8 @@ def main(argv=None) -> int:
                     extra = max(rec["peak"] - plain["peak"], 0.0)
                     ratio = extra / rec["arrays"] if rec["arrays"] else float("nan")
                     flag = "yes" if mode == "record" else "no"
-                    print(f"{size:6s} {residual:{width}s} {flag:7s} {plain['peak']:9.1f} {rec['peak']:12.1f} {extra:13.1f} {rec['arrays']:10.1f} {ratio:6.2f}")
+                    print(f"{size:6s} {residual:{width}s} {flag:7s} {plain['peak']:9.1f} {rec['peak']:12.1f} {extra:13.1f} "
+                          f"{rec['arrays']:10.1f} {ratio:6.2f}")
     if not args.memory_only:
         print("\nall timing targets met" if ok_all else "\nsome timing targets missed (see verdicts)")
     return 0

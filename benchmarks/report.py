@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="keep the report here (default: a temporary directory)")
     parser.add_argument("--repeat", type=int, default=3, help="build the report this many times; report the median")
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch CPU threads for recording (default 1: a 2-core machine shared with other work slows down badly when oversubscribed)"
+        "--threads", type=int, default=1,
+        help="torch CPU threads for recording (default 1: a 2-core machine shared with other work slows down badly when oversubscribed)",
     )
     parser.add_argument("--ablate", default=None, help="also ablate this source family in the AttnRes models (e.g. embed)")
     args = parser.parse_args(argv)

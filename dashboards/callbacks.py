@@ -393,7 +393,8 @@ def difference_caption(ex: Explorer, kind: str) -> str:
     why = (f" {base} has no routing {'weights' if kind == 'weights' else 'logits'} (its coefficients are all one), so the "
            "difference is in contribution shares whatever the colour choice." if shown != kind else "")
     return (f"Difference view: each other panel is that model minus {base}, cell by cell, for the selected token "
-            f"(difference in {figures.KIND_TITLES[shown]}, on one source axis: Block's blocks where Block is drawn, else sublayers).{why} Blue is negative (the model is lower "
+            f"(difference in {figures.KIND_TITLES[shown]}, on one source axis: Block's blocks where Block is drawn, else sublayers).{why} "
+            f"Blue is negative (the model is lower "
             f"there than {base}), red positive (higher), white the same; the {base} panel shows {base} itself.")
 
 

@@ -62,8 +62,8 @@ def headline_cards(frame, colors: dict[str, str]) -> list:
                            html.Div(c["caveat"], className="vs caveat") if c["caveat"] else None]
                 body.append(html.Tr([name, value, against, html.Td(verdict)], className="comparison"))
             blocks.append(html.Div(
-                [html.Div([m["label"], html.Span("i", className="formula info-icon", **{"aria-label": "formula"})], title=metrics.FORMULAS.get(m["metric"], ""),
-                          className="metric-name", **{"data-metric": m["metric"]}),
+                [html.Div([m["label"], html.Span("i", className="formula info-icon", **{"aria-label": "formula"})],
+                          title=metrics.FORMULAS.get(m["metric"], ""), className="metric-name", **{"data-metric": m["metric"]}),
                  html.Div(f"unit: {m['unit']} · {m['reference']}", className="metric-unit help") if m["unit"] else None,
                  html.Table([html.Thead(head), html.Tbody(body)], className="metric-table")],
                 className="metric-block",

@@ -443,7 +443,8 @@ VERDICT_HELP = ("Each comparison is the model against the baseline on the same w
                 "resampled, since windows of one document are alike). The verdict "
                 "sets that interval against the paper's direction: consistent (the whole interval lies on the paper's side "
                 "of no difference: zero for ±, one for ×), contrary (it lies wholly on the other side), inconclusive "
-                "(it contains no difference, or there is no interval). The paper's directions are claims about AttnRes: other rules (mHC, DenseFormer) get "
+                "(it contains no difference, or there is no interval). The paper's directions are claims about AttnRes: "
+                "other rules (mHC, DenseFormer) get "
                 "estimates and intervals against the same references but \"no verdict\". Hover a metric name for its "
                 "formula.")
 

@@ -37,7 +37,8 @@ HELP = ("Run a clean and a corrupted prompt of the same token length, write one 
         "run into the corrupted run (its sources stay the corrupted run's) and measure the fraction of the metric "
         "recovered, (patched − corrupted) / (clean − corrupted). The metric is the logit of the clean run's next token "
         "minus that of the corrupted run's, at the last position where the two prompts' predicted next tokens differ "
-        "(two prompts that differ in a middle word often predict the same next token at the end). The heatmap patches one source's weight at one read "
+        "(two prompts that differ in a middle word often predict the same next token at the end). "
+        "The heatmap patches one source's weight at one read "
         "(the read's other weights kept as they are, not renormalised); the bars patch each read's whole row of "
         "weights beside its whole input (weights and sources), where the final read's input recovers 1. "
         "Blank cells: sources a read cannot see.")

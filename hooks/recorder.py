@@ -3,7 +3,8 @@
 Per token and read it keeps the depth weights and logits (on the common source axis), the
 contribution share of every source, the RMS of the mixed input and, when a backward pass runs,
 the norm of the gradient at the mixed input; per source it keeps the RMS of every sublayer
-output and, with a backward pass, the norm of the gradient at it (through every read of it). AttnRes mixers hand over their contribution shares through ``hook_contrib`` (they
+output and, with a backward pass, the norm of the gradient at it (through every read of it).
+AttnRes mixers hand over their contribution shares through ``hook_contrib`` (they
 have the sources at hand; the Numba kernels compute the shares in the mixing pass itself), so
 the recorder keeps no source of an AttnRes model. For a PreNorm model it keeps every
 sublayer output until the forward ends (the model drops them, and the share of a source at a

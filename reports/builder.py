@@ -36,9 +36,9 @@ import plotly.offline
 from markupsafe import Markup
 
 from attnres_probe import figures, metrics
-from attnres_probe.axis import rule_settings, rule_title
-from attnres_probe.analysis.windows import informative_token
 from attnres_probe._version import __version__
+from attnres_probe.analysis.windows import informative_token
+from attnres_probe.axis import rule_settings, rule_title
 from attnres_probe.io import atomic_write
 from attnres_probe.reports.patterns import explorer_pattern_items
 from attnres_probe.trace import DepthTrace, unique_names
@@ -625,7 +625,8 @@ def _metrics_context(frame: pd.DataFrame) -> dict[str, Any]:
     """The headline panel and the full metric table of a :func:`metrics.compare` frame, as strings."""
     from attnres_probe.analysis.display import BASIS_NOTE, documents_warning, headline, shape_warning, table_rows, verdict_scope_note
 
-    windows = {str(r["model"]): int(r["windows"]) for _, r in frame[frame["comparison"] == "value"].groupby("model", sort=False).max().reset_index().iterrows()}
+    windows = {str(r["model"]): int(r["windows"])
+               for _, r in frame[frame["comparison"] == "value"].groupby("model", sort=False).max().reset_index().iterrows()}
     has_baseline = frame.attrs.get("baseline") is not None
     note = METRICS_NOTE.format(n_resamples=frame.attrs.get("n_resamples", "?"), seed=frame.attrs.get("seed", "?"))
     table = table_rows(frame)
@@ -723,7 +724,8 @@ def _explorers(
         in_seq0 = sum(1 for b, _ in positions if b == 0)
         start, why = informative_token([traces[i] for i in members], limit=min(in_seq0, stored) if reads else in_seq0)
         data = (
-            '{"start":' + str(start) + ',"tokens":' + json.dumps(tokens, ensure_ascii=False, separators=(",", ":")) + ',"kinds":' + json.dumps(list(KIND_ORDER), separators=(",", ":"))
+            '{"start":' + str(start) + ',"tokens":' + json.dumps(tokens, ensure_ascii=False, separators=(",", ":"))
+            + ',"kinds":' + json.dumps(list(KIND_ORDER), separators=(",", ":"))
             + ',"models":[' + ",".join(m["data"] for m in models) + "]"
             + ',"readings":' + json.dumps([r["data"] for r in reads], ensure_ascii=False, separators=(",", ":"), allow_nan=False)
             + ',"patterns":[' + ",".join(p["data"] for p in pats) + "]}"

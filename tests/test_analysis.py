@@ -16,6 +16,7 @@ from attnres_probe.analysis.catalog import routing_names
 from attnres_probe.analysis.compare import Windows, compare_windows
 from attnres_probe.analysis.verdicts import EXPECTED, VERDICTS, verdict
 from attnres_probe.analysis.windows import KEY_COLUMNS, WINDOW_COLUMNS, WINDOW_METRICS, reference_column, window_metrics
+
 from helpers import local_routing, route, sample_tokens, tiny_model, uniform_routing
 from trace_factory import make_trace
 
@@ -372,6 +373,7 @@ def test_readable_groups_a_compare_frame_under_plain_names():
     """#17 item 6: compare's snake_case keys, grouped under the comparisons with plain names."""
     from attnres_probe import Probe, metrics
     from attnres_probe.analysis.display import LABELS, readable
+
     from helpers import tiny_model
 
     a = Probe(tiny_model("prenorm"), name="prenorm").run("the cat sat", backward=True)

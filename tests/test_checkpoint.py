@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from attnres_probe import AttnResTransformer, CheckpointError
+
 from helpers import sample_tokens, tiny_model
 
 

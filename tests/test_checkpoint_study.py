@@ -12,6 +12,7 @@ import pytest
 from attnres_probe import seed_study
 from attnres_probe.cli import main
 from attnres_probe.seed_study import PRIMARIES, assign_primaries, run_checkpoint_study, run_v3_study, seed_folders
+
 from helpers import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,6 +9,7 @@ import pytest
 
 from attnres_probe import DepthTrace, __version__
 from attnres_probe.cli import main
+
 from helpers import tiny_model
 
 

@@ -12,6 +12,7 @@ import torch
 from attnres_probe import Probe
 from attnres_probe.losses import next_token_loss
 from attnres_probe.masking import DEFAULT_SEED, masking_hooks
+
 from helpers import route, tiny_model, uniform_routing
 
 TEXTS = ["The quick brown fox jumps over the lazy dog, twice over. " * 2, "Pack my box with five dozen liquor jugs."]

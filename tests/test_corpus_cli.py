@@ -12,6 +12,7 @@ from attnres_probe.cli import main
 from attnres_probe.corpus import CorpusDataError, CorpusRunError, list_documents, load_stats_dir, record_corpus
 from attnres_probe.corpus import documents as documents_mod
 from attnres_probe.corpus import record as record_mod
+
 from helpers import tiny_model
 
 DOCS = {

@@ -9,6 +9,7 @@ import pytest
 from attnres_probe.analysis.documents import COLUMNS, document_breakdown
 from attnres_probe.cli import main
 from attnres_probe.corpus import COMPARISON_FILE, DOCUMENTS_FILE, load_stats_dir
+
 from helpers import tiny_model
 
 DOCS = {

@@ -5,17 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from attnres_probe import AttnResTransformer, load_demo
 from attnres_probe.config import DENSEFORMER_DEFAULTS, HYPER_DEFAULTS
-from attnres_probe.demo import DEMO_NAMES, demo_config, demo_dir, demo_log, demo_validation_batches, demo_validation_documents
+from attnres_probe.demo import DEMO_NAMES, demo_config, demo_dir, demo_log, demo_validation_batches
 from attnres_probe.demo_recipe import DEMO_RULES
 from attnres_probe.seed_study import MODELS as STUDY_MODELS
 from attnres_probe.training import evaluate
-
 
 
 @pytest.mark.parametrize("name", DEMO_NAMES)

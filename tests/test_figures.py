@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 from attnres_probe import AttnResTransformer, ModelConfig, Probe, figures
+
 from trace_factory import BLOCK_W, FULL_W, make_trace
 
 nan = np.nan
@@ -238,6 +239,7 @@ def test_corpus_bands_are_positive_and_the_title_says_what_they_are():
     """#16: bands by depth on log axes never go below zero; the caption and the hover say what a band is."""
     from attnres_probe import Probe
     from attnres_probe.corpus.stats import RunningStats
+
     from helpers import tiny_model
 
     stats = Probe(tiny_model("full"), name="full").run_corpus(["a short text.", "another, longer text here"], backward=True,
@@ -375,6 +377,7 @@ def test_repr_html_of_a_trace_is_the_summary_card():
 # -- reading the residual stream (#17 item 13) --------------------------------------------------
 def test_logit_contributions_and_logit_lens_charts_from_a_probe():
     from attnres_probe import ByteTokenizer, Probe
+
     from helpers import tiny_model
 
     probe = Probe(tiny_model("block"), tokenizer=ByteTokenizer(), name="block")
@@ -385,7 +388,8 @@ def test_logit_contributions_and_logit_lens_charts_from_a_probe():
     np.testing.assert_allclose(z[-1], np.sort(lc.logits)[::-1][:3], rtol=1e-5, atol=1e-5)  # the sum row is the logit
     assert fig.data[0].zmin == -fig.data[0].zmax and "token 4" in fig.layout.title.text
     text = np.asarray(fig.data[0].text)
-    assert (text[:-1] == "").all() and [float(t) for t in text[-1]] == pytest.approx(z[-1], rel=5e-3)  # the sum row prints the logits (3 significant digits)
+    # the sum row prints the logits (3 significant digits)
+    assert (text[:-1] == "").all() and [float(t) for t in text[-1]] == pytest.approx(z[-1], rel=5e-3)
     lens = probe.logit_lens("hello there", k=3, positions=[4])
     lf = figures.logit_lens_chart(lens, 4, name="block")
     assert np.asarray(lf.data[0].z, dtype=float).shape == (len(set(lens["read"])), 3)
@@ -394,8 +398,9 @@ def test_logit_contributions_and_logit_lens_charts_from_a_probe():
 
 def test_static_image_export_is_in_the_default_install():
     """#17 item 9: kaleido is a default dependency, not only the study extra."""
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert any(d.replace(" ", "").startswith("kaleido") for d in project["dependencies"])
@@ -484,6 +489,7 @@ def test_difference_views_subtract_like_from_like_and_a_share_row_sums_to_zero()
     """#31 item 4: Block against PreNorm on Block's axis (PreNorm's shares summed into the same blocks),
     Full against PreNorm on sublayers; each row of share differences sums to about 0."""
     from attnres_probe import Probe
+
     from helpers import sample_tokens, tiny_model
 
     tokens = sample_tokens(12, batch=2)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from attnres_probe import Probe
+
 from helpers import sample_tokens, tiny_model
 
 WORKER = Path(__file__).with_name("fuzz_worker.py")

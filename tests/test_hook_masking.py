@@ -12,6 +12,7 @@ import torch
 
 from attnres_probe import AttnResTransformer, Probe
 from attnres_probe.hook_checks import NonFiniteWarning
+
 from helpers import sample_tokens, tiny_model
 
 U64 = 2.0**-52

@@ -14,6 +14,7 @@ import pytest
 
 from attnres_probe.cli import main
 from attnres_probe.io import sha256_file
+
 from helpers import tiny_model
 
 DEMO = Path(__file__).resolve().parents[1] / "attnres_probe" / "demo_models"

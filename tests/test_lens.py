@@ -7,6 +7,7 @@ import torch
 from transformer_lens import ActivationCache
 
 from attnres_probe import Probe
+
 from helpers import sample_tokens, tiny_model
 
 RESIDUALS = [("prenorm", {}), ("full", {}), ("block", {"block_size": 2}), ("block", {"block_boundaries": [1, 3]})]

@@ -6,7 +6,6 @@ reference is shown beside it (the catalog's)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from bs4 import BeautifulSoup
 from dash import html
 
@@ -14,6 +13,7 @@ from attnres_probe import Probe, metrics
 from attnres_probe.analysis.catalog import CATALOG, routing_names
 from attnres_probe.dashboards import create_app
 from attnres_probe.reports.builder import render_stats_report
+
 from helpers import find_components, local_routing, route, tiny_model, uniform_routing
 
 ROUTING = set(routing_names())

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pandas as pd
 import pytest
 
 from attnres_probe import metrics
+
 from trace_factory import make_trace
 
 nan = np.nan

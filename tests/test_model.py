@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from attnres_probe import AttnResTransformer, ModelConfig
+
 from helpers import mixed_input_names, sample_tokens, sources_of_reads, tiny_model, weight_hook_names
 
 

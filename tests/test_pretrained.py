@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from fla_standins import fla_on_cpu, fla_transformer
-
 from attnres_probe import Probe, load_pretrained, watch
 from attnres_probe.loading import load_model_folder
 from attnres_probe.pretrained import PretrainedError
+
+from fla_standins import fla_on_cpu, fla_transformer
 
 LOGIT_RTOL = 1e-5
 
@@ -159,7 +159,8 @@ def _edit_config(directory, **changes):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"model_type": "gated_deltanet"}, "model_type is 'gated_deltanet' .*, which attnres-probe does not build; supported families: flash-linear-attention 'transformer' .*Qwen3-AttnRes .*nanogpt"),
+        ({"model_type": "gated_deltanet"}, "model_type is 'gated_deltanet' .*, which attnres-probe does not build; "
+                                           "supported families: flash-linear-attention 'transformer' .*Qwen3-AttnRes .*nanogpt"),
         ({"attnres_block_size": 3}, "'attnres_block_size' = 3; fla accepts None .* or an even number"),
         ({"window_size": 8}, "'window_size' = 8 .* not supported"),
         ({"hidden_size": 32}, "config/weights mismatch"),
@@ -178,7 +179,7 @@ def test_a_missing_tokenizer_or_weights_file_is_named(tmp_path):
     _saved(tmp_path, 2)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / f).unlink(missing_ok=True)
-    with pytest.raises(PretrainedError, match="has no tokenizer files .*load_pretrained\(folder, tokenizer=False\)"):
+    with pytest.raises(PretrainedError, match=r"has no tokenizer files .*load_pretrained\(folder, tokenizer=False\)"):
         load_pretrained(tmp_path)
     model, tok = load_pretrained(tmp_path, tokenizer=False)
     assert tok is None

@@ -11,6 +11,7 @@ import torch
 
 from attnres_probe import DepthTrace, Probe, TraceError
 from attnres_probe.hooks import MissingHooksError, RecorderError
+
 from helpers import mixed_input_names, sample_tokens, sources_of_reads, tiny_model, weight_hook_names
 
 TEXT = "The cat sat on the mat."

@@ -32,6 +32,7 @@ from attnres_probe.cli import main
 from attnres_probe.io import FAULT_ENV, DestinationBusyError, exclusive_lock, lock_path
 from attnres_probe.trace import FILES, META_FILE
 from attnres_probe.training import TrainConfig, TrainError, train
+
 from helpers import tiny_config, tiny_model
 from trace_factory import make_trace
 

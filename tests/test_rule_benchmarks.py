@@ -75,9 +75,9 @@ def test_the_probe_benchmark_measures_the_new_rules_and_their_bookkeeping(tiny, 
 
 
 def test_routing_is_perturbed_for_every_rule_and_unchanged_for_attnres():
-    import bench_rules  # importable once a benchmark script is loaded (its folder is on sys.path)
-
     from attnres_probe import AttnResTransformer, ModelConfig
+
+    import bench_rules  # importable once a benchmark script is loaded (its folder is on sys.path)
 
     full, _ = probe.build("quick", "full")
     g = torch.Generator().manual_seed(0)

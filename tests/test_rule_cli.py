@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from attnres_probe import AttnResTransformer, ModelConfig
-from attnres_probe.config import ConfigError
 from attnres_probe.axis import RESIDUALS, rule_title
 from attnres_probe.cli.train import add_train_parser
+from attnres_probe.config import ConfigError
 
 
 def cli(*argv: str) -> int:
@@ -155,6 +155,7 @@ def test_summary_shows_denseformer_coefficients_as_shares_that_sum_to_one():
 def test_summary_keeps_the_attnres_weights_and_prenorms_implied_embed_weight():
     from attnres_probe import Probe
     from attnres_probe.cli.record import layer_summary
+
     from helpers import tiny_model
 
     for residual in ("full", "prenorm"):

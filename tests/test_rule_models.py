@@ -22,6 +22,7 @@ from attnres_probe.depth_rules import StreamWeights, denseformer_read_coefficien
 from attnres_probe.model import CoefficientRead
 from attnres_probe.probe import Probe
 from attnres_probe.training.schedule import param_groups
+
 from helpers import randomize_routing, route, sample_tokens, tiny_config, tiny_model
 
 EPS = 2.0**-53

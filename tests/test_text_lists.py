@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from attnres_probe import Probe
 from attnres_probe.demo import load_demo

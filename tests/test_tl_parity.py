@@ -17,6 +17,7 @@ from transformer_lens import ActivationCache
 
 from attnres_probe import ByteTokenizer, Probe, load_demo
 from attnres_probe.activation_cache import AttnResCache
+
 from helpers import sample_tokens, sources_of_reads, tiny_model
 
 ROUTING_AWARE = r"Probe\(model\)\.logit_lens.*Probe\(model\)\.logit_contributions"
@@ -284,9 +285,9 @@ def test_generate_keeps_the_mode_and_needs_no_grad(train):
 # -- a model loaded from an fla checkpoint folder ----------------------------------------------
 def test_an_fla_checkpoint_reads_and_writes_text_with_its_own_tokenizer(tmp_path):
     pytest.importorskip("fla")
-    from test_pretrained import _saved  # the tiny fla checkpoint of tests/test_pretrained.py
-
     from attnres_probe import load_pretrained
+
+    from test_pretrained import _saved  # the tiny fla checkpoint of tests/test_pretrained.py
 
     _saved(tmp_path, 2)
     model, tokenizer = load_pretrained(tmp_path)

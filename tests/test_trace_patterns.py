@@ -13,6 +13,7 @@ import torch
 from attnres_probe import DepthTrace, Probe
 from attnres_probe.io import sha256_file
 from attnres_probe.trace_store import SCHEMA_VERSION, TraceError
+
 from helpers import sample_tokens, tiny_model
 
 ARRAYS = ("depth_weights", "logits", "contrib", "rms_in", "grad_in", "rms_out", "grad_out", "param_grad", "mixer_grad", "loss")
@@ -188,9 +189,11 @@ def test_models_from_fla_record_the_patterns_flas_attention_computes(tmp_path):
     kernel, the CPU stand-in here), and the explicit path gives fla's logits."""
     import warnings
 
-    from fla_standins import fla_on_cpu, fla_transformer  # skips without fla
+    from fla_standins import fla_on_cpu, fla_transformer  # skips without fla (so first, before fla itself)
 
+    # isort: split
     import fla.layers.attn as fla_attn
+
     from attnres_probe import load_pretrained
 
     fla_model = fla_transformer(2, kv_heads=2, qk_norm=True)

@@ -27,6 +27,7 @@ from attnres_probe.training import (
     read_run_configs,
     train,
 )
+
 from helpers import tiny_config, tiny_model
 
 

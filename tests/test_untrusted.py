@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import warnings
 import zipfile
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 from attnres_probe.cli import main
 from attnres_probe.corpus import CorpusRunError, load_stats_dir
 from attnres_probe.corpus.stats import CorpusStats, StatsError
+
 from helpers import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

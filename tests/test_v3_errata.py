@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 from scipy import stats as st
 
-from attnres_probe.seed_study import (ALPHA, BOOT, errata, lr_check, predecessor_wins, render_page, seeds_needed,
-                                      t_power)
+from attnres_probe.seed_study import ALPHA, BOOT, errata, lr_check, predecessor_wins, render_page, seeds_needed, t_power
 
 V3 = Path(__file__).resolve().parents[1] / "docs" / "study" / "v3"
 

@@ -53,19 +53,18 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from attnres_probe.axis import ATTNRES_RULES, fixed_routing, rule_title
 from attnres_probe.analysis import bootstrap
 from attnres_probe.analysis.catalog import CATALOG, UNIFORM
-from attnres_probe.config import shape_difference
 from attnres_probe.analysis.verdicts import verdict
 from attnres_probe.analysis.windows import (
-    KEY_COLUMNS,
     WINDOW_METRICS,
     pooled_metrics,
     reference_column,
     window_digests,
     window_metrics,
 )
+from attnres_probe.axis import ATTNRES_RULES, fixed_routing, rule_title
+from attnres_probe.config import shape_difference
 
 __all__ = ["COLUMNS", "Windows", "basis", "compare_windows", "few_documents_note"]
 

@@ -14,9 +14,9 @@ from typing import Any
 import pandas as pd
 
 from attnres_probe.analysis.bootstrap import FEW_DOCUMENTS
-from attnres_probe.axis import ATTNRES_RULES
 from attnres_probe.analysis.catalog import CATALOG, LiveMapping
 from attnres_probe.analysis.verdicts import EXPECTED
+from attnres_probe.axis import ATTNRES_RULES
 
 __all__ = [
     "BASIS_NOTE",
@@ -180,7 +180,8 @@ def documents_warning(frame: pd.DataFrame) -> str:
                 "no interval; every verdict is inconclusive. Record several documents (attnres-probe corpus) for intervals.")
     if n < FEW_DOCUMENTS:
         return (f"Only {n} documents{each}: intervals are rough. The bootstrap resamples whole documents (windows of "
-                f"one document are alike), so every interval rests on {n} documents (fewer independent texts where a corpus holds a text twice); {FEW_DOCUMENTS} or more "
+                f"one document are alike), so every interval rests on {n} documents (fewer independent texts where a corpus holds a text "
+                f"twice); {FEW_DOCUMENTS} or more "
                 "give firmer ones.")
     return ""
 

@@ -18,8 +18,8 @@ the report and the study all show its output.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Literal
 
 from attnres_probe.analysis.catalog import CATALOG, LiveMapping

@@ -14,8 +14,8 @@ import importlib
 import math
 import re
 import sys
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 
 from attnres_probe._version import __version__
 
@@ -30,10 +30,13 @@ SUBCOMMANDS: list[tuple[str, str, str, str]] = [
     ("report", "attnres_probe.cli.report", "add_report_parser", "export a self-contained HTML report (opens offline)"),
     ("corpus", "attnres_probe.cli.corpus", "add_corpus_parser", "record a corpus through models: per-window metrics, intervals, verdicts"),
     ("demo", "attnres_probe.cli.demo", "add_demo_parser", "open the dashboard on the bundled demo models"),
-    ("demo-models", "attnres_probe.cli.demo", "add_demo_models_parser", "regenerate the bundled demo models (PreNorm, Full, Block, mHC, DenseFormer)"),
+    ("demo-models", "attnres_probe.cli.demo", "add_demo_models_parser",
+     "regenerate the bundled demo models (PreNorm, Full, Block, mHC, DenseFormer)"),
     ("study", "attnres_probe.cli.study", "add_study_parser", "regenerate the study pages (v3: the seeds of docs/study/v3/runs)"),
-    ("figures", "attnres_probe.cli.figures", "add_figures_parser", "write the standard figures for a paper (SVG, PDF or 300 dpi PNG at a column's width)"),
-    ("controls", "attnres_probe.cli.controls", "add_controls_parser", "causal controls of routing: static weights, masking old sources (loss changes with intervals)"),
+    ("figures", "attnres_probe.cli.figures", "add_figures_parser",
+     "write the standard figures for a paper (SVG, PDF or 300 dpi PNG at a column's width)"),
+    ("controls", "attnres_probe.cli.controls", "add_controls_parser",
+     "causal controls of routing: static weights, masking old sources (loss changes with intervals)"),
 ]
 
 # packages a build may leave out; the commands that need them (dash, report) are then not offered

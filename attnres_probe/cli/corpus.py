@@ -48,17 +48,22 @@ def add_corpus_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         ),
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--models", nargs="+", metavar="DIR", help="model folders: ours (config.json + model.safetensors) or checkpoints of the families of README's Model families table (fla, Qwen3-AttnRes, nanogpt, LR-AttnRes)")
+    src.add_argument("--models", nargs="+", metavar="DIR",
+                     help="model folders: ours (config.json + model.safetensors) or checkpoints of the families of README's Model families table "
+                          "(fla, Qwen3-AttnRes, nanogpt, LR-AttnRes)")
     src.add_argument("--demo", nargs="*", choices=DEMO_NAMES, metavar="NAME",
                      help=f"bundled demo models: {', '.join(DEMO_NAMES)} (bare --demo: all of them)")
     p.add_argument("--data", required=True, metavar="FILE|DIR", help="a UTF-8 text file, or a folder of them (one document per file)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the run (new, empty, or an unfinished run to resume)")
     p.add_argument("--names", nargs="+", metavar="NAME", help="one label per model (default: folder names)")
-    p.add_argument("--batch-size", type=arg_range("int", 1, 4096), default=8, help="windows per forward pass without gradients (default: %(default)s)")
+    p.add_argument("--batch-size", type=arg_range("int", 1, 4096), default=8,
+                   help="windows per forward pass without gradients (default: %(default)s)")
     p.add_argument("--no-backward", action="store_true", help="skip the backward passes (no gradient metrics)")
-    p.add_argument("--save-every", type=arg_range("float", 0, 1e6), default=30.0, metavar="SECONDS", help="save progress this often (default: %(default)s)")
-    p.add_argument("--resamples", type=arg_range("int", 1, MAX_RESAMPLES), default=1000, help="bootstrap resamples of comparison.csv and of documents.csv's verdicts over every "
-                   "document (default: %(default)s; each leave-one-document-out interval uses at most 200)")
+    p.add_argument("--save-every", type=arg_range("float", 0, 1e6), default=30.0, metavar="SECONDS",
+                   help="save progress this often (default: %(default)s)")
+    p.add_argument("--resamples", type=arg_range("int", 1, MAX_RESAMPLES), default=1000,
+                   help="bootstrap resamples of comparison.csv and of documents.csv's verdicts over every "
+                        "document (default: %(default)s; each leave-one-document-out interval uses at most 200)")
     p.add_argument("--seed", type=arg_range("int", 0, 2**32 - 1), default=0, help="bootstrap seed (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--resume", action="store_true",

@@ -34,7 +34,9 @@ def add_dash_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     )
     p.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s, this machine only)")
     p.add_argument("--port", type=arg_range("int", 0, 65535), default=DEFAULT_PORT, help="port (default: %(default)s)")
-    p.add_argument("--models", nargs="+", metavar="DIR", help="model folders, ours or checkpoints of the public families (fla, Qwen3-AttnRes, nanogpt, LR-AttnRes; default: the bundled demo models)")
+    p.add_argument("--models", nargs="+", metavar="DIR",
+                   help="model folders, ours or checkpoints of the public families (fla, Qwen3-AttnRes, nanogpt, LR-AttnRes; "
+                        "default: the bundled demo models)")
     p.add_argument("--traces", nargs="+", metavar="DIR", help="saved DepthTrace folders (alone: traces-only mode)")
     p.add_argument("--stats", metavar="DIR",
                    help="a corpus run (attnres-probe corpus --out DIR): lead with its comparisons, intervals and verdicts "

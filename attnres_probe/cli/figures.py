@@ -35,14 +35,16 @@ def add_figures_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
             "and mean contribution shares side by side, each model's shares minus the PreNorm baseline's, magnitudes "
             "and gradient norms by depth, and one token's routing. They are laid out for print at a single column "
             f"({PAPER_WIDTH_IN['single']} in, one model per heatmap) or across the page ({PAPER_WIDTH_IN['double']} in, "
-            "the models side by side, three to a row from four models on: six fit within 9 in): fonts in points, every label measured so that none overlaps another."
+            "the models side by side, three to a row from four models on: six fit within 9 in): fonts in points, every label measured "
+            "so that none overlaps another."
         ),
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--demo", nargs="*", choices=DEMO_NAMES, metavar="NAME",
                      help=f"bundled demo models: {', '.join(DEMO_NAMES)} (bare --demo: all of them)")
     src.add_argument("--models", nargs="+", metavar="DIR",
-                     help="model folders: ours (config.json + model.safetensors) or checkpoints of the families of README's Model families table (fla, Qwen3-AttnRes, nanogpt, LR-AttnRes)")
+                     help="model folders: ours (config.json + model.safetensors) or checkpoints of the families of README's Model families table "
+                          "(fla, Qwen3-AttnRes, nanogpt, LR-AttnRes)")
     p.add_argument("--names", nargs="+", metavar="NAME", help="one label per --models folder (default: the folders' names)")
     text = p.add_mutually_exclusive_group()
     text.add_argument("--text", help="the text to record (default: a held-out passage of a play, the one `record` uses); \\n and \\t stand for a "

@@ -27,10 +27,13 @@ DEFAULT_TEXT = SHORT_TEXT  # a held-out passage of a play (attnres_probe.texts):
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", metavar="DIR", help="a model folder: ours (config.json + model.safetensors) or a checkpoint of a public family (fla, Qwen3-AttnRes, nanogpt, LR-AttnRes)")
+    src.add_argument("--model", metavar="DIR",
+                     help="a model folder: ours (config.json + model.safetensors) or a checkpoint of a public family "
+                          "(fla, Qwen3-AttnRes, nanogpt, LR-AttnRes)")
     src.add_argument("--demo", choices=DEMO_NAMES, help="a bundled demo model (default: block)")
     text = p.add_mutually_exclusive_group()
-    text.add_argument("--text", help="the text to record (default: a short held-out passage of a play, in the demo models' domain); \\n and \\t stand for a newline and a tab")
+    text.add_argument("--text", help="the text to record (default: a short held-out passage of a play, in the demo models' domain); "
+                                     "\\n and \\t stand for a newline and a tab")
     text.add_argument("--file", metavar="PATH", help="read the text from a UTF-8 file")
     p.add_argument("--truncate", action="store_true", help="keep the first n_ctx tokens of a longer text")
 

@@ -40,7 +40,9 @@ def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         ),
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--models", nargs="+", metavar="DIR", help="model folders: ours (config.json + model.safetensors) or checkpoints of the families of README's Model families table (fla, Qwen3-AttnRes, nanogpt, LR-AttnRes)")
+    src.add_argument("--models", nargs="+", metavar="DIR",
+                     help="model folders: ours (config.json + model.safetensors) or checkpoints of the families of README's Model families table "
+                          "(fla, Qwen3-AttnRes, nanogpt, LR-AttnRes)")
     src.add_argument("--traces", nargs="+", metavar="DIR", help="saved DepthTrace directories (DepthTrace.save)")
     src.add_argument(
         "--demo",
@@ -52,10 +54,12 @@ def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     src.add_argument("--stats", metavar="DIR",
                      help="a corpus run (attnres-probe corpus --out DIR): comparisons with intervals and verdicts, "
                           "mean heatmaps with spread, profiles with bands")
-    p.add_argument("--resamples", type=arg_range("int", 1, MAX_RESAMPLES), default=1000, help="bootstrap resamples with --stats (default: %(default)s)")
+    p.add_argument("--resamples", type=arg_range("int", 1, MAX_RESAMPLES), default=1000,
+                   help="bootstrap resamples with --stats (default: %(default)s)")
     p.add_argument("--seed", type=arg_range("int", 0, 2**32 - 1), default=0, help="bootstrap seed with --stats (default: %(default)s)")
     text = p.add_mutually_exclusive_group()
-    text.add_argument("--text", help="the text to record (with --models / --demo; --demo defaults to a 256-token sample); \\n and \\t stand for a newline and a tab")
+    text.add_argument("--text", help="the text to record (with --models / --demo; --demo defaults to a 256-token sample); "
+                                     "\\n and \\t stand for a newline and a tab")
     text.add_argument("--text-file", "--file", dest="text_file", metavar="FILE",
                       help="read the text from FILE (UTF-8); --file is the same flag, as record and summary spell it")
     p.add_argument("--out", required=True, metavar="FILE", help="a new .html file to write (its directory must exist)")
@@ -71,7 +75,8 @@ def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--weight-effect", action="store_true",
                    help="also remove each source from each deep read of every model (PreNorm too) and show the loss "
                         "change beside the routing weight (one forward pass per source and read)")
-    p.add_argument("--explorer-tokens", type=arg_range("int", 1, 10**6), default=1024, metavar="N", help="tokens in the per-token explorer (default: %(default)s)")
+    p.add_argument("--explorer-tokens", type=arg_range("int", 1, 10**6), default=1024, metavar="N",
+                   help="tokens in the per-token explorer (default: %(default)s)")
     add_placement_args(p)
     p.set_defaults(func=run_report)
     return p

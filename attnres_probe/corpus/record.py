@@ -133,9 +133,9 @@ def _record_locked(out, data, models, demo, names, batch_size, backward, save_ev
                    resume, ranks, main, together) -> dict[str, Any]:
     """The body of :func:`record_corpus`, with ``out`` locked by the main process."""
     from attnres_probe import metrics
+    from attnres_probe.corpus.stats import CorpusStats
     from attnres_probe.loading import load_model
     from attnres_probe.probe import Probe
-    from attnres_probe.corpus.stats import CorpusStats
 
     def setup() -> tuple[list[Document], dict[str, Any]]:
         return _setup(out, data, models, demo, names, batch_size, backward, resume, main)

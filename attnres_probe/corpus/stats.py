@@ -44,9 +44,9 @@ from attnres_probe.analysis.windows import (
     window_profiles,
 )
 from attnres_probe.io import clear_leftovers, exclusive_lock, fault_point, read_json, set_aside, sha256_file, write_directory
+from attnres_probe.trace import DepthTrace
 from attnres_probe.validate import check_bytes, npz_headers, npz_inflated_bytes
 from attnres_probe.validate import field as check_field
-from attnres_probe.trace import DepthTrace
 
 __all__ = ["CorpusStats", "RunningStats", "StatsError", "STATS_SCHEMA_VERSION"]
 

@@ -46,8 +46,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn

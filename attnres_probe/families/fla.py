@@ -93,7 +93,8 @@ def config(data: dict[str, Any], where: str = "config.json") -> ModelConfig:
             "(use attnres_probe.watch(model) for a live fla model of any family)"
         )
     if data.get("window_size") is not None:
-        raise PretrainedError(f"{where}: 'window_size' = {data['window_size']} (sliding-window attention) is not supported; only full causal attention is")
+        raise PretrainedError(f"{where}: 'window_size' = {data['window_size']} (sliding-window attention) is not supported; "
+                              "only full causal attention is")
     if data.get("hidden_act", "swish") != "swish":
         raise PretrainedError(f"{where}: 'hidden_act' = {data['hidden_act']!r} is not supported; only 'swish' (SwiGLU) is")
     if data.get("elementwise_affine", True) is not True:

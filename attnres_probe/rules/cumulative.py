@@ -35,7 +35,6 @@ import torch
 import torch.nn as nn
 
 from attnres_probe.hook_checks import CheckedHookPoint
-
 from attnres_probe.layers import CoefficientRead, RMSNorm
 
 __all__ = ["CumulativeRead", "forward", "kept_after", "make_final", "make_read", "native_sources"]

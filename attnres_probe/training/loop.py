@@ -28,10 +28,10 @@ from attnres_probe._version import __version__
 from attnres_probe.checkpoint import WEIGHTS_FILE
 from attnres_probe.config import ModelConfig
 from attnres_probe.data import Corpus, load_corpus, sample_batch, validation_batches
+from attnres_probe.io import DestinationBusyError, exclusive_lock, write_error
 from attnres_probe.kernels import resolve_backend
 from attnres_probe.losses import Reduction, next_token_loss
 from attnres_probe.model import AttnResTransformer
-from attnres_probe.io import DestinationBusyError, exclusive_lock, write_error
 from attnres_probe.resources import available_memory, human_bytes
 from attnres_probe.training.config import TrainConfig, TrainError, memory_estimate, require_int
 from attnres_probe.training.schedule import learning_rate, make_optimizer
@@ -41,8 +41,8 @@ from attnres_probe.training.state import (
     LOG_FORMAT,
     STATE_FILE,
     History,
-    code_version,
     check_same,
+    code_version,
     load_verified,
     read_run_configs,
     read_state,

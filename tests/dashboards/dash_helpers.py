@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from attnres_probe import AttnResTransformer
+
 from helpers import tiny_config
 
 TEXT = "The cat sat on the mat."

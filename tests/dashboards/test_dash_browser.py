@@ -7,6 +7,7 @@ import pytest
 from dash.testing.wait import until
 
 from attnres_probe.dashboards import create_app
+
 from dash_helpers import TEXT
 
 pytestmark = pytest.mark.browser
@@ -163,6 +164,7 @@ VERDICTS_JS = "return Array.from(document.querySelectorAll(arguments[0] + ' span
 
 def test_the_page_shows_the_same_verdicts_as_compare_for_the_same_stats(dash_duo, models, corpus_stats):
     from attnres_probe import metrics
+
     from test_dash_callbacks import _expected_headline_verdicts
 
     app = create_app(models, text=TEXT, stats=corpus_stats)

@@ -7,10 +7,11 @@ import pytest
 from dash import html, no_update
 
 from attnres_probe import ByteTokenizer, Probe, figures, metrics
-from attnres_probe.dashboards import Explorer, PromptError, callbacks, create_app
 from attnres_probe.analysis.windows import normalised_weights, uniform_weights
+from attnres_probe.dashboards import Explorer, PromptError, callbacks, create_app
 from attnres_probe.dashboards.layout import build_layout
-from dash_helpers import NAMES, N_CTX, TEXT, make_model
+
+from dash_helpers import N_CTX, NAMES, TEXT, make_model
 from helpers import find_components
 
 
@@ -281,6 +282,7 @@ def test_the_corpus_section_leads_with_compare_s_verdicts_for_the_same_stats(mod
 def test_the_corpus_section_warns_once_when_the_documents_are_few(models):
     """#16: a four-document corpus gives rough intervals: the page says so above the cards."""
     from attnres_probe import Probe
+
     from dash_helpers import CORPUS
 
     few = {name: Probe(m, name=name).run_corpus(CORPUS, backward=True, progress=False) for name, m in models.items()}

@@ -11,6 +11,7 @@ from dash import html
 from attnres_probe import metrics
 from attnres_probe.analysis.documents import CHANGES_MARK, document_breakdown
 from attnres_probe.dashboards import create_app
+
 from dash_helpers import TEXT
 from helpers import find_components
 

@@ -10,6 +10,7 @@ from attnres_probe.dashboards import create_app
 from attnres_probe.dashboards import patching as views
 from attnres_probe.dashboards.layout import build_layout
 from attnres_probe.patching import UNIT
+
 from dash_helpers import TEXT
 from helpers import find_components
 

@@ -14,6 +14,7 @@ from attnres_probe import Probe, figures
 from attnres_probe.dashboards import create_app, patterns
 from attnres_probe.dashboards.layout import build_layout
 from attnres_probe.dashboards.wire import update_payload
+
 from dash_helpers import NAMES, TEXT, make_model
 from helpers import find_components as _find
 
@@ -128,8 +129,9 @@ def test_saved_traces_show_the_patterns_they_hold_and_say_so_when_they_hold_none
 
 
 def test_grouped_query_models_with_rotary_positions(models):
-    from helpers import tiny_config
     from attnres_probe import AttnResTransformer
+
+    from helpers import tiny_config
 
     gqa = AttnResTransformer(tiny_config("block", n_heads=4, n_kv_heads=2, positional="rope", n_ctx=64, block_size=2),
                              backend="torch").eval()

@@ -12,6 +12,7 @@ import pytest
 from dash.testing.wait import until
 
 from attnres_probe.dashboards import create_app
+
 from dash_helpers import TEXT, make_model
 from helpers import BOXES
 from test_dash_browser import figure, opening_token, wait_for_title

@@ -7,6 +7,7 @@ import pytest
 
 from attnres_probe import AttnResTransformer
 from attnres_probe.dashboards import callbacks, create_app
+
 from dash_helpers import TEXT, make_model
 from helpers import randomize_routing, tiny_config
 

@@ -17,6 +17,7 @@ from attnres_probe.cli import build_parser
 from attnres_probe.dashboards import create_app, create_server
 from attnres_probe.dashboards.serving import load_entries, serve
 from attnres_probe.dashboards.wire import update_payload
+
 from dash_helpers import TEXT, make_model
 
 

@@ -11,6 +11,7 @@ import pytest
 from attnres_probe.dashboards import create_app
 from attnres_probe.dashboards.callbacks import informative_token
 from attnres_probe.seed_study import demo_summary
+
 from dash_helpers import make_model
 from helpers import BOXES
 from test_dash_browser import as_array, figure, wait_for_title

@@ -18,15 +18,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import model_bound_g as _G
-from helpers import read_hook_names as _read_names
-
 from attnres_probe import load_pretrained
 from attnres_probe.config import ConfigError, ModelConfig
 from attnres_probe.families import lr_attnres
 from attnres_probe.layers import GainlessRMSNorm, Rotary
 from attnres_probe.model import AttnResTransformer
 from attnres_probe.pretrained import PretrainedError, is_pretrained_folder
+
+from helpers import model_bound_g as _G
+from helpers import read_hook_names as _read_names
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "families" / "lr"
 U32, U64, C = 2.0**-24, 2.0**-53, 8

@@ -18,11 +18,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from helpers import model_bound_g as _G
-from helpers import read_hook_names as _read_names
-
 from attnres_probe import Probe, load_pretrained
 from attnres_probe.pretrained import PretrainedError
+
+from helpers import model_bound_g as _G
+from helpers import read_hook_names as _read_names
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "families"
 U32, U64, C = 2.0**-24, 2.0**-53, 8

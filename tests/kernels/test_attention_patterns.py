@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from attnres_probe import AttnResTransformer
 from attnres_probe.model import Attention
-from closeness import C, UNIT_ROUNDOFF, assert_bounded, model_bound, model_conditions, relative_rms
+
+from closeness import UNIT_ROUNDOFF, C, assert_bounded, model_bound, model_conditions, relative_rms
 from helpers import sample_tokens, tiny_model
 
 

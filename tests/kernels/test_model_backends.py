@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from attnres_probe import AttnResTransformer, Probe
+
 from closeness import assert_bounded, model_bound, model_conditions, relative_rms
 from helpers import sample_tokens, tiny_model
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnres_probe.kernels import depth_attn, phase1, phase2, resolve_backend
-from attnres_probe.kernels import depth_attn_reference
+from attnres_probe.kernels import depth_attn, depth_attn_reference, phase1, phase2, resolve_backend
 from attnres_probe.kernels import triton_utils as tda
 from attnres_probe.kernels.ops.phase1.reference import phase1 as phase1_reference
 from attnres_probe.kernels.ops.phase2.reference import phase2 as phase2_reference
 from attnres_probe.kernels.utils import interpret_mode
-from closeness import C, UNIT_ROUNDOFF
+
+from closeness import UNIT_ROUNDOFF, C
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["torch", "triton", "numba"]

@@ -18,7 +18,20 @@ import torch
 
 from attnres_probe.kernels import depth_attn, phase1, phase2
 from attnres_probe.kernels.ops.phase1 import triton as tda
-from closeness import C, OUTPUTS, UNIT_ROUNDOFF, assert_within, check_fn, check_op, check_outputs_consistent, conditions, growth, tolerance, upstream_for
+
+from closeness import (
+    OUTPUTS,
+    UNIT_ROUNDOFF,
+    C,
+    assert_within,
+    check_fn,
+    check_op,
+    check_outputs_consistent,
+    conditions,
+    growth,
+    tolerance,
+    upstream_for,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 M = 37
@@ -129,7 +142,8 @@ def _phase1(backend):
 
 
 def _check_phase1(sources, queries):
-    ups = [torch.randn(queries.shape[0], *sources.shape[1:-1], *s, device=DEVICE, dtype=torch.float64) for s in ((sources.shape[-1],), (), (sources.shape[0],))]
+    ups = [torch.randn(queries.shape[0], *sources.shape[1:-1], *s, device=DEVICE, dtype=torch.float64)
+           for s in ((sources.shape[-1],), (), (sources.shape[0],))]
     bounds = _phase_bounds(sources.float(), queries, PHASE1_NAMES, sources.dtype)
     check_fn(_phase1("triton"), _phase1("torch"), (sources, queries), ups, PHASE1_NAMES, bounds)
 

@@ -6,6 +6,7 @@ import pytest
 from bs4 import BeautifulSoup
 
 from attnres_probe.reports import build_report, record_text
+
 from helpers import tiny_model
 from report_text import XSS_TEXT
 

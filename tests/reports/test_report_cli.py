@@ -6,6 +6,7 @@ import pytest
 
 from attnres_probe.cli import main
 from attnres_probe.reports import record_text
+
 from helpers import tiny_model
 
 

@@ -10,8 +10,9 @@ import plotly.offline
 import pytest
 
 from attnres_probe import DepthTrace, metrics
-from attnres_probe.reports import SECTIONS, build_report, record_checkpoints, record_text, versions
 from attnres_probe.io import sha256_file
+from attnres_probe.reports import SECTIONS, build_report, record_checkpoints, record_text, versions
+
 from helpers import tiny_model
 from report_text import XSS_TEXT
 
@@ -165,7 +166,8 @@ def test_heatmap_magnitude_and_gradient_charts_come_from_figures(soup, traces):
     }
     weights, contrib, _difference = section_plots["heatmaps"]
     assert [d["type"] for d in weights["data"]] == ["heatmap"] * 3
-    assert weights["layout"]["title"]["text"] == "depth weights: implied weight 1/k; depth weight α" and contrib["layout"]["title"]["text"] == "contribution share c"
+    assert weights["layout"]["title"]["text"] == "depth weights: implied weight 1/k; depth weight α"
+    assert contrib["layout"]["title"]["text"] == "contribution share c"
     (mags,) = section_plots["magnitudes"]
     assert mags["layout"]["title"]["text"] == "Magnitudes by depth" and len(mags["data"]) == 6
     (grads,) = section_plots["gradients"]

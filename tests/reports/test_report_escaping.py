@@ -8,6 +8,7 @@ import re
 import pytest
 
 from attnres_probe.reports import build_report
+
 from trace_factory import make_trace
 
 PAYLOAD = "<script>window.__xss"

@@ -14,6 +14,7 @@ from attnres_probe import Probe
 from attnres_probe.reports import build_report, record_text
 from attnres_probe.reports.patterns import DIGITS, PATTERN_TOKENS, pattern_source, row_exponents
 from attnres_probe.reports.recording import record_readings
+
 from helpers import tiny_model
 
 TEXT = "The cat sat on the mat; the dog sat on the log."  # 47 tokens, two windows of the tiny models' 24

@@ -11,6 +11,7 @@ import pytest
 
 from attnres_probe.reports import build_report, record_text
 from attnres_probe.reports.recording import record_readings
+
 from helpers import BOXES, tiny_model
 
 TEXT96 = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 3)[:96]

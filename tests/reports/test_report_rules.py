@@ -8,6 +8,7 @@ from bs4 import BeautifulSoup
 from attnres_probe import Probe
 from attnres_probe.ablation import weight_beside_effect
 from attnres_probe.reports import build_report, record_text
+
 from helpers import tiny_model
 
 TEXT = "Now is the winter of our discontent made glorious summer by this sun of York."

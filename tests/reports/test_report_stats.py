@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 from bs4 import BeautifulSoup
 
@@ -125,7 +124,8 @@ def test_corpus_headline_cards_sit_two_a_row_and_each_interval_on_one_line(stats
     assert min(w for _, _, w in cards) > 500
     spans = driver.execute_script(
         "return Array.from(document.querySelectorAll('#headline td span.note'), s => {"
-        "const r = s.getBoundingClientRect(); return [s.textContent, r.height, parseFloat(getComputedStyle(s).lineHeight) || 1.2 * parseFloat(getComputedStyle(s).fontSize)]; });")
+        "const r = s.getBoundingClientRect(); return [s.textContent, r.height, "
+        "parseFloat(getComputedStyle(s).lineHeight) || 1.2 * parseFloat(getComputedStyle(s).fontSize)]; });")
     intervals = [(t, h, lh) for t, h, lh in spans if t.startswith("95% CI")]
     assert intervals
     for text, height, line in intervals:

@@ -8,6 +8,7 @@ import pathlib
 import pytest
 
 from attnres_probe.reports import ReportWriteError, build_report
+
 from trace_factory import make_trace
 
 OLD = "<html>the earlier report</html>"
