@@ -34,7 +34,7 @@ from attnres_probe.analysis.windows import reference_column
 from attnres_probe.io import atomic_write
 
 __all__ = ["ENDPOINTS", "MODELS", "PRIMARIES", "Primary", "SUMMARY_FILE", "assign_primaries", "demo_summary", "find_runs",
-           "leakage", "load_demo_summary", "measure_run", "measure_seeds", "render_page", "run_checkpoint_study", "run_v3_study",
+           "leakage", "load_demo_summary", "refresh_v3_pages", "measure_run", "measure_seeds", "render_page", "run_checkpoint_study", "run_v3_study",
            "seed_folders", "seed_values"]
 
 MODELS = ("prenorm", "full", "block")
@@ -620,6 +620,28 @@ def run_v3_study(runs_dir: str | Path, out: str | Path, progress: Callable[[str]
                          missing=missing, summary_to=summary_to, v3=True, lr=lr_check(runs_dir, steps))
 
 
+def refresh_v3_pages(runs_dir: str | Path, out: str | Path, summary_to: str | Path | None = None) -> dict[str, Any]:
+    """study.md again from ``out``/results.json without measuring anything, with the learning-rate rows
+    read again from their runs' logs (:func:`lr_check`: runs that finished since the study was measured).
+
+    Raises:
+        FileNotFoundError: no results.json in ``out``.
+    """
+    from attnres_probe.io import read_json
+
+    out = Path(out)
+    if not (out / "results.json").is_file():
+        raise FileNotFoundError(f"{out / 'results.json'} is missing: measure the study first (attnres-probe study)")
+    results = read_json(out / "results.json", ValueError)
+    if results.get("errata") is not None:
+        results["errata"]["lr"] = lr_check(runs_dir)
+    atomic_write(out / "results.json", lambda p: p.write_text(json.dumps(results, indent=1) + "\n"))
+    atomic_write(out / "study.md", lambda p: p.write_text(render_page(results)))
+    if summary_to is not None:
+        atomic_write(Path(summary_to), lambda p: p.write_text(json.dumps(demo_summary(results), indent=1) + "\n"))
+    return results
+
+
 LR_RATES = {0.001: "1e-3", 0.003: None, 0.006: "6e-3"}  # None: the study's own runs (3e-3)
 
 
@@ -965,7 +987,7 @@ def render_page(results: dict[str, Any]) -> str:
             f"before these checkpoints were trained, so read the verdicts as a replication of that protocol, not as a "
             f"pre-registered test. Baseline: {base}. Seeds measured: {', '.join(str(s) for s in seeds)}.",
             "",
-            f"Checkpoints: " + "; ".join(f"{m}: " + ", ".join(f"seed {s} `{r['folder']}`" for s, r in results["runs"][m].items())
+            "Checkpoints: " + "; ".join(f"{m}: " + ", ".join(f"seed {s} `{r['folder']}`" for s, r in results["runs"][m].items())
                                          for m in results["models"]) + ".",
             "",
         ]

@@ -267,7 +267,8 @@ def evaluate_findings(
         raise ValueError(f"{len(docs)} document labels for {n} windows")
     keys = pd.DataFrame({"doc": docs, "start": np.arange(n, dtype=np.int64), "n_tokens": np.ones(n, np.int64),
                          "digest": [f"w{i}" for i in range(n)]})
-    items = [Windows(name, DEMO_RULES.get(name, {}).get("residual", name), pd.concat([keys, t.reindex(columns=list(WINDOW_COLUMNS)).reset_index(drop=True)], axis=1),
+    items = [Windows(name, DEMO_RULES.get(name, {}).get("residual", name),
+                     pd.concat([keys, t.reindex(columns=list(WINDOW_COLUMNS)).reset_index(drop=True)], axis=1),
                      pd.Series(pooled[name])) for name, t in windows.items()]
     frame = compare_windows(items, n_resamples=n_resamples, seed=seed, level=level, baseline="prenorm")
     rows = {(r["model"], r["metric"]): r for r in frame[frame["comparison"] != "value"].to_dict("records")}
@@ -482,7 +483,8 @@ def _seed_page(summary: dict[str, Any]) -> str:
         f"# The study across {len(seeds)} seeds",
         "",
         f"Seeds {', '.join(map(str, seeds))} of one recipe ({tr['steps']} steps of {tr['batch_size']} x {tr['seq_len']} tokens on "
-        f"`{tr['corpus']}`; {_titles(summary.get('names', ('prenorm', 'full', 'block')))} per seed), each recorded on the same {summary['n_windows']} validation "
+        f"`{tr['corpus']}`; {_titles(summary.get('names', ('prenorm', 'full', 'block')))} per seed), each recorded on the same "
+        f"{summary['n_windows']} validation "
         f"windows from {summary['n_documents']} documents (the study folders {', '.join(f'`{d}`' for d in summary['folders'])}). "
         f"Every interval draws seeds *and* documents with replacement (all windows of a drawn document; "
         f"{boot['n_resamples']} resamples, seed {boot['seed']}), so it is as wide as the spread between trainings and "
@@ -552,7 +554,7 @@ def _num(x: Any) -> float | None:
 def _figures(stats: dict[str, Any], traces: dict[str, list[DepthTrace]], histories: dict[str, list] | None = None) -> dict[str, Any]:
     attn = [n for n in stats if stats[n].meta["residual"] != "prenorm"]
     over = {"over_training": figures.over_training(histories)} if histories else {}
-    return {**over, 
+    return {**over,
         "magnitudes": figures.magnitude_bands(list(stats.values()), list(stats)),
         "gradients": figures.gradient_bands(list(stats.values()), list(stats)),
         "mean_weights": figures.corpus_side_by_side([stats[n] for n in attn], "weights", names=attn),
@@ -618,9 +620,12 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         f"width, depth, data and steps{recipe}; only the residual rule differs{_params_words(results, names)}). Each "
         f"model records the same {n} validation windows ({results['tokens_per_model']} tokens; {_windows_words(results)}), "
         "one forward and one backward pass per window. Every number is the mean over windows with a 95% percentile-bootstrap "
-        f"interval{' where the windows come from two or more documents (here they come from one: no interval)' if len(docs) == 1 else ''}; the bootstrap resamples **documents** ({docs_words}: all windows of a drawn document together; "
+        f"interval{' where the windows come from two or more documents (here they come from one: no interval)' if len(docs) == 1 else ''}"
+        f"; the bootstrap resamples **documents** ({docs_words}: all windows of a drawn document together; "
         f"{boot['n_resamples']} resamples, seed {boot['seed']}), because windows of one text are alike, so the "
-        f"intervals rest on the number of texts, not of windows{EDITIONS_NOTE if tr and tr.get('corpus') == 'shakespeare' and len(docs) > 1 else ''}. Comparisons with PreNorm are paired on the same windows "
+        f"intervals rest on the number of texts, not of windows"
+        f"{EDITIONS_NOTE if tr and tr.get('corpus') == 'shakespeare' and len(docs) > 1 else ''}. Comparisons with PreNorm are "
+        "paired on the same windows "
         "(a ratio of means for spreads and growths, a mean difference otherwise); each model's routing is set "
         "against the uniform weights on its own sources (PreNorm's implied weights, grouped as the model groups them) on "
         "the same windows.",
@@ -637,7 +642,8 @@ def _page(results: dict[str, Any], frame: pd.DataFrame, figs: dict[str, str]) ->
         "",
         "A verdict sets the interval against the paper's direction: **consistent** (the whole interval lies on the "
         "paper's side of no difference: zero for a difference, one for a ratio), **contrary** (it lies wholly on the "
-        "other side), **inconclusive** (it contains no difference). *Held in* counts the windows that, taken one at a time, go the paper's way. *Pooled* is the same number "
+        "other side), **inconclusive** (it contains no difference). *Held in* counts the windows that, taken one at a time, "
+        "go the paper's way. *Pooled* is the same number "
         "from all windows recorded together as one batch (gradients from one backward pass of their mean loss, as a "
         "single-batch analysis would have it); a finding holds **per window** when its verdict is consistent, **only in "
         "the pool** when the pooled number points the paper's way but the windows do not bear it out, **neither** when "

@@ -32,6 +32,9 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--runs", metavar="DIR", default=None,
                    help="the runs of plan-v3 (DIR/{prenorm,full,block}/seed{s}, written by docs/study/v3/train_runs.sh; "
                         "default docs/study/v3/runs); the pages go to --out (default docs/study/v3)")
+    p.add_argument("--pages-only", action="store_true",
+                   help="with the v3 runs: write study.md again from results.json without measuring (the "
+                        "learning-rate rows read again from their runs' logs)")
     p.add_argument("--demo", action="store_true",
                    help="instead: the single-model study of the shipped demo models (or --models DIR), intervals over "
                         "texts only; needs --out")
@@ -67,6 +70,8 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.pages_only and (args.demo or args.models or args.seeds or args.baseline):
+        raise UserError("--pages-only rewrites study v3's pages (--runs, --out); it does not apply to the other studies")
     if args.baseline or args.data or args.train_data or args.seq_len:
         return _run_checkpoints(args)
     if args.models and len(args.models) > 1:
@@ -99,7 +104,12 @@ def _run(args: argparse.Namespace) -> int:
         # the pages of the shipped runs also refresh the summary the dashboard shows beside the demo models
         shipped = runs.resolve() == Path("docs/study/v3/runs").resolve() and out.resolve() == Path("docs/study/v3").resolve()
         try:
-            results = run_v3_study(runs, out, summary_to=demo_root() / SUMMARY_FILE if shipped else None)
+            if args.pages_only:
+                from attnres_probe.seed_study import refresh_v3_pages
+
+                results = refresh_v3_pages(runs, out, summary_to=demo_root() / SUMMARY_FILE if shipped else None)
+            else:
+                results = run_v3_study(runs, out, summary_to=demo_root() / SUMMARY_FILE if shipped else None)
         except (FileNotFoundError, ValueError) as exc:
             raise UserError(str(exc)) from None
         for p in results["primaries"]:

@@ -161,7 +161,7 @@ def _record_locked(out, data, models, demo, names, batch_size, backward, save_ev
         byte_tokens = tokenizer is None and probe.spec.d_vocab == 256
         # where this process keeps its progress: the model's stats folder, or under torchrun its rank's own
         stats_dir = out / entry["dir"] if ranks is None else out / RANKS_DIR / f"of{ranks.world}" / f"rank{ranks.rank}" / entry["dir"]
-        stats, resume_after = together(lambda: _partial_stats(stats_dir, probe, entry))
+        stats, resume_after = together(lambda probe=probe: _partial_stats(stats_dir, probe, entry))
         _say_where_it_resumes(out, entry, stats, ranks)
         from tqdm.auto import tqdm
 
