@@ -738,7 +738,7 @@ def measure_seeds(found: dict[tuple[str, int], Path], logs: dict[tuple[str, int]
     }
     if v3:
         results["published"] = beside_published(runs)
-        results["errata"] = errata(results, {f"{m}/{sd}": (log or {}).get("probes", {}).get("history")
+        results["errata"] = errata(results, {f"{m}/{sd}": ((log or {}).get("probes") or {}).get("history")
                                              for (m, sd), log in logs.items()}, lr=lr)
     if not v3:
         results.update(design=design or {}, baseline=baseline, leakage=leakage)
@@ -1229,7 +1229,7 @@ def _errata_lines(results: dict[str, Any]) -> list[str]:
         lines += ["Block's partial-block profile: the mean weight each read puts on its current partial block (— where "
                   "a read sees none: a block's first read):", ""]
         n = max(len(v) for v in e["partial_block"].values())
-        rows = [[s, *[fmt(v, ".3g") for v in vals]] for s, vals in e["partial_block"].items()]
+        rows = [[s, *[fmt(v, VALUE) for v in vals]] for s, vals in e["partial_block"].items()]
         lines += _table(["seed", *[f"r{r}" for r in range(n)]], rows) + [""]
     return lines
 
@@ -1262,8 +1262,9 @@ def _published_lines(results: dict[str, Any]) -> list[str]:
         cells = [labels[name], fmt(rep["standard"].get(name), VALUE)]
         for m in models:
             o = ours[m].get(name)
+            uniform = None if o is None or o["uniform"] is None else (0 if abs(o["uniform"]) < 1e-12 else o["uniform"])
             cells.append("—" if o is None else f"{fmt(o['mean'], VALUE)} [{fmt(o['low'], VALUE)}, {fmt(o['high'], VALUE)}], "
-                                              f"uniform {fmt(o['uniform'], VALUE)}")
+                                              f"uniform {fmt(uniform, VALUE)}")  # 1e-15 of rounding: 0
         rows.append(cells)
     lines += _table(header, rows) + [""]
     blocks = ", ".join(f"{b['blocks']} blocks {fmt(b['top1'], VALUE)}" for b in rep["block_top1"])
