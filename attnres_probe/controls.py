@@ -29,7 +29,7 @@ import torch
 
 from attnres_probe.losses import next_token_loss
 
-__all__ = ["ControlResult", "mask_sources", "static_routing"]
+__all__ = ["ControlResult", "mask_sources", "static_routing", "text_windows"]
 
 LEVEL = 0.95
 
@@ -78,7 +78,7 @@ def _interval(values: Sequence[float]) -> dict[str, float]:
     return {"mean": float(mean), "low": float(low), "high": float(high), "n": len(v)}
 
 
-def _windows(probe: Any, texts: Any) -> list[tuple[int, torch.Tensor]]:
+def text_windows(probe: Any, texts: Any) -> list[tuple[int, torch.Tensor]]:
     """(text index, token window [1, <= n_ctx]) of every window of at least two tokens of ``texts``
     (a string or a list of strings / token-id sequences)."""
     if isinstance(texts, (str, torch.Tensor)):
@@ -103,11 +103,11 @@ def _windows(probe: Any, texts: Any) -> list[tuple[int, torch.Tensor]]:
 
 
 def _ids(probe: Any, text: str) -> torch.Tensor:
-    """The whole text as the probe's token ids (bytes for a model without a tokenizer)."""
-    tok = probe.tokenizer
-    ids = tok.encode(text) if tok is not None and hasattr(tok, "encode") else list(text.encode("utf-8"))
-    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-    return torch.as_tensor(ids, dtype=torch.long)
+    """The whole text as the probe's token ids (:func:`attnres_probe.tokenizer.text_ids`: the model's own
+    tokenizer; bytes for a byte-level model)."""
+    from attnres_probe.tokenizer import text_ids
+
+    return torch.as_tensor(text_ids(probe.tokenizer, text), dtype=torch.long)
 
 
 def _loss(probe: Any, tokens: torch.Tensor, hooks: Sequence[tuple[str, Any]] = ()) -> float:
@@ -147,7 +147,7 @@ def static_routing(probe: Any, texts: Any, reads: bool = True) -> ControlResult:
     if not names:
         raise ValueError(f"{probe.name!r} has no depth-weight hook points (hook_weights): its routing has nothing to "
                          "make static (PreNorm's fixed sum is static already)")
-    windows = _windows(probe, texts)
+    windows = text_windows(probe, texts)
     sums: dict[str, torch.Tensor] = {}
     counts = {n: 0 for n in names}
 
@@ -196,8 +196,11 @@ def mask_sources(probe: Any, texts: Any, which: str = "nonrecent", seed: int | N
         raise ValueError(f"repeats is {repeats!r}; accepted: 1..100 random draws")
     seed = DEFAULT_SEED if seed is None else int(seed)
     model = probe.model
-    masking_hooks(model, which, seed)  # refuses a rule without softmax routing before any forward
-    windows = _windows(probe, texts)
+    if not masking_hooks(model, which, seed):  # refuses a rule without softmax routing before any forward
+        raise ValueError(f"masking {which!r} drops nothing in this model: no read sees a completed block older than the "
+                         f"newest ({model.axis.n_blocks if model.axis.residual == 'block' else model.axis.n_sublayers} "
+                         "blocks); the loss change would be 0 by construction")
+    windows = text_windows(probe, texts)
     base = [_loss(probe, t) for _, t in windows]
 
     def deltas(kind: str, s: int) -> list[float]:

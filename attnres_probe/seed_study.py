@@ -192,17 +192,23 @@ def run_controls(folder: str | Path, name: str, windows: Any, backend: str | Non
     loss change of static routing (all reads at once), of masking the non-recent sources, of masking as
     many random ones (``repeats`` draws) and the contrast nonrecent − random, each with its interval over
     windows; None for a model without softmax depth routing."""
+    from attnres_probe.controls import _interval
+
     probe = _probe_of(folder, name, backend)
     wins = [w for w in windows]
     try:
         static = probe.static_routing(wins, reads=False)
-        masked = probe.mask_sources(wins, which="nonrecent", repeats=repeats)
-    except ValueError:
+    except ValueError:  # no depth weights: no controls at all
         return None
-    from attnres_probe.controls import _interval
-
-    return {"static": static.total, "nonrecent": masked.total, "random": _interval(masked.windows["delta_random"].tolist()),
-            "contrast": {k: v for k, v in masked.contrast.items() if k != "repeats"}, "repeats": repeats, "unit": static.unit}
+    out = {"static": static.total, "nonrecent": None, "random": None, "contrast": None, "repeats": repeats, "unit": static.unit}
+    try:
+        masked = probe.mask_sources(wins, which="nonrecent", repeats=repeats)
+    except ValueError as exc:  # nothing old enough to mask, or a rule without softmax routing: said on the page
+        out["note"] = str(exc)
+        return out
+    out.update(nonrecent=masked.total, random=_interval(masked.windows["delta_random"].tolist()),
+               contrast={k: v for k, v in masked.contrast.items() if k != "repeats"})
+    return out
 
 
 def _probe_of(folder: str | Path, name: str, backend: str | None = None) -> Any:
@@ -360,7 +366,8 @@ def _exploratory(runs: dict[str, dict[str, Any]], models: tuple[str, ...] = ("fu
             way = None
             if d.direction:
                 way = sum((v < 0) if d.direction == "lower" else (v > 0) for v in per_seed.values())
-            rows.append({"model": model, "metric": name, "label": d.label, "unit": d.unit, "against": against,
+            unit = "natural log of a ratio" if kind == "log ratio" else d.unit
+            rows.append({"model": model, "metric": name, "label": d.label, "unit": unit, "against": against,
                          "kind": kind, "direction": d.direction, "primary": (model, name) in primary,
                          "per_seed": per_seed, "mean": _num(mean), "low": _num(low), "high": _num(high), "paper_way": way})
     return rows
@@ -503,21 +510,30 @@ def errata(results: dict[str, Any], histories: dict[str, Any] | None = None, lr:
         if w and cols:
             partial[s] = [None if c is None else w[read][c] for read, c in enumerate(cols)]
     out["partial_block"] = partial
-    controls = []
-    for model in ("full", "block"):
+    out["controls"], out["controls_over_seeds"] = controls_summary(runs, ("full", "block"))
+    return out
+
+
+CONTROLS = ("static", "nonrecent", "random", "contrast")
+
+
+def controls_summary(runs: dict[str, dict[str, Any]], models: tuple[str, ...]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """([each run's causal controls: model, seed, the four loss changes with intervals over windows],
+    {model: the mean over seeds of each, with its t interval}) of the runs that have them."""
+    rows = []
+    for model in models:
         for s, r in runs.get(model, {}).items():
             c = r.get("controls")
             if c:
-                controls.append({"model": model, "seed": int(s), **{k: c[k] for k in ("static", "nonrecent", "random", "contrast")},
-                                 "repeats": c["repeats"]})
-    out["controls"] = controls
-    out["controls_over_seeds"] = {}
-    for model in ("full", "block"):
-        rows = [c for c in controls if c["model"] == model]
-        if len(rows) > 1:
-            out["controls_over_seeds"][model] = {k: _over_seeds([c[k]["mean"] for c in rows])
-                                                 for k in ("static", "nonrecent", "random", "contrast")}
-    return out
+                rows.append({"model": model, "seed": int(s), **{k: c[k] for k in CONTROLS}, "repeats": c["repeats"],
+                             "unit": c.get("unit"), **({"note": c["note"]} if c.get("note") else {})})
+    over = {}
+    for model in models:
+        mine = [c for c in rows if c["model"] == model]
+        if len(mine) > 1:
+            over[model] = {k: _over_seeds([c[k]["mean"] for c in mine]) if all(c[k] for c in mine) else None
+                           for k in CONTROLS}
+    return rows, over
 
 
 PUBLISHED_DIAGNOSTICS = ("mean_entropy", "lr_effective_sources", "lr_top1_mass", "lr_input_dependence", "lr_attn_mass")
@@ -633,8 +649,16 @@ def refresh_v3_pages(runs_dir: str | Path, out: str | Path, summary_to: str | Pa
     if not (out / "results.json").is_file():
         raise FileNotFoundError(f"{out / 'results.json'} is missing: measure the study first (attnres-probe study)")
     results = read_json(out / "results.json", ValueError)
-    if results.get("errata") is not None:
-        results["errata"]["lr"] = lr_check(runs_dir)
+    results["exploratory"] = _exploratory(results["runs"])  # derived from the runs' values: its labels as today's
+    if results.get("errata") is not None:  # derived from the runs' values and their logs' probes, as measured
+        histories = {}
+        for model, seeds in results["runs"].items():
+            for seed, run in seeds.items():
+                folder = Path(run["folder"])
+                log = _log(folder) if folder.is_dir() else None
+                histories[f"{model}/{seed}"] = ((log or {}).get("probes") or {}).get("history")
+        results["published"] = beside_published(results["runs"])
+        results["errata"] = errata(results, histories, lr=lr_check(runs_dir))
     atomic_write(out / "results.json", lambda p: p.write_text(json.dumps(results, indent=1) + "\n"))
     atomic_write(out / "study.md", lambda p: p.write_text(render_page(results)))
     if summary_to is not None:
@@ -687,7 +711,8 @@ def measure_seeds(found: dict[tuple[str, int], Path], logs: dict[tuple[str, int]
                   models: tuple[str, ...], primaries: tuple[Primary, ...], windows: Any, files: list[str], groups: list[str],
                   out: str | Path, *, progress: Callable[[str], None] | None = print, missing: list[str] | None = None,
                   summary_to: str | Path | None = None, v3: bool = False, design: dict[str, Any] | None = None,
-                  leakage: list[dict[str, Any]] | None = None, lr: dict[str, Any] | None = None) -> dict[str, Any]:
+                  leakage: list[dict[str, Any]] | None = None, lr: dict[str, Any] | None = None,
+                  with_controls: bool = True) -> dict[str, Any]:
     """The one seed-study engine: measure every checkpoint of ``found`` {(model, seed): folder} on the
     same ``windows`` (token windows, each of one document ``files[i]`` and one group ``groups[i]``: a
     held-out play, or a document), test ``primaries`` over seeds (paired with the ``baseline``'s same
@@ -708,7 +733,7 @@ def measure_seeds(found: dict[tuple[str, int], Path], logs: dict[tuple[str, int]
         log = logs.get((model, seed)) or {}
         say(f"measuring {model} seed {seed} ({folder}) on {len(windows)} windows ...")
         stats, by_play, table = measure_run(folder, model, windows, groups, backend=log.get("backend"))
-        controls = run_controls(folder, model, windows, log.get("backend")) if model != baseline else None
+        controls = run_controls(folder, model, windows, log.get("backend")) if with_controls and model != baseline else None
         runs.setdefault(model, {})[str(seed)] = {
             "folder": Path(folder).as_posix(), "backend": log.get("backend"), "steps": log.get("step"),
             "final_val_loss": _num(log.get("final_val_loss")), "wall_time_s": _num(log.get("wall_time_s")),
@@ -742,6 +767,7 @@ def measure_seeds(found: dict[tuple[str, int], Path], logs: dict[tuple[str, int]
                                              for (m, sd), log in logs.items()}, lr=lr)
     if not v3:
         results.update(design=design or {}, baseline=baseline, leakage=leakage)
+        results["controls"], results["controls_over_seeds"] = controls_summary(runs, models)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     frame = pd.concat(tables, ignore_index=True).drop(columns=["doc", "start", "digest"])
@@ -792,6 +818,30 @@ def seed_folders(folder: str | Path, flag: str) -> dict[int, Path]:
     return out
 
 
+def _weights_digest(folder: Path) -> str:
+    """sha256 over the folder's weight files (safetensors, .pt, .bin; name and content digest each)."""
+    import hashlib
+
+    from attnres_probe.io import sha256_file
+
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".pt", ".bin")
+                    and p.name != "expected.safetensors"):
+        h.update(f.name.encode() + b"\0" + sha256_file(f).encode())
+    return h.hexdigest()
+
+
+def _refuse_identical_seeds(found: dict[tuple[str, int], Path]) -> None:
+    """Two seeds of one model holding the same weights are one run counted twice: refused, naming both."""
+    seen: dict[tuple[str, str], int] = {}
+    for (model, seed), folder in sorted(found.items()):
+        digest = _weights_digest(Path(folder))
+        if (model, digest) in seen:
+            raise ValueError(f"{model}: seed {seen[(model, digest)]} and seed {seed} hold identical weights ({folder}); a "
+                             "seed study needs independently trained seeds (one run counted twice would narrow every interval)")
+        seen[(model, digest)] = seed
+
+
 def _text_windows(probe: Any, data: str | Path, seq_len: int, n_windows: int | None) -> tuple[list[torch.Tensor], list[str], list[str], list[str]]:
     """(token windows, each window's document, its group (the document), the documents' texts) of the held-out
     text ``data`` (a file or a folder of files): each document tokenized by ``probe``'s tokenizer and cut into
@@ -822,12 +872,11 @@ def _text_windows(probe: Any, data: str | Path, seq_len: int, n_windows: int | N
 
 
 def _token_ids(probe: Any, text: str) -> list[int]:
-    """``text`` as the probe's token ids, whole (no context limit: it is cut into windows after)."""
-    tok = probe.tokenizer
-    if hasattr(tok, "encode"):
-        ids = tok.encode(text)
-        return list(ids.tolist() if hasattr(ids, "tolist") else ids)
-    return list(text.encode("utf-8"))
+    """``text`` as the probe's token ids, whole (no context limit: it is cut into windows after; the
+    model's own tokenizer, :func:`attnres_probe.tokenizer.text_ids`)."""
+    from attnres_probe.tokenizer import text_ids
+
+    return text_ids(probe.tokenizer, text)
 
 
 def leakage(texts: list[str], names: list[str], train_data: str | Path) -> list[dict[str, Any]]:
@@ -850,7 +899,7 @@ def leakage(texts: list[str], names: list[str], train_data: str | Path) -> list[
 def run_checkpoint_study(models: list[str | Path], baseline: str | Path, out: str | Path, data: str | Path | None = None,
                          train_data: str | Path | None = None, names: list[str] | None = None, seq_len: int | None = None,
                          n_windows: int | None = None, progress: Callable[[str], None] | None = print,
-                         command: str | None = None) -> dict[str, Any]:
+                         command: str | None = None, controls: bool = True) -> dict[str, Any]:
     """Plan v3's protocol on any checkpoints: each of ``models`` and ``baseline`` is a folder of seed
     folders (:func:`seed_folders`), paired by seed; the endpoints by rule (:func:`assign_primaries`); the
     held-out text ``data`` (a file or folder; without it, the held-out windows the runs' own training logs
@@ -873,6 +922,7 @@ def run_checkpoint_study(models: list[str | Path], baseline: str | Path, out: st
     for name, folder in [(base_name, baseline), *zip(names, models)]:
         for seed, path in seed_folders(folder, "--baseline" if name == base_name else "--models").items():
             found[(name, seed)] = path
+    _refuse_identical_seeds(found)
     base_seeds = {s for (m, s) in found if m == base_name}
     missing = [f"{m} seed {s}: the baseline has no seed {s} (left out)" for (m, s) in found if m != base_name and s not in base_seeds]
     found = {k: v for k, v in found.items() if k[0] == base_name or k[1] in base_seeds}
@@ -935,14 +985,17 @@ def run_checkpoint_study(models: list[str | Path], baseline: str | Path, out: st
               + f" --baseline {Path(baseline).as_posix()}" + (f" --data {Path(data).as_posix()}" if data is not None else "")}
     say(f"{len(found)} checkpoints: {', '.join(f'{m} seed {s}' for m, s in sorted(found, key=lambda k: (k[1], k[0])))}")
     return measure_seeds(found, logs, base_name, tuple(names), primaries, windows, files, groups, out, progress=progress,
-                         missing=missing + unfinished, design=design, leakage=leak)
+                         missing=missing + unfinished, design=design, leakage=leak, with_controls=controls)
 
 
 # -- the page ----------------------------------------------------------------------------------
 def fmt(x: Any, spec: str = ".4g") -> str:
     """A number of results.json as the page prints it ("—" when missing); the number-checking test
     formats results.json's numbers the same way."""
-    return "—" if x is None else format(float(x), spec)
+    if x is None:
+        return "—"
+    x = float(x)
+    return format(0.0 if abs(x) < 1e-12 else x, spec)  # 1e-18 of float rounding reads as 0
 
 
 SIGNED = "+.3g"  # per-seed values and means of a comparison
@@ -955,7 +1008,10 @@ def _seed_cells(per_seed: dict[str, float], seeds: list[int], spec: str = SIGNED
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+    """A Markdown table; a | inside a cell (‖dL/dv‖ written with bars) is escaped so the row keeps its cells."""
+    cell = lambda c: str(c).replace("|", "\\|")  # noqa: E731
+    return ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(map(cell, r)) + " |" for r in rows)]
 
 
 def render_page(results: dict[str, Any]) -> str:
@@ -1082,7 +1138,9 @@ def render_page(results: dict[str, Any]) -> str:
                          fmt(pooled.get("locality_distance"), VALUE), fmt(pooled.get(reference_column("locality_distance")), VALUE),
                          fmt(pooled.get("embed_vs_old_deep"), VALUE), fmt(pooled.get("rms_out_growth"), VALUE),
                          fmt(pooled.get("act_grad_cv"), VALUE)])
-    lines += _table(["model", "seed", "logged val loss", "measured loss", "E[d] (sources back)", "E[d] uniform",
+    loss_unit = results["primaries"][0]["unit"] if results["primaries"] else "nats per token"
+    lines += _table(["model", "seed", f"logged val loss ({loss_unit})", f"measured loss ({loss_unit})",
+                     "E[d] (sources back, own axis)", "E[d] uniform",
                      "embedding - old sources", "output RMS growth", "CV of ||dL/dv||"], rows) + [""]
     lines += ["## Exploratory", "",
               "Every other diagnostic of the catalog (and the primaries again on their own reference), each AttnRes "
@@ -1091,7 +1149,7 @@ def render_page(results: dict[str, Any]) -> str:
               "sample only.", ""]
     rows = []
     for e in results["exploratory"]:
-        ref = "uniform" if e["against"] == "uniform" else "prenorm"
+        ref = "uniform" if e["against"] == "uniform" else base
         op = "−" if e["kind"] == "difference" else "log ÷"
         way = "" if e["paper_way"] is None else f"{e['paper_way']} of {len(e['per_seed'])} ({e['direction']})"
         rows.append([e["model"], e["label"] + (" (primary)" if e["primary"] else ""), e["unit"], f"{op} {ref}",
@@ -1099,6 +1157,9 @@ def render_page(results: dict[str, Any]) -> str:
                      f"{fmt(e['mean'], SIGNED)} [{fmt(e['low'], SIGNED)}, {fmt(e['high'], SIGNED)}]", way])
     lines += _table(["model", "diagnostic", "unit", "against", *[f"seed {s}" for s in seeds], f"mean [{level:.0%} CI]",
                      "paper's side"], rows) + [""]
+    if design is not None and results.get("controls"):
+        lines += ["## Causal controls (exploratory)", ""]
+        lines += _controls_lines(results["controls"], results.get("controls_over_seeds", {}), f"{groups}' windows")
     if design is not None and results.get("leakage"):
         lines += ["## Leakage check", "",
                   f"Per held-out document: the chunks of {LEAK_CHUNK} characters checked (non-overlapping, from its "
@@ -1211,20 +1272,7 @@ def _errata_lines(results: dict[str, Any]) -> list[str]:
                 for s, hist in e["probes"].items() for h in hist]
         lines += _table(["seed", "step", "probe loss", "embedding weight, deep reads", "most recent source"], rows) + [""]
     if e.get("controls"):
-        rep = e["controls"][0]["repeats"]
-        lines += ["Causal controls (`attnres_probe.controls`, `attnres-probe controls`): the loss change on the "
-                  "same validation windows when each read's weights are replaced by their mean over them (static "
-                  "routing: the value of input-dependent routing), when the non-recent completed blocks are masked "
-                  "(attnres4babylm's `nonrecent`; Full counts each sublayer as a block), when as many random completed "
-                  f"blocks are masked ({rep} draws, averaged), and nonrecent − random; each with its {LEVEL:.0%} interval "
-                  "over windows (nats per byte):", ""]
-        cell = lambda c: f"{fmt(c['mean'], SIGNED)} [{fmt(c['low'], SIGNED)}, {fmt(c['high'], SIGNED)}]"  # noqa: E731
-        rows = [[c["model"], str(c["seed"]), cell(c["static"]), cell(c["nonrecent"]), cell(c["random"]), cell(c["contrast"])]
-                for c in e["controls"]]
-        for model, o in e.get("controls_over_seeds", {}).items():
-            rows.append([f"**{model}**", f"mean over seeds ({LEVEL:.0%} t interval)", *[cell(o[k]) for k in
-                                                                                 ("static", "nonrecent", "random", "contrast")]])
-        lines += _table(["model", "seed", "static routing", "mask nonrecent", "mask random", "nonrecent − random"], rows) + [""]
+        lines += _controls_lines(e["controls"], e.get("controls_over_seeds", {}), "validation windows")
     if e["partial_block"]:
         lines += ["Block's partial-block profile: the mean weight each read puts on its current partial block (— where "
                   "a read sees none: a block's first read):", ""]
@@ -1237,6 +1285,25 @@ def _errata_lines(results: dict[str, Any]) -> list[str]:
 def _params(results: dict[str, Any]) -> str:
     counts = {m: r.get("n_params") for m in ("full", "block") for r in list(results["runs"].get(m, {}).values())[:1]}
     return ", ".join(f"{m} {n} parameters" for m, n in counts.items() if n) or "the parameter counts are not logged"
+
+
+def _controls_lines(controls: list[dict[str, Any]], over: dict[str, Any], where: str) -> list[str]:
+    """The causal controls as a table: per model and seed, and the mean over seeds."""
+    rep = controls[0]["repeats"]
+    unit = controls[0].get("unit") or "nats per byte"
+    lines = ["Causal controls (`attnres_probe.controls`, `attnres-probe controls`): the loss change on the "
+             f"same {where} when each read's weights are replaced by their mean over them (static "
+             "routing: the value of input-dependent routing), when the non-recent completed blocks are masked "
+             "(attnres4babylm's `nonrecent`; Full counts each sublayer as a block), when as many random completed "
+             f"blocks are masked ({rep} draws, averaged), and nonrecent − random; each with its {LEVEL:.0%} interval "
+             f"over windows ({unit}):", ""]
+    cell = lambda c: "—" if c is None else f"{fmt(c['mean'], SIGNED)} [{fmt(c['low'], SIGNED)}, {fmt(c['high'], SIGNED)}]"  # noqa: E731
+    rows = [[c["model"], str(c["seed"]), *[cell(c[k]) for k in CONTROLS]] for c in controls]
+    for model, o in over.items():
+        rows.append([f"**{model}**", f"mean over seeds ({LEVEL:.0%} t interval)", *[cell(o[k]) for k in CONTROLS]])
+    notes = sorted({f"{c['model']}: {c['note']}" for c in controls if c.get("note")})
+    return lines + _table(["model", "seed", "static routing", "mask nonrecent", "mask random", "nonrecent − random"], rows) + [
+        "", *(f"— {n}." for n in notes), *([""] if notes else [])]
 
 
 def _published_lines(results: dict[str, Any]) -> list[str]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ByteTokenizer", "check_token_ids"]
+__all__ = ["ByteTokenizer", "check_token_ids", "text_ids"]
 
 _ESCAPES = {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
 CONTINUATION = "\u00b7"  # shown for the 2nd..nth byte of a multi-byte character
@@ -151,3 +151,24 @@ def check_token_ids(tokens: Any, n_ctx: int, d_vocab: int, truncate: bool = Fals
     if lo < 0 or hi >= d_vocab:
         raise ValueError(f"token id {lo if lo < 0 else hi} is out of range; this model's vocabulary is 0..{d_vocab - 1}")
     return tokens.long()
+
+
+def text_ids(tokenizer: Any, text: str) -> list[int]:
+    """The whole of ``text`` as ``tokenizer``'s ids, with no context limit (a corpus or a held-out text is
+    cut into windows after): its ``encode`` (ours, a checkpoint's :class:`PretrainedTokenizer`), else
+    its ``to_tokens``; UTF-8 bytes only where there is no tokenizer (the byte-level models).
+
+    Raises:
+        TypeError: a tokenizer with neither method.
+    """
+    if tokenizer is None:
+        return list(text.encode("utf-8"))
+    if hasattr(tokenizer, "encode"):
+        ids = tokenizer.encode(text)
+    elif hasattr(tokenizer, "to_tokens"):
+        ids = tokenizer.to_tokens(text)
+    else:
+        raise TypeError(f"a tokenizer needs encode(text) or to_tokens(text); got {type(tokenizer).__name__}")
+    ids = ids.tolist() if hasattr(ids, "tolist") else ids
+    flat = ids[0] if ids and isinstance(ids[0], list) else ids
+    return [int(i) for i in flat]

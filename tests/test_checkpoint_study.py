@@ -96,6 +96,17 @@ def test_a_study_of_checkpoints_on_a_held_out_text_with_a_leakage_check(ours, tm
     assert "## Per document" in page and "| a.txt |" in page and "the held-out text overlaps the training data" in page
     p1 = results["primaries"][0]
     assert len(p1["per_seed"]) == 3 and np.isfinite(p1["mean"])
+    # the causal controls of each seed of the model (not of the baseline), and their mean over seeds
+    assert [(c["model"], c["seed"]) for c in results["controls"]] == [("full", 0), ("full", 1), ("full", 2)]
+    assert set(results["controls_over_seeds"]["full"]) == {"static", "nonrecent", "random", "contrast"}
+    assert "## Causal controls (exploratory)" in page and "mean over seeds (95% t interval)" in page
+
+
+def test_no_controls_leaves_them_out(ours, tmp_path, capsys):
+    assert main(["study", "--models", str(ours / "full"), "--baseline", str(ours / "base"), "--data", str(ours / "heldout"),
+                 "--seq-len", "24", "--windows", "3", "--no-controls", "--out", str(tmp_path / "out")]) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["controls"] == [] and "Causal controls" not in (tmp_path / "out" / "study.md").read_text()
 
 
 def test_seeds_without_a_baseline_are_left_out_and_said(ours, tmp_path):
@@ -138,14 +149,18 @@ def test_models_that_read_other_tokens_are_refused(ours, tmp_path):
 @pytest.mark.slow
 def test_public_family_folders_open_in_a_study(tmp_path, ours):
     """attnres4babylm folders (the dynamic Block model against its baseline), laid out as their public seeds."""
-    dyn = _seeds(tmp_path, "dynamic", {0: FAMILIES / "nanogpt" / "dynamic_bs4", 1: FAMILIES / "nanogpt" / "dynamic_bs4"})
-    base = _seeds(tmp_path, "baseline", {0: FAMILIES / "nanogpt" / "baseline", 1: FAMILIES / "nanogpt" / "baseline"})
+    dyn = _seeds(tmp_path, "dynamic", {0: FAMILIES / "nanogpt" / "dynamic_bs4"})
+    base = _seeds(tmp_path, "baseline", {0: FAMILIES / "nanogpt" / "baseline"})
     text = tmp_path / "text.txt"  # within the fixture's 96-token vocabulary
     text.write_text("".join(chr(33 + i % 60) for i in range(400)))
     results = run_checkpoint_study([dyn], base, tmp_path / "o", data=text, seq_len=16, n_windows=4, progress=None)
     assert [p["metric"] for p in results["primaries"]] == ["mean_loss", "rms_out_growth", "act_grad_cv"]
     assert results["primaries"][0]["unit"] == "nats per token"
-    assert set(results["runs"]) == {"baseline", "dynamic"} and len(results["runs"]["dynamic"]) == 2
+    assert set(results["runs"]) == {"baseline", "dynamic"} and len(results["runs"]["dynamic"]) == 1
+    assert (tmp_path / "o" / "study.md").read_text().count("| dynamic | 0 |") >= 1
+    _seeds(tmp_path, "twice", {0: FAMILIES / "nanogpt" / "dynamic_bs4", 1: FAMILIES / "nanogpt" / "dynamic_bs4"})
+    with pytest.raises(ValueError, match="twice: seed 0 and seed 1 hold identical weights"):
+        run_checkpoint_study([tmp_path / "twice"], base, tmp_path / "o2", data=text, progress=None)
 
 
 def test_seed_folders_reads_seed_numbers_from_the_folder_names(tmp_path):

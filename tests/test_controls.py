@@ -117,3 +117,9 @@ def test_the_controls_command_prints_each_control_with_its_interval_and_writes_t
     assert "--control static: " in capsys.readouterr().err
     assert main(["controls", "--model", str(folder)]) == 2
     assert "--model needs --data" in capsys.readouterr().err
+
+
+def test_masking_that_drops_nothing_says_so_instead_of_a_zero(tmp_path):
+    model = _model("block", block_size=6)  # 3 layers, one block: no completed block older than the newest
+    with pytest.raises(ValueError, match="masking 'nonrecent' drops nothing in this model"):
+        Probe(model).mask_sources(TEXTS)

@@ -22,7 +22,7 @@ def add_controls_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                     "weights replaced by their mean over the text: the value of input-dependent routing; 0 exactly "
                     "where routing is static), nonrecent (attnres4babylm: drop the completed blocks of age >= 2 at every "
                     "read, with the contrast against as many random blocks), random, embed (drop the embedding). "
-                    "Each number is a loss change (changed - unchanged) with its 95%% interval over the text's windows.")
+                    "Each number is a loss change (changed - unchanged) with its 95% interval over the text's windows.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--demo", choices=list(DEMO_RULES), metavar="NAME", help=f"a bundled demo model: {', '.join(DEMO_RULES)}")
     src.add_argument("--model", metavar="DIR", help="a model folder: ours or a checkpoint of a public family")
@@ -35,6 +35,7 @@ def add_controls_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     p.add_argument("--max-windows", type=arg_range("int", 1, 100_000), default=64,
                    help="at most this many windows of the text, spread over it (default: %(default)s)")
     p.add_argument("--out", metavar="FILE", help="also write every window's loss changes as CSV")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists (a regular file only)")
     add_placement_args(p)
     p.set_defaults(func=_run)
     return p
@@ -62,14 +63,17 @@ def _run(args: argparse.Namespace) -> int:
     from attnres_probe.loading import demo_source, load_model
     from attnres_probe.probe import Probe
 
-    if args.out and Path(args.out).exists():
-        raise UserError(f"--out {args.out} already exists; choose another file (nothing was written)")
+    if args.out and Path(args.out).exists() and not args.force:
+        raise UserError(f"--out {args.out} already exists; pass --force to replace it, or choose another file (nothing was written)")
     loaded = load_model(demo_source(args.demo) if args.demo else args.model, flag=None if args.demo else "--model")
     probe = Probe(loaded.model, tokenizer=loaded.tokenizer, name=loaded.name)
-    texts = _texts(args, probe)
-    if len(texts) > args.max_windows:  # spread over the text
-        keep = np.unique(np.linspace(0, len(texts) - 1, args.max_windows).round().astype(int))
-        texts = [texts[i] for i in keep]
+    from attnres_probe.controls import text_windows
+
+    windows = [w.reshape(-1) for _, w in text_windows(probe, _texts(args, probe))]  # each text cut at the context
+    if len(windows) > args.max_windows:  # spread over the text
+        keep = np.unique(np.linspace(0, len(windows) - 1, args.max_windows).round().astype(int))
+        windows = [windows[i] for i in keep]
+    texts = windows
     frames = []
     for control in args.control:
         try:
@@ -79,8 +83,8 @@ def _run(args: argparse.Namespace) -> int:
             raise UserError(f"--control {control}: {exc}") from None
         print(res.summary())
         if res.reads is not None:
-            worst = res.reads.sort_values("mean", ascending=False).head(3)
-            print("  reads that matter most alone: " + ", ".join(f"{r.label} {r.mean:+.4g} [{r.low:+.4g}, {r.high:+.4g}]"
+            worst = res.reads.reindex(res.reads["mean"].abs().sort_values(ascending=False).index).head(3)
+            print("  the reads that change the loss most alone: " + ", ".join(f"{r.label} {r.mean:+.4g} [{r.low:+.4g}, {r.high:+.4g}]"
                                                               for r in worst.itertuples()))
         frames.append(res.windows.assign(control=res.control, unit=res.unit))
     if args.out:

@@ -55,6 +55,9 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    "document each); default: the held-out windows the runs' own training logs name")
     p.add_argument("--train-data", metavar="PATH", help="with --data: the training corpus, to check the held-out text "
                    "against it (verbatim chunks of 64 characters)")
+    p.add_argument("--no-controls", action="store_true",
+                   help="with --baseline: leave out the causal controls (static routing, masking), which cost about "
+                        "eight forward passes per window and model")
     p.add_argument("--seq-len", type=arg_range("int", 2, 1 << 20), default=None,
                    help="with --data: tokens per window (default: the model's context, at most 1024)")
     p.add_argument("--names", nargs="+", metavar="NAME",
@@ -72,7 +75,7 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 def _run(args: argparse.Namespace) -> int:
     if args.pages_only and (args.demo or args.models or args.seeds or args.baseline):
         raise UserError("--pages-only rewrites study v3's pages (--runs, --out); it does not apply to the other studies")
-    if args.baseline or args.data or args.train_data or args.seq_len:
+    if args.baseline or args.data or args.train_data or args.seq_len or args.no_controls:
         return _run_checkpoints(args)
     if args.models and len(args.models) > 1:
         raise UserError(f"--models gives {len(args.models)} folders: several models are studied against a baseline "
@@ -164,7 +167,7 @@ def _run_checkpoints(args: argparse.Namespace) -> int:
     windows = None if args.windows == N_WINDOWS else args.windows
     try:
         results = run_checkpoint_study(args.models, args.baseline, args.out, data=args.data, train_data=args.train_data,
-                                       names=args.names, seq_len=args.seq_len, n_windows=windows,
+                                       names=args.names, seq_len=args.seq_len, n_windows=windows, controls=not args.no_controls,
                                        progress=lambda line: print(line, file=sys.stderr))
     except (FileNotFoundError, ValueError) as exc:
         raise UserError(str(exc)) from None

@@ -151,9 +151,13 @@ class PretrainedTokenizer:
     def __init__(self, hf_tokenizer: Any):
         self.hf = hf_tokenizer
 
+    def encode(self, text: str) -> list[int]:
+        """The whole text's token ids (no special tokens added; no context limit)."""
+        return list(self.hf.encode(text, add_special_tokens=False))
+
     def to_tokens(self, text: str) -> torch.Tensor:
         """Token ids [1, pos] (no special tokens added)."""
-        return torch.tensor([self.hf.encode(text, add_special_tokens=False)], dtype=torch.long)
+        return torch.tensor([self.encode(text)], dtype=torch.long)
 
     def to_str_tokens(self, tokens: Any) -> list[str]:
         ids = torch.as_tensor(tokens).reshape(-1).tolist()
