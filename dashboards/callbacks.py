@@ -308,7 +308,7 @@ def jump_to(ex: Explorer, value: Any, token: Any) -> dict:
         if not -n <= pos < n:
             return {"token": no_update, "note": f"no token {pos}: this text has tokens 0..{n - 1} (or -1..-{n})"}
         pos %= n
-        return {"token": {"key": result.key, "token": pos}, "note": f"token {pos} {toks[pos]!r}"}
+        return {"token": {"key": result.key, "token": pos}, "note": f"token {pos} '{figures.show_token(toks[pos])}'"}
     needle = value if value.strip() != value and value.strip() else raw
     starts, at = [], 0
     for t in toks:
@@ -325,7 +325,7 @@ def jump_to(ex: Explorer, value: Any, token: Any) -> dict:
     pos = max(i for i, s0 in enumerate(starts) if s0 <= hit)
     count = text.count(needle)
     return {"token": {"key": result.key, "token": pos},
-            "note": f"token {pos} {toks[pos]!r}" + (f" (1 of {count} matches: press Enter again for the next)" if count > 1 else "")}
+            "note": f"token {pos} '{figures.show_token(toks[pos])}'" + (f" (1 of {count} matches: press Enter again for the next)" if count > 1 else "")}
 
 
 # -- per-token views --------------------------------------------------------------------------

@@ -141,10 +141,17 @@ def _saved_text(trace) -> str:
     return "".join(trace.str_tokens[0])
 
 
+def _byte_level(ex: Explorer) -> bool:
+    """Whether every live model reads bytes (no tokenizer of its own, or the byte tokenizer)."""
+    return all(getattr(p, "tokenizer", None) is None or type(p.tokenizer).__name__ == "ByteTokenizer"
+               for p in ex.probes.values())
+
+
 def _prompt(ex: Explorer) -> tuple[list, str]:
     """The text box, its Run button and status (the first screen's left column), and the length limit in words."""
     if ex.live:
-        limit = f"Up to {ex.n_ctx} tokens (the models' context); the byte tokenizer counts one token per byte."
+        limit = (f"Up to {ex.n_ctx} tokens (the models' context); the byte tokenizer counts one token per byte."
+                 if _byte_level(ex) else f"Up to {ex.n_ctx} tokens (the models' context), as the models' tokenizer counts them.")
         note = None
     else:
         limit = ""
@@ -226,7 +233,7 @@ def _glance(ex: Explorer) -> html.Section:
     """The first screen: the text and its tokens beside the headline comparisons."""
     prompt, limit = _prompt(ex)
     if limit:
-        limit = f" · up to {ex.n_ctx} tokens, one per byte"
+        limit = f" · up to {ex.n_ctx} tokens" + (", one per byte" if _byte_level(ex) else "")
     return html.Section(
         [
             html.Div([html.H2(["Text and tokens", html.Span(limit, className="muted small")]), *prompt, *_tokens()],

@@ -140,7 +140,7 @@ CATALOG: dict[str, Diagnostic] = {d.name: d for d in (
     Diagnostic(
         "embed_contrib_deep", "embedding", "embedding share c₀, deep half",
         "the embedding's contribution share of the deep reads' input (the same definition for every model)",
-        "fraction of |h|^2", "c_0 = <c_0 v_0, h> / |h|^2 at reads r >= floor(R/2); mean over tokens, then reads",
+        "fraction of ‖h‖²", "c_0 = <c_0 v_0, h> / ‖h‖² at reads r >= floor(R/2); mean over tokens, then reads",
         BASELINE, "difference", "higher", _EMBED + " Under PreNorm the embedding is diluted in a growing sum.", pooling="tokens"),
     Diagnostic(
         "rms_out_growth", "magnitude", "sublayer-output RMS, last/first quarter",

@@ -616,6 +616,9 @@ def test_jumping_to_a_token_by_position_or_text(ex):
     missing = callbacks.jump_to(ex, "zebra", here)
     assert missing["token"] is no_update and "'zebra' is not in this text" in missing["note"]
     assert callbacks.jump_to(ex, "  ", here)["token"] is no_update
+    # the note shows the token as the strip does (a space as ␣), never a doubled escape such as '\\n'
+    space = TEXT.index(" ")
+    assert callbacks.jump_to(ex, str(space), here)["note"] == f"token {space} '␣'"
 
 
 def test_every_tenth_chip_shows_its_position(ex):
