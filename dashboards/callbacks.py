@@ -325,7 +325,8 @@ def jump_to(ex: Explorer, value: Any, token: Any) -> dict:
     pos = max(i for i, s0 in enumerate(starts) if s0 <= hit)
     count = text.count(needle)
     return {"token": {"key": result.key, "token": pos},
-            "note": f"token {pos} '{figures.show_token(toks[pos])}'" + (f" (1 of {count} matches: press Enter again for the next)" if count > 1 else "")}
+            "note": f"token {pos} '{figures.show_token(toks[pos])}'"
+            + (f" (1 of {count} matches: press Enter again for the next)" if count > 1 else "")}
 
 
 # -- per-token views --------------------------------------------------------------------------
