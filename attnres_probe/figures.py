@@ -92,7 +92,8 @@ RULE_NOTES = {  # rules without depth logits: what a blank logits panel says
 BASELINE_COLOR = "#7F7F7F"  # PreNorm
 # fixed colours for the demo models' names; other names take MODEL_PALETTE in order
 FIXED_COLORS = {"prenorm": BASELINE_COLOR, "full": "#1F77B4", "block": "#FF7F0E", "mhc": "#2CA02C", "denseformer": "#9467BD"}
-MODEL_PALETTE = ("#D62728", "#8C564B", "#E377C2", "#17BECF", "#BCBD22", "#2CA02C", "#9467BD", "#1F77B4", "#FF7F0E")
+# models in order: hues far apart first (red and brown, once neighbours, were hard to tell apart)
+MODEL_PALETTE = ("#D62728", "#1F77B4", "#2CA02C", "#9467BD", "#FF7F0E", "#17BECF", "#E377C2", "#8C564B", "#BCBD22")
 BOUNDARY_LINE = {"color": "black", "width": 2}
 HOVER_CELLS = (
     "read %{y}<br>source %{x}<br>weight %{customdata[0]:.6~g}<br>logit %{customdata[1]:.6~g}"

@@ -40,6 +40,7 @@ def test_summary_prints_one_row_per_read(tmp_path, capsys):
     out = capsys.readouterr().out
     for label in ("L0.attn", "L1.mlp", "final", "rms_in", "embed_weight"):
         assert label in out
+    assert "units, per read" in out and "fraction of ‖h‖²" in out and "uniform is 1/k" in out  # every column's unit
 
 
 def test_user_errors_are_one_line_with_status_2(tmp_path, capsys):

@@ -141,7 +141,14 @@ def _run_summary(args: argparse.Namespace) -> int:
     print(repr(trace))
     with pd.option_context("display.width", 120, "display.float_format", "{:.4g}".format):
         print(layer_summary(trace).to_string())
+    print(SUMMARY_UNITS)
     return 0
+
+
+SUMMARY_UNITS = ("units, per read (mean over the text's tokens): rms_in = RMS of the mixed input h (model units); grad_in = "
+                 "‖dL/dh‖ (loss per unit of h); embed_weight = the embedding's normalised weight (fraction of the read; "
+                 "uniform is 1/k); embed_share = its contribution share (fraction of ‖h‖²); top_source = the source with "
+                 "the largest weight")
 
 
 def add_record_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

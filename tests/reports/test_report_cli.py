@@ -117,3 +117,19 @@ def test_the_text_file_flag_is_spelled_as_record_spells_it_too(checkpoints, tmp_
     out = tmp_path / "r.html"
     assert main(["report", "--models", *checkpoints, flag, str(text), "--no-backward", "--out", str(out)]) == 0
     assert "The dog sat on the log." in out.read_text()
+
+
+def test_the_reproducing_command_keeps_the_texts_spaces_and_newlines(checkpoints, tmp_path):
+    """#50: copying the "Command:" line reproduces the same text (the page does not collapse its indentation)."""
+    import shlex
+
+    from bs4 import BeautifulSoup
+
+    text = "def f():\n    return  1"
+    out = tmp_path / "r.html"
+    assert main(["report", "--models", *checkpoints, "--text", text, "--out", str(out)]) == 0
+    html = out.read_text()
+    code = BeautifulSoup(html, "html.parser").find("code", class_="command")
+    assert code is not None and "code.command { white-space: pre-wrap" in html
+    argv = shlex.split(code.get_text())
+    assert argv[argv.index("--text") + 1] == text
