@@ -275,8 +275,9 @@ def open_link(ex: Explorer, search: Any) -> dict:
         out["layer"] = q["layer"]
     if q.get("head", n_heads) < n_heads:
         out["head"] = q["head"]
-    if out["layer"] is not no_update or out["head"] is not no_update:
-        out["opened"] = "Opened on the layer and head the link asked for."
+    if out["layer"] is not no_update or out["head"] is not no_update:  # named, so the note stays true after a change
+        asked = [f"{part} {out[part]}" for part in ("layer", "head") if out[part] is not no_update]
+        out["opened"] = f"Opened on {' and '.join(asked)}, as the link asked."
     text = q.get("text")
     if text is not None and ex.live and text != ex.initial.text:
         ran = run_prompt(ex, 1, text)

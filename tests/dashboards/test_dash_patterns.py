@@ -278,7 +278,7 @@ def test_the_layer_and_head_go_in_the_link_and_a_link_opens_them(ex):
     assert query == "?token=3&kind=weights&layer=1&head=0"
     assert callbacks.read_query(query) == {"token": 3, "kind": "weights", "layer": 1, "head": 0}
     opened = callbacks.open_link(ex, query)
-    assert (opened["layer"], opened["head"]) == (1, 0) and "the link asked for" in opened["opened"]
+    assert (opened["layer"], opened["head"]) == (1, 0) and opened["opened"] == "Opened on layer 1 and head 0, as the link asked."
     assert callbacks.open_link(ex, "?token=3")["layer"] is no_update  # no layer asked: the opening choice stays
     far = callbacks.open_link(ex, "?layer=7&head=x")
     assert far["layer"] is no_update and far["head"] is no_update and far["opened"] is no_update
