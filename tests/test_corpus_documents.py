@@ -67,3 +67,19 @@ def test_document_names_come_from_a_manifest_that_lists_them(files):
     manifest = {"data": {"files": files}} if files is not None else {}
     assert document_names(manifest) == ([] if files == [] else None)
     assert document_names({"data": {"files": [["a.txt", 1, "x"], ["b/c.md", 2, "y"]]}}) == ["a.txt", "b/c.md"]
+
+
+def test_the_progress_bar_knows_its_total_ahead_for_byte_models_and_token_lists():
+    """#50: a notebook's run_corpus shows a total and the time left: the windows it will record, counted ahead."""
+    import torch
+
+    from attnres_probe import Probe
+    from attnres_probe.corpus.stream import _expected_windows
+    from helpers import tiny_model
+
+    probe = Probe(tiny_model("full", d_vocab=256, n_ctx=16))
+    texts = ["a" * 40, "b" * 16, "c" * 3, "é" * 10]  # 3 + 1 + 1 + 2 windows (é is two bytes)
+    stats = probe.run_corpus(texts, progress=False)
+    assert _expected_windows(probe, texts) == stats.n_windows + stats.n_skipped == 7
+    assert _expected_windows(probe, [torch.arange(20), list(range(5))]) == 3
+    assert _expected_windows(probe, (t for t in texts)) is None  # a generator: not counted ahead

@@ -58,7 +58,8 @@ def run_corpus(
         if isinstance(texts, (str, torch.Tensor)):
             texts = [texts]
         texts = ranks.shard(texts, empty="")
-    bar = tqdm(desc=f"recording {probe.name}", unit="window", disable=not progress or (ranks is not None and not ranks.is_main))
+    bar = tqdm(desc=f"recording {probe.name}", unit="window", total=_expected_windows(probe, texts),
+               disable=not progress or (ranks is not None and not ranks.is_main))
 
     def flush(rows: list[tuple[int, int, torch.Tensor]]) -> None:
         groups = [[r] for r in rows] if per_window else [rows]
@@ -113,3 +114,29 @@ def run_corpus(
             )
         raise ValueError("the corpus produced no tokens: every text was empty")
     return (stats, traces) if keep_traces else stats
+
+
+def _expected_windows(probe: Any, texts: Any) -> int | None:
+    """How many context windows ``texts`` will give, for the progress bar's total and time left: known
+    ahead for a list of token-id sequences, and of strings for a byte-level model (one token per byte);
+    None otherwise (another tokenizer would have to run twice; the bar then counts without a total)."""
+    if isinstance(texts, (str, torch.Tensor)):
+        texts = [texts]
+    if not isinstance(texts, (list, tuple)):
+        return None
+    n_ctx = probe.spec.n_ctx
+    byte_level = probe.tokenizer is None or type(probe.tokenizer).__name__ == "ByteTokenizer"
+    total = 0
+    for t in texts:
+        if isinstance(t, str):
+            if not byte_level:
+                return None
+            n = len(t.encode("utf-8", "surrogatepass"))
+        elif isinstance(t, torch.Tensor):
+            n = int(t.numel())
+        elif isinstance(t, (list, tuple)):
+            n = len(t)
+        else:
+            return None
+        total += -(-n // n_ctx) if n else 0
+    return total
