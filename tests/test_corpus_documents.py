@@ -75,6 +75,7 @@ def test_the_progress_bar_knows_its_total_ahead_for_byte_models_and_token_lists(
 
     from attnres_probe import Probe
     from attnres_probe.corpus.stream import _expected_windows
+
     from helpers import tiny_model
 
     probe = Probe(tiny_model("full", d_vocab=256, n_ctx=16))
