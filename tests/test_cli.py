@@ -49,8 +49,16 @@ def test_user_errors_are_one_line_with_status_2(tmp_path, capsys):
     assert err.startswith("attnres-probe record: error:") and "Traceback" not in err
     assert f"--model {tmp_path / 'missing'}: not a folder" in err  # the flag named, as every other path error does
     tiny_model("full").save(tmp_path / "m")
-    assert main(["record", "--model", str(tmp_path / "m"), "--text", "x" * 100, "--out", str(tmp_path / "t")]) == 2
-    assert "text has 100 tokens; this model's context is 24" in capsys.readouterr().err
+
+    # a text longer than the context is recorded as report records it: in context-sized windows, and said (#50)
+    assert main(["record", "--model", str(tmp_path / "m"), "--text", "x" * 100, "--out", str(tmp_path / "t")]) == 0
+    assert "the text is 100 tokens, longer than the context (24): recorded as 5 windows" in capsys.readouterr().err
+    from attnres_probe import DepthTrace
+
+    trace = DepthTrace.load(tmp_path / "t")
+    assert trace.tokens.shape == (5, 24) and trace.n_tokens == 100
+    assert main(["record", "--model", str(tmp_path / "m"), "--text", "x" * 100, "--truncate", "--out", str(tmp_path / "t2")]) == 0
+    assert DepthTrace.load(tmp_path / "t2").n_tokens == 24
 
 
 def test_unknown_subcommand_exits_with_status_2_and_lists_the_commands(capsys):

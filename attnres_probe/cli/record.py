@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +118,31 @@ def _say(msg: str) -> None:
     say(msg)
 
 
+def _windowed(probe, text: str, args: argparse.Namespace):
+    """A text longer than the context recorded as ``report`` records it: in context-sized windows, one
+    sequence each (``reports.recording.record_text``), and said; None for a text that fits, with
+    ``--truncate``, or where the report package is not installed (the length is then refused)."""
+    if _truncate(args):
+        return None
+    try:
+        n = int(probe.encode(text).numel())
+    except Exception:  # the recording itself reports an unreadable text
+        return None
+    if n <= probe.spec.n_ctx:
+        return None
+    try:
+        from attnres_probe.reports.recording import MAX_TOKENS, record_text
+    except ImportError:
+        return None
+    if n > MAX_TOKENS:
+        return None  # the recording refuses it with its own message (and --truncate)
+    k = -(-n // probe.spec.n_ctx)
+    print(f"the text is {n} tokens, longer than the context ({probe.spec.n_ctx}): recorded as {k} windows of up to "
+          f"{probe.spec.n_ctx} tokens, one sequence each, as `report` does (--truncate keeps the first {probe.spec.n_ctx})",
+          file=sys.stderr)
+    return record_text(probe.model, text, tokenizer=probe.tokenizer, name=probe.name, backward=not args.no_backward)
+
+
 def _run_record(args: argparse.Namespace) -> int:
     from attnres_probe.trace import check_save_target
 
@@ -126,7 +152,7 @@ def _run_record(args: argparse.Namespace) -> int:
     text = _text(args, probe.spec.n_ctx)
     _say_memory(probe, text, not args.no_backward)
     _say(f"recording the text through {probe.name} (one forward and backward pass) ...")
-    trace = probe.run(text, backward=not args.no_backward, truncate=_truncate(args))
+    trace = _windowed(probe, text, args) or probe.run(text, backward=not args.no_backward, truncate=_truncate(args))
     trace.meta["weights_sha256"] = loaded.digest  # the model's one digest, as reports show it
     out = trace.save(args.out, overwrite=args.force)
     print(repr(trace))
