@@ -410,7 +410,7 @@ def _token_info(ex: Explorer, result, pos: int) -> list:
     first = result.first
     tok = first.str_tokens[0][pos]
     parts: list = [html.Span(f"token {pos} of {int(first.mask[0].sum())}: "), html.Code(tok, className="tok"),
-                   html.Span(f" (id {int(first.tokens[0, pos])}) · next-token loss: ")]
+                   html.Span(f" (id {int(first.tokens[0, pos])}) · next-token loss (nats): ")]
     for name, trace in result.traces.items():
         loss = float(trace.loss[0, pos]) if pos < trace.loss.shape[1] else float("nan")
         parts.append(html.Span(f"{name} {_fmt(loss)}", style={"color": ex.colors[name]}, className="loss"))

@@ -50,7 +50,7 @@ def test_token_views_show_each_models_weights_for_the_selected_token(ex):
         assert fig.layout.title.text.startswith("token 4 ") and "<br>" not in fig.layout.title.text
         assert fig.layout.meta["title_parts"][0] == name
     assert out["panels"] == [callbacks.SHOWN] * 3
-    assert "token 4 of" in "".join(texts(out["info"]))
+    assert "token 4 of" in "".join(texts(out["info"])) and "next-token loss (nats): " in "".join(texts(out["info"]))
 
 
 def test_token_views_contribution_share_and_expanded_block_view(ex):
