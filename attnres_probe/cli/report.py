@@ -168,7 +168,9 @@ def run_report(args: argparse.Namespace) -> int:
     t_effect = time.perf_counter()
     effects = _weight_effects(args, traces, text, models) if args.weight_effect else None
     t_effect = time.perf_counter() - t_effect
-    title = args.title or f"attnres-probe report: {', '.join(t.name for t in traces)}"
+    from attnres_probe.trace import unique_names
+
+    title = args.title or f"attnres-probe report: {', '.join(unique_names([t.name for t in traces]))}"  # as the page labels them
     command = _command(args)
     t1 = time.perf_counter()
     say("building the page ...")

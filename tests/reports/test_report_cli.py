@@ -133,3 +133,9 @@ def test_the_reproducing_command_keeps_the_texts_spaces_and_newlines(checkpoints
     assert code is not None and "code.command { white-space: pre-wrap" in html
     argv = shlex.split(code.get_text())
     assert argv[argv.index("--text") + 1] == text
+
+
+def test_the_title_names_a_folder_given_twice_as_the_page_labels_it(checkpoints, tmp_path):
+    out = tmp_path / "r.html"
+    assert main(["report", "--models", checkpoints[1], checkpoints[1], "--text", "The cat sat.", "--out", str(out)]) == 0
+    assert "<title>attnres-probe report: block, block (2)</title>" in out.read_text()
