@@ -115,12 +115,7 @@ def _run(args: argparse.Namespace) -> int:
                 results = run_v3_study(runs, out, summary_to=demo_root() / SUMMARY_FILE if shipped else None)
         except (FileNotFoundError, ValueError) as exc:
             raise UserError(str(exc)) from None
-        for p in results["primaries"]:
-            print(f"{p['verdict']:<13} {p['key']} {p['title']}: mean {p['mean']:+.3g} {p['unit']}, "
-                  f"{p['paper_way']} of {p['n']} seeds on the paper's side, Holm p {p['p_holm']:.2g}"
-                  if p["p_holm"] is not None else f"{p['verdict']:<13} {p['key']} {p['title']}: not enough seeds")
-        print(f"wrote {out / 'study.md'}")
-        return 0
+        return _print_primaries(results, out)
     if not args.out:
         raise UserError("the single-model study needs --out FOLDER (docs/study holds study v3: `attnres-probe study`)")
     if args.seeds:
@@ -171,9 +166,14 @@ def _run_checkpoints(args: argparse.Namespace) -> int:
                                        progress=lambda line: print(line, file=sys.stderr))
     except (FileNotFoundError, ValueError) as exc:
         raise UserError(str(exc)) from None
+    return _print_primaries(results, Path(args.out))
+
+
+def _print_primaries(results: dict, out: Path) -> int:
+    """One line per primary endpoint of a seed study (v3's or any checkpoints'), then where the page went."""
     for p in results["primaries"]:
         print(f"{p['verdict']:<13} {p['key']} {p['title']}: mean {p['mean']:+.3g} {p['unit']}, "
               f"{p['paper_way']} of {p['n']} seeds on the paper's side, Holm p {p['p_holm']:.2g}"
               if p["p_holm"] is not None else f"{p['verdict']:<13} {p['key']} {p['title']}: not enough seeds")
-    print(f"wrote {Path(args.out) / 'study.md'}")
+    print(f"wrote {out / 'study.md'}")
     return 0
